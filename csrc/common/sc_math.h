@@ -1,0 +1,145 @@
+// Element math shared by the CPU and CUDA kernels: the counter-based noise, the
+// bf16 directed rounding and the quantizer. Plain C++ with no torch dependency
+// so `nvcc -c` and the host compiler both take it. The pure-torch reference
+// (sylvie_comm/kernels/reference.py) defines the same functions; the kernels
+// must agree with it bit for bit.
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__CUDACC__)
+#define SC_HD __host__ __device__ __forceinline__
+#else
+#define SC_HD static inline
+#endif
+
+namespace sylvie_comm {
+
+// Multipliers of the "lowbias32" hash (hash-prospector) and the seed keys.
+constexpr uint32_t kHashM1 = 0x21F0AAADu;
+constexpr uint32_t kHashM2 = 0x735A2D97u;
+constexpr uint32_t kSeedK0 = 0x9E3779B9u;
+constexpr uint32_t kSeedK1 = 0x85EBCA6Bu;
+// 2**-24: turns the top 24 bits of a hash into a float in [0, 1) exactly.
+constexpr float kU24 = 5.9604644775390625e-08f;
+
+SC_HD uint32_t sc_mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= kHashM1;
+  x ^= x >> 15;
+  x *= kHashM2;
+  x ^= x >> 15;
+  return x;
+}
+
+struct ScSeedKeys {
+  uint32_t k0;
+  uint32_t k1;
+};
+
+SC_HD ScSeedKeys sc_seed_keys(uint64_t seed) {
+  ScSeedKeys k;
+  k.k0 = sc_mix32(static_cast<uint32_t>(seed) ^ kSeedK0);
+  k.k1 = sc_mix32(static_cast<uint32_t>(seed >> 32) ^ kSeedK1);
+  return k;
+}
+
+// Uniform noise in [0, 1) for a 64-bit counter.
+SC_HD float sc_uniform(ScSeedKeys k, uint64_t counter) {
+  uint32_t lo = static_cast<uint32_t>(counter);
+  uint32_t hi = static_cast<uint32_t>(counter >> 32);
+  uint32_t h = sc_mix32(sc_mix32(lo ^ k.k0) ^ hi ^ k.k1);
+  return static_cast<float>(h >> 8) * kU24;
+}
+
+SC_HD uint32_t sc_float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t w;
+  memcpy(&w, &x, sizeof(w));
+  return w;
+#endif
+}
+
+SC_HD float sc_bits_float(uint32_t w) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(w);
+#else
+  float x;
+  memcpy(&x, &w, sizeof(x));
+  return x;
+#endif
+}
+
+// Round an fp32 value to a bf16-representable value toward +inf (up) or -inf.
+SC_HD float sc_round_bf16(float x, bool up) {
+  uint32_t w = sc_float_bits(x);
+  uint32_t t = w & 0xFFFF0000u;
+  bool away = (t != w) && (up ? (x > 0.0f) : (x < 0.0f));
+  return sc_bits_float(away ? t + 0x10000u : t);
+}
+
+SC_HD bool sc_isfinite(float x) {
+  // Exponent bits all ones means Inf or NaN.
+  return (sc_float_bits(x) & 0x7F800000u) != 0x7F800000u;
+}
+
+// Per-row quantizer metadata from the row's min and max (see qbit_meta in the reference).
+struct ScQMeta {
+  float scale;  // NaN for a non-finite row
+  float minimum;
+  float inv;    // 0 when scale is 0 or 1/scale overflows
+  bool finite;
+};
+
+SC_HD ScQMeta sc_qbit_meta(float mn, float mx, int levels, bool bf16_meta) {
+  ScQMeta m;
+  if (bf16_meta) mn = sc_round_bf16(mn, false);
+  const double span = static_cast<double>(mx) - static_cast<double>(mn);
+  float scale = static_cast<float>(span / levels);
+  if (bf16_meta) scale = sc_round_bf16(scale, true);
+  // A range beyond fp32 would overflow in decode (q * scale) even where scale fits.
+  m.finite = sc_isfinite(mn) && sc_isfinite(mx) && sc_isfinite(static_cast<float>(span)) && sc_isfinite(scale);
+  if (!m.finite) {
+    m.scale = sc_bits_float(0x7FC00000u);
+    m.minimum = m.scale;
+    m.inv = 0.0f;
+    return m;
+  }
+#if defined(__CUDA_ARCH__)
+  float inv = __fdiv_rn(1.0f, scale);
+#else
+  float inv = 1.0f / scale;
+#endif
+  m.scale = scale;
+  m.minimum = mn;
+  m.inv = (scale > 0.0f && sc_isfinite(inv)) ? inv : 0.0f;
+  return m;
+}
+
+// floor((x - mn) * inv + u), clamped to [0, levels]; NaN -> 0. One rounding per op.
+SC_HD uint32_t sc_quantize(float x, float mn, float inv, float u, float levels) {
+#if defined(__CUDA_ARCH__)
+  float t = __fadd_rn(__fmul_rn(__fsub_rn(x, mn), inv), u);
+#else
+  float t = (x - mn) * inv + u;
+#endif
+  t = floorf(t);
+  t = t >= 0.0f ? t : 0.0f;  // also maps NaN to 0
+  t = t <= levels ? t : levels;
+  return static_cast<uint32_t>(t);
+}
+
+SC_HD float sc_dequantize(uint32_t q, float scale, float mn) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(__fmul_rn(static_cast<float>(q), scale), mn);
+#else
+  return static_cast<float>(q) * scale + mn;
+#endif
+}
+
+SC_HD int64_t sc_packed_cols(int64_t cols, int bits) { return (cols * bits + 7) / 8; }
+
+}  // namespace sylvie_comm

@@ -1,0 +1,476 @@
+// CPU kernels of the sylvie_comm ops: argument checks, dtype conversion,
+// parallel tiling and the run-time instruction-set choice. The inner loops are
+// in impl.inc; the semantics are those of sylvie_comm/kernels/reference.py.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+
+#include "../common/sc_math.h"
+#include "isa.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define SC_X86 1
+#include <immintrin.h>
+#else
+#define SC_X86 0
+#endif
+
+namespace sylvie_comm {
+namespace cpu {
+
+namespace base {
+#define SC_IMPL_AVX2 0
+#include "impl.inc"
+#undef SC_IMPL_AVX2
+}  // namespace base
+
+#if SC_X86 && defined(__GNUC__)
+#define SC_HAVE_AVX2_BUILD 1
+namespace avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2")
+#define SC_IMPL_AVX2 1
+#include "impl.inc"
+#undef SC_IMPL_AVX2
+#pragma GCC pop_options
+}  // namespace avx2
+#else
+#define SC_HAVE_AVX2_BUILD 0
+#endif
+
+namespace {
+
+struct Impl {
+  const char* name;
+  decltype(&base::onebit_encode_f32) onebit_encode;
+  decltype(&base::onebit_decode_f32) onebit_decode;
+  decltype(&base::minmax_f32) minmax;
+  decltype(&base::qbit_quantize_f32) quantize;
+  decltype(&base::qbit_dequantize_f32) dequantize;
+  decltype(&base::pack_f) pack;
+  decltype(&base::unpack_f) unpack;
+};
+
+const Impl kBase{"baseline",         base::onebit_encode_f32, base::onebit_decode_f32, base::minmax_f32,
+                 base::qbit_quantize_f32, base::qbit_dequantize_f32, base::pack_f, base::unpack_f};
+#if SC_HAVE_AVX2_BUILD
+const Impl kAvx2{"avx2",             avx2::onebit_encode_f32, avx2::onebit_decode_f32, avx2::minmax_f32,
+                 avx2::qbit_quantize_f32, avx2::qbit_dequantize_f32, avx2::pack_f, avx2::unpack_f};
+#endif
+
+std::vector<const Impl*> supported() {
+  std::vector<const Impl*> out{&kBase};
+#if SC_HAVE_AVX2_BUILD
+  if (__builtin_cpu_supports("avx2")) out.push_back(&kAvx2);
+#endif
+  return out;
+}
+
+const Impl* initial_impl() {
+  auto all = supported();
+  if (const char* env = std::getenv("SYLVIE_COMM_CPU_ISA")) {
+    for (const Impl* i : all)
+      if (std::string(env) == i->name) return i;
+    TORCH_WARN("SYLVIE_COMM_CPU_ISA=", env, " is not available here; using ", all.back()->name);
+  }
+  return all.back();
+}
+
+std::atomic<const Impl*>& impl_slot() {
+  static std::atomic<const Impl*> slot{initial_impl()};
+  return slot;
+}
+
+const Impl& impl() { return *impl_slot().load(std::memory_order_relaxed); }
+
+// Elements converted to fp32 at a time for fp16/bf16 inputs (a multiple of 8,
+// so every block starts on a byte boundary of the packed output for any width).
+constexpr int64_t kConv = 2048;
+// Row segment processed as one task when rows are long.
+constexpr int64_t kSegment = 1 << 16;
+// Minimum elements per parallel task.
+constexpr int64_t kGrainElems = 1 << 15;
+
+void check_float_input(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.device().is_cpu(), op, ": expected a CPU tensor, got device ", x.device());
+  auto t = x.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, op,
+              ": expected a float32, float16 or bfloat16 tensor, got ", t);
+}
+
+void check_bits(int64_t bits, const char* op) {
+  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, op, ": bits must be one of {1, 2, 4, 8}, got ",
+              bits);
+}
+
+void check_out_dtype(at::ScalarType t, const char* op) {
+  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, op,
+              ": dtype must be float32, float16 or bfloat16, got ", t);
+}
+
+// Calls fn(block_ptr, block_len, block_offset) over [0, n) in fp32, converting
+// from scalar_t in blocks of kConv when scalar_t is not float.
+template <typename scalar_t, typename Fn>
+void for_f32_blocks(const scalar_t* x, int64_t n, Fn&& fn) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    fn(x, n, int64_t{0});
+  } else {
+    float buf[kConv];
+    for (int64_t b0 = 0; b0 < n; b0 += kConv) {
+      int64_t m = std::min(kConv, n - b0);
+      for (int64_t j = 0; j < m; ++j) buf[j] = static_cast<float>(x[b0 + j]);
+      fn(static_cast<const float*>(buf), m, b0);
+    }
+  }
+}
+
+// Calls fn(block_out_f32, block_len, block_offset) and stores the block into out.
+template <typename scalar_t, typename Fn>
+void into_blocks(scalar_t* out, int64_t n, Fn&& fn) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    fn(out, n, int64_t{0});
+  } else {
+    float buf[kConv];
+    for (int64_t b0 = 0; b0 < n; b0 += kConv) {
+      int64_t m = std::min(kConv, n - b0);
+      fn(static_cast<float*>(buf), m, b0);
+      for (int64_t j = 0; j < m; ++j) out[b0 + j] = static_cast<scalar_t>(buf[j]);
+    }
+  }
+}
+
+template <typename Fn>
+void dispatch_float(at::ScalarType t, Fn&& fn) {
+  switch (t) {
+    case at::kFloat:
+      fn(float{});
+      break;
+    case at::kHalf:
+      fn(at::Half{});
+      break;
+    case at::kBFloat16:
+      fn(at::BFloat16{});
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported dtype ", t);
+  }
+}
+
+float nan_f() { return std::numeric_limits<float>::quiet_NaN(); }
+
+// ---------------------------------------------------------------- pack / unpack
+
+at::Tensor pack_bits_cpu(const at::Tensor& values_, int64_t bits) {
+  check_bits(bits, "pack_bits");
+  TORCH_CHECK(values_.dim() == 2, "pack_bits: expected a 2-D tensor, got ", values_.dim(), " dimensions");
+  TORCH_CHECK(values_.scalar_type() == at::kByte, "pack_bits: expected uint8 values, got ", values_.scalar_type());
+  at::Tensor values = values_.contiguous();
+  const int64_t rows = values.size(0), cols = values.size(1), pc = sc_packed_cols(cols, static_cast<int>(bits));
+  at::Tensor out = at::empty({rows, pc}, values.options());
+  const uint8_t* v = values.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const Impl& f = impl();
+  const uint8_t mask = static_cast<uint8_t>((1u << bits) - 1u);
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(cols, 1)), [&](int64_t b, int64_t e) {
+    uint8_t buf[kConv];
+    for (int64_t r = b; r < e; ++r) {
+      for (int64_t c0 = 0; c0 < cols; c0 += kConv) {
+        int64_t m = std::min(kConv, cols - c0);
+        for (int64_t j = 0; j < m; ++j) buf[j] = v[r * cols + c0 + j] & mask;
+        f.pack(buf, m, static_cast<int>(bits), o + r * pc + (c0 * bits) / 8);
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor unpack_bits_cpu(const at::Tensor& packed_, int64_t bits, int64_t cols) {
+  check_bits(bits, "unpack_bits");
+  TORCH_CHECK(packed_.dim() == 2, "unpack_bits: expected a 2-D tensor, got ", packed_.dim(), " dimensions");
+  TORCH_CHECK(packed_.scalar_type() == at::kByte, "unpack_bits: expected uint8, got ", packed_.scalar_type());
+  TORCH_CHECK(cols >= 0, "unpack_bits: cols must be >= 0, got ", cols);
+  const int64_t pc = sc_packed_cols(cols, static_cast<int>(bits));
+  TORCH_CHECK(packed_.size(1) == pc, "unpack_bits: ", cols, " values of ", bits, " bits need ", pc,
+              " bytes per row, got ", packed_.size(1));
+  at::Tensor packed = packed_.contiguous();
+  const int64_t rows = packed.size(0);
+  at::Tensor out = at::empty({rows, cols}, packed.options());
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const Impl& f = impl();
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(cols, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) f.unpack(p + r * pc, cols, static_cast<int>(bits), o + r * cols);
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------- one-bit
+
+std::tuple<at::Tensor, at::Tensor> onebit_encode_cpu(const at::Tensor& x_, int64_t chunk_size, bool norm_scale) {
+  check_float_input(x_, "onebit_encode");
+  TORCH_CHECK(chunk_size > 0 && chunk_size % 8 == 0, "onebit_encode: chunk_size must be a positive multiple of 8, got ",
+              chunk_size);
+  at::Tensor x = x_.contiguous();
+  const int64_t n = x.numel();
+  const int64_t chunks = (n + chunk_size - 1) / chunk_size;
+  at::Tensor packed = at::empty({(n + 7) / 8}, x.options().dtype(at::kByte));
+  at::Tensor scales = at::empty({chunks}, x.options().dtype(at::kFloat));
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  float* sc = scales.data_ptr<float>();
+  const Impl& f = impl();
+  dispatch_float(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, chunks, std::max<int64_t>(1, kGrainElems / chunk_size), [&](int64_t b, int64_t e) {
+      for (int64_t c = b; c < e; ++c) {
+        const int64_t start = c * chunk_size, len = std::min(chunk_size, n - start);
+        double sum = 0.0;
+        for_f32_blocks(xp + start, len, [&](const float* blk, int64_t m, int64_t off) {
+          f.onebit_encode(blk, m, out + (start + off) / 8, norm_scale, &sum);
+        });
+        double s = sum / static_cast<double>(len);
+        float sf = static_cast<float>(norm_scale ? std::sqrt(s) : s);
+        sc[c] = std::isfinite(sf) ? sf : nan_f();
+      }
+    });
+  });
+  return {packed, scales};
+}
+
+void onebit_decode_into_cpu(const at::Tensor& packed_, const at::Tensor& scales_, int64_t chunk_size,
+                            const at::Tensor& out) {
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous(), "onebit_decode_into: out must be a contiguous CPU tensor");
+  check_out_dtype(out.scalar_type(), "onebit_decode_into");
+  TORCH_CHECK(chunk_size > 0 && chunk_size % 8 == 0, "onebit_decode: chunk_size must be a positive multiple of 8, got ",
+              chunk_size);
+  const int64_t numel = out.numel();
+  TORCH_CHECK(packed_.scalar_type() == at::kByte && packed_.numel() == (numel + 7) / 8,
+              "onebit_decode: expected ", (numel + 7) / 8, " uint8 bytes for ", numel, " values, got ",
+              packed_.numel(), " of ", packed_.scalar_type());
+  const int64_t chunks = (numel + chunk_size - 1) / chunk_size;
+  TORCH_CHECK(scales_.scalar_type() == at::kFloat && scales_.numel() == chunks, "onebit_decode: expected ", chunks,
+              " float32 scales, got ", scales_.numel(), " of ", scales_.scalar_type());
+  at::Tensor packed = packed_.contiguous(), scales = scales_.contiguous();
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  const float* sc = scales.data_ptr<float>();
+  const Impl& f = impl();
+  dispatch_float(out.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, chunks, std::max<int64_t>(1, kGrainElems / chunk_size), [&](int64_t b, int64_t e) {
+      for (int64_t c = b; c < e; ++c) {
+        const int64_t start = c * chunk_size, len = std::min(chunk_size, numel - start);
+        into_blocks(op + start, len, [&](float* blk, int64_t m, int64_t off) {
+          f.onebit_decode(p + (start + off) / 8, m, sc[c], blk);
+        });
+      }
+    });
+  });
+}
+
+at::Tensor onebit_decode_cpu(const at::Tensor& packed, const at::Tensor& scales, int64_t numel, int64_t chunk_size,
+                             at::ScalarType dtype) {
+  check_out_dtype(dtype, "onebit_decode");
+  TORCH_CHECK(numel >= 0, "onebit_decode: numel must be >= 0, got ", numel);
+  at::Tensor out = at::empty({numel}, packed.options().dtype(dtype));
+  onebit_decode_into_cpu(packed, scales, chunk_size, out);
+  return out;
+}
+
+// ---------------------------------------------------------------- q-bit
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qbit_encode_cpu(const at::Tensor& x_, int64_t bits, int64_t seed,
+                                                               int64_t offset, at::ScalarType meta_dtype) {
+  check_float_input(x_, "qbit_encode");
+  check_bits(bits, "qbit_encode");
+  TORCH_CHECK(x_.dim() == 2, "qbit_encode: expected a 2-D tensor (rows, cols), got ", x_.dim(), " dimensions");
+  TORCH_CHECK(meta_dtype == at::kFloat || meta_dtype == at::kBFloat16,
+              "qbit_encode: meta_dtype must be float32 or bfloat16, got ", meta_dtype);
+  at::Tensor x = x_.contiguous();
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const int b = static_cast<int>(bits);
+  const int64_t pc = sc_packed_cols(cols, b);
+  at::Tensor packed = at::empty({rows, pc}, x.options().dtype(at::kByte));
+  at::Tensor scale = at::empty({rows}, x.options().dtype(at::kFloat));
+  at::Tensor minimum = at::empty({rows}, x.options().dtype(at::kFloat));
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  float* sp = scale.data_ptr<float>();
+  float* mp = minimum.data_ptr<float>();
+  const bool bf16 = meta_dtype == at::kBFloat16;
+  const int levels = (1 << b) - 1;
+  const ScSeedKeys keys = sc_seed_keys(static_cast<uint64_t>(seed));
+  const uint64_t off = static_cast<uint64_t>(offset);
+  const Impl& f = impl();
+  const int64_t segs = cols == 0 ? 1 : (cols + kSegment - 1) / kSegment;
+
+  dispatch_float(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    auto row_minmax = [&](int64_t r, int64_t c0, int64_t len, float* mn, float* mx, bool* finite) {
+      for_f32_blocks(xp + r * cols + c0, len,
+                     [&](const float* blk, int64_t m, int64_t) { f.minmax(blk, m, mn, mx, finite); });
+    };
+    auto quantize = [&](int64_t r, int64_t c0, int64_t len, const ScQMeta& meta) {
+      uint8_t* orow = out + r * pc;
+      if (!meta.finite) {
+        std::memset(orow + (c0 * b) / 8, 0, static_cast<size_t>(sc_packed_cols(len, b)));
+        return;
+      }
+      for_f32_blocks(xp + r * cols + c0, len, [&](const float* blk, int64_t m, int64_t o) {
+        f.quantize(blk, m, b, keys, off + static_cast<uint64_t>(r * cols + c0 + o), meta.minimum, meta.inv,
+                   orow + ((c0 + o) * b) / 8);
+      });
+    };
+    auto store_meta = [&](int64_t r, const ScQMeta& meta) {
+      sp[r] = meta.scale;
+      mp[r] = meta.minimum;
+    };
+    if (cols == 0) {
+      for (int64_t r = 0; r < rows; ++r) sp[r] = mp[r] = 0.0f;
+    } else if (segs == 1) {
+      // Short rows: min/max and quantization back to back while the row is in cache.
+      at::parallel_for(0, rows, std::max<int64_t>(1, kGrainElems / cols), [&](int64_t rb, int64_t re) {
+        for (int64_t r = rb; r < re; ++r) {
+          float mn = std::numeric_limits<float>::infinity(), mx = -mn;
+          bool finite = true;
+          row_minmax(r, 0, cols, &mn, &mx, &finite);
+          ScQMeta meta = sc_qbit_meta(finite ? mn : nan_f(), mx, levels, bf16);
+          store_meta(r, meta);
+          quantize(r, 0, cols, meta);
+        }
+      });
+    } else {
+      // Long rows: partial min/max per segment, reduced per row, then quantization per segment.
+      const int64_t tiles = rows * segs;
+      std::vector<float> pmn(tiles), pmx(tiles);
+      std::vector<char> pfin(tiles);
+      at::parallel_for(0, tiles, 1, [&](int64_t tb, int64_t te) {
+        for (int64_t t = tb; t < te; ++t) {
+          const int64_t r = t / segs, c0 = (t % segs) * kSegment;
+          float mn = std::numeric_limits<float>::infinity(), mx = -mn;
+          bool finite = true;
+          row_minmax(r, c0, std::min(kSegment, cols - c0), &mn, &mx, &finite);
+          pmn[t] = mn;
+          pmx[t] = mx;
+          pfin[t] = finite;
+        }
+      });
+      std::vector<ScQMeta> metas(rows);
+      for (int64_t r = 0; r < rows; ++r) {
+        float mn = std::numeric_limits<float>::infinity(), mx = -mn;
+        bool finite = true;
+        for (int64_t s = 0; s < segs; ++s) {
+          mn = std::min(mn, pmn[r * segs + s]);
+          mx = std::max(mx, pmx[r * segs + s]);
+          finite = finite && pfin[r * segs + s];
+        }
+        metas[r] = sc_qbit_meta(finite ? mn : nan_f(), mx, levels, bf16);
+        store_meta(r, metas[r]);
+      }
+      at::parallel_for(0, tiles, 1, [&](int64_t tb, int64_t te) {
+        for (int64_t t = tb; t < te; ++t) {
+          const int64_t r = t / segs, c0 = (t % segs) * kSegment;
+          quantize(r, c0, std::min(kSegment, cols - c0), metas[r]);
+        }
+      });
+    }
+  });
+  if (bf16) return {packed, scale.to(at::kBFloat16), minimum.to(at::kBFloat16)};
+  return {packed, scale, minimum};
+}
+
+void qbit_decode_into_cpu(const at::Tensor& packed_, const at::Tensor& scale_, const at::Tensor& minimum_,
+                          int64_t bits, const at::Tensor& out) {
+  check_bits(bits, "qbit_decode");
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == 2,
+              "qbit_decode_into: out must be a contiguous 2-D CPU tensor, got shape ", out.sizes());
+  check_out_dtype(out.scalar_type(), "qbit_decode");
+  TORCH_CHECK(packed_.dim() == 2 && packed_.scalar_type() == at::kByte,
+              "qbit_decode: expected a 2-D uint8 packed tensor, got ", packed_.dim(), "-D ", packed_.scalar_type());
+  const int b = static_cast<int>(bits);
+  const int64_t rows = out.size(0), cols = out.size(1), pc = sc_packed_cols(cols, b);
+  TORCH_CHECK(packed_.size(0) == rows && packed_.size(1) == pc, "qbit_decode: ", rows, " rows of ", cols,
+              " values of ", bits, " bits need packed shape [", rows, ", ", pc, "], got ", packed_.sizes());
+  for (const at::Tensor* m : {&scale_, &minimum_}) {
+    TORCH_CHECK(m->dim() == 1 && m->size(0) == rows, "qbit_decode: expected ", rows,
+                " per-row scale and minimum values, got shape ", m->sizes());
+    TORCH_CHECK(m->scalar_type() == at::kFloat || m->scalar_type() == at::kBFloat16,
+                "qbit_decode: scale and minimum must be float32 or bfloat16, got ", m->scalar_type());
+  }
+  at::Tensor packed = packed_.contiguous();
+  at::Tensor scale = scale_.to(at::kFloat).contiguous(), minimum = minimum_.to(at::kFloat).contiguous();
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const float* mp = minimum.data_ptr<float>();
+  const Impl& f = impl();
+  const int64_t segs = cols == 0 ? 1 : (cols + kSegment - 1) / kSegment;
+  dispatch_float(out.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t tiles = rows * segs;
+    const int64_t grain = segs > 1 ? 1 : std::max<int64_t>(1, kGrainElems / std::max<int64_t>(cols, 1));
+    at::parallel_for(0, tiles, grain, [&](int64_t tb, int64_t te) {
+      for (int64_t t = tb; t < te; ++t) {
+        const int64_t r = t / segs, c0 = (t % segs) * kSegment, len = std::min(kSegment, cols - c0);
+        into_blocks(op + r * cols + c0, len, [&](float* blk, int64_t m, int64_t o) {
+          f.dequantize(p + r * pc + ((c0 + o) * b) / 8, m, b, sp[r], mp[r], blk);
+        });
+      }
+    });
+  });
+}
+
+at::Tensor qbit_decode_cpu(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& minimum, int64_t bits,
+                           int64_t cols, at::ScalarType dtype) {
+  check_out_dtype(dtype, "qbit_decode");
+  TORCH_CHECK(cols >= 0, "qbit_decode: cols must be >= 0, got ", cols);
+  TORCH_CHECK(packed.dim() == 2, "qbit_decode: expected a 2-D uint8 packed tensor, got ", packed.dim(), "-D");
+  at::Tensor out = at::empty({packed.size(0), cols}, packed.options().dtype(dtype));
+  qbit_decode_into_cpu(packed, scale, minimum, bits, out);
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> names;
+  for (const Impl* i : supported()) names.emplace_back(i->name);
+  return names;
+}
+
+std::string current_isa() { return impl().name; }
+
+void set_isa(const std::string& name) {
+  for (const Impl* i : supported()) {
+    if (name == i->name) {
+      impl_slot().store(i);
+      return;
+    }
+  }
+  std::string valid;
+  for (const auto& n : available_isas()) valid += (valid.empty() ? "" : ", ") + n;
+  throw std::invalid_argument("unknown or unsupported CPU instruction set '" + name + "'; available: " + valid);
+}
+
+}  // namespace cpu
+}  // namespace sylvie_comm
+
+TORCH_LIBRARY_IMPL(sylvie_comm, CPU, m) {
+  using namespace sylvie_comm::cpu;
+  m.impl("pack_bits", &pack_bits_cpu);
+  m.impl("unpack_bits", &unpack_bits_cpu);
+  m.impl("onebit_encode", &onebit_encode_cpu);
+  m.impl("onebit_decode", &onebit_decode_cpu);
+  m.impl("onebit_decode_into", &onebit_decode_into_cpu);
+  m.impl("qbit_encode", &qbit_encode_cpu);
+  m.impl("qbit_decode", &qbit_decode_cpu);
+  m.impl("qbit_decode_into", &qbit_decode_into_cpu);
+}

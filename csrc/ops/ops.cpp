@@ -1,0 +1,20 @@
+// Operator schemas of the sylvie_comm kernels. CPU kernels register in
+// csrc/cpu/kernels.cpp, CUDA kernels in csrc/cuda/glue.cpp; the pure-torch
+// reference of each op is sylvie_comm/kernels/reference.py.
+#include <torch/library.h>
+
+TORCH_LIBRARY(sylvie_comm, m) {
+  // values: (rows, cols) uint8 < 2**bits -> (rows, ceil(cols * bits / 8)) uint8.
+  m.def("pack_bits(Tensor values, int bits) -> Tensor");
+  m.def("unpack_bits(Tensor packed, int bits, int cols) -> Tensor");
+  // Sign bits of the flattened input and one fp32 scale per chunk.
+  m.def("onebit_encode(Tensor x, int chunk_size, bool norm_scale) -> (Tensor, Tensor)");
+  m.def("onebit_decode(Tensor packed, Tensor scales, int numel, int chunk_size, ScalarType dtype) -> Tensor");
+  // Decode into an existing contiguous tensor (no allocation, no first-touch page faults).
+  m.def("onebit_decode_into(Tensor packed, Tensor scales, int chunk_size, Tensor(a!) out) -> ()");
+  // Per-row stochastic quantization: (packed, scale, minimum).
+  m.def("qbit_encode(Tensor x, int bits, int seed, int offset, ScalarType meta_dtype) -> (Tensor, Tensor, Tensor)");
+  m.def("qbit_decode(Tensor packed, Tensor scale, Tensor minimum, int bits, int cols, ScalarType dtype) -> Tensor");
+  // out: a contiguous (rows, cols) tensor.
+  m.def("qbit_decode_into(Tensor packed, Tensor scale, Tensor minimum, int bits, Tensor(a!) out) -> ()");
+}

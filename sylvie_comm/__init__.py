@@ -1,0 +1,15 @@
+"""sylvie-comm: communication compression for distributed PyTorch training.
+
+Gradient all-reduce (PowerSGD, ACP-SGD, one-bit, top-k, sign, fp16/bf16) and
+GNN halo exchange (Sylvie's low-bit module with bounded staleness) over one
+set of codecs and kernels.
+"""
+
+from sylvie_comm import _ops
+from sylvie_comm.codecs import Codec, Encoded, ErrorFeedback, available_codecs, get_codec
+
+__version__ = "0.1.0"
+
+HAS_EXTENSION = _ops.HAS_EXTENSION
+
+__all__ = ["HAS_EXTENSION", "Codec", "Encoded", "ErrorFeedback", "__version__", "available_codecs", "get_codec"]

@@ -1,0 +1,117 @@
+"""The codec contract.
+
+A codec turns a tensor into what crosses the wire (``Encoded.payload``, a tuple
+of tensors) plus local metadata that never leaves the worker (``Encoded.ctx``),
+and turns a payload back into a tensor of the input's shape, dtype and device.
+Codecs own the math only: collectives, fusion and error feedback live elsewhere.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, dtype and device of an encoded tensor (local; never sent)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A codec's output: ``payload`` crosses the wire, ``ctx`` stays local."""
+
+    payload: tuple[torch.Tensor, ...]
+    ctx: Any
+
+    @property
+    def nbytes(self) -> int:
+        """Exact number of bytes of the payload, i.e. what crosses the wire."""
+        return sum(t.numel() * t.element_size() for t in self.payload)
+
+
+def check_tensor(tensor: Any, who: str) -> torch.Tensor:
+    """Reject what the codecs cannot encode, naming the value and what was expected."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{who}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{who}: expected a float32, float16 or bfloat16 tensor, got {tensor.dtype} "
+            "(integer, bool and complex tensors are not compressible)"
+        )
+    return tensor
+
+
+def meta_of(tensor: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tensor.shape, tensor.dtype, tensor.device)
+
+
+class Codec(abc.ABC):
+    """Base class of all codecs.
+
+    Subclasses set ``name``, ``allreduce_compatible`` (whether payloads of
+    several workers can be summed element-wise on the wire and decoded once,
+    giving the sum of the decoded tensors) and implement ``_encode``,
+    ``decode`` and ``wire_bytes``.
+    """
+
+    name: ClassVar[str]
+    allreduce_compatible: ClassVar[bool] = False
+
+    def encode(self, tensor: torch.Tensor) -> Encoded:
+        """Encode ``tensor`` (any shape, float32/float16/bfloat16, any device)."""
+        return self._encode(check_tensor(tensor, f"{self.name}.encode"))
+
+    @abc.abstractmethod
+    def _encode(self, tensor: torch.Tensor) -> Encoded: ...
+
+    @abc.abstractmethod
+    def decode(self, encoded: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode to a tensor of the encoded tensor's shape, dtype and device.
+
+        With ``out`` the result is written there (same shape) and returned.
+        """
+
+    @abc.abstractmethod
+    def wire_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
+        """Exact payload bytes for a tensor of this shape and dtype, without encoding it."""
+
+    def options(self) -> dict[str, Any]:
+        """The options this codec was built with (plain values, for configs and digests)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """State that must survive checkpoint and resume (empty for stateless codecs)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{self.name}: this codec is stateless, got state keys {sorted(state)}")
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{type(self).__name__}({opts})"
+
+
+def finish(result: torch.Tensor, meta: TensorMeta, out: torch.Tensor | None) -> torch.Tensor:
+    """Shape a decoded flat result like the input, or write it into ``out``."""
+    if out is None:
+        return result.view(meta.shape)
+    if out.shape != meta.shape:
+        raise ValueError(f"decode: out has shape {tuple(out.shape)}, expected {tuple(meta.shape)}")
+    return out.copy_(result.view(meta.shape))

@@ -1,0 +1,111 @@
+"""Error feedback: remember what compression dropped and add it back next time."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from sylvie_comm.codecs.base import Codec, Encoded, check_tensor
+
+
+class ErrorFeedback:
+    """Per-name residual memory (Seide et al. 2014; Karimireddy et al. 2019).
+
+    For each named tensor: ``compensated = tensor + residual``, the codec
+    encodes ``compensated``, and ``residual <- compensated - decode(encoded)``,
+    so ``decoded + residual == compensated`` holds exactly after every step.
+    Residuals are fp32 whatever the tensor dtype (a bf16 residual would drop the
+    small errors it exists to keep).
+
+    Example::
+
+        ef = ErrorFeedback()
+        enc = ef.encode(codec, "layer1.weight", grad)   # residual updated
+        ...  # send enc.payload
+    """
+
+    def __init__(self) -> None:
+        self._residuals: dict[str, torch.Tensor] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._residuals
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._residuals)
+
+    def __len__(self) -> int:
+        return len(self._residuals)
+
+    def residual(self, name: str) -> torch.Tensor | None:
+        """The current residual of ``name`` (None before its first update)."""
+        return self._residuals.get(name)
+
+    def compensate(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor + residual`` as a new fp32 tensor (the input is not modified)."""
+        check_tensor(tensor, "ErrorFeedback.compensate")
+        res = self._residuals.get(name)
+        if res is None:
+            return tensor.to(torch.float32, copy=True)
+        _check_shape(name, res, tensor)
+        return torch.add(res, tensor)
+
+    def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
+        """Store ``compensated - decoded`` as the residual of ``name`` and return it."""
+        res = self._residuals.get(name)
+        if res is not None and res.shape == compensated.shape and res.device == compensated.device:
+            torch.sub(compensated, decoded, out=res)  # reuse the buffer: no per-step allocation
+        else:
+            res = compensated.to(torch.float32) - decoded.to(torch.float32)
+            self._residuals[name] = res
+        return res
+
+    def encode(self, codec: Codec, name: str, tensor: torch.Tensor) -> Encoded:
+        """Compensate, encode, decode locally and update the residual; return the encoding.
+
+        Works in the residual's own buffer: after the first step no memory of
+        the tensor's size is allocated here besides what the codec allocates.
+        """
+        check_tensor(tensor, "ErrorFeedback.encode")
+        res = self._residuals.get(name)
+        if res is None:
+            comp = tensor.to(torch.float32, copy=True)
+            self._residuals[name] = comp
+        else:
+            _check_shape(name, res, tensor)
+            comp = res.add_(tensor)
+        encoded = codec.encode(comp)
+        storage = comp.untyped_storage().data_ptr()
+        payload = tuple(p.clone() if p.untyped_storage().data_ptr() == storage else p for p in encoded.payload)
+        comp.sub_(codec.decode(encoded))  # comp is the residual buffer: it now holds comp - decoded
+        return Encoded(payload, dataclasses.replace(encoded.ctx, dtype=tensor.dtype))
+
+    def reset(self, name: str | None = None) -> None:
+        """Forget the residual of ``name`` (or all residuals)."""
+        if name is None:
+            self._residuals.clear()
+        else:
+            self._residuals.pop(name, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": {k: v.detach().clone() for k, v in self._residuals.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        residuals = state.get("residuals") if isinstance(state, Mapping) else None
+        if not isinstance(residuals, Mapping):
+            raise ValueError("ErrorFeedback.load_state_dict: expected {'residuals': {name: tensor}}")
+        for k, v in residuals.items():
+            if not isinstance(v, torch.Tensor) or v.dtype != torch.float32:
+                raise ValueError(f"ErrorFeedback.load_state_dict: residual '{k}' must be a float32 tensor")
+        self._residuals = {k: v.detach().clone() for k, v in residuals.items()}
+
+
+def _check_shape(name: str, residual: torch.Tensor, tensor: torch.Tensor) -> None:
+    if residual.shape != tensor.shape:
+        raise ValueError(
+            f"ErrorFeedback: '{name}' has shape {tuple(tensor.shape)} but its residual has "
+            f"{tuple(residual.shape)}; call reset('{name}') if the tensor changed on purpose"
+        )

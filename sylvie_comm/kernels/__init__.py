@@ -1,0 +1,114 @@
+"""Kernel entry points: the compiled ops when they can run, else the references.
+
+Every function here has the semantics of the function of the same name in
+:mod:`sylvie_comm.kernels.reference`; the compiled CPU and CUDA kernels return
+the same bits (scales of one-bit chunks to within one fp32 ulp, since their
+float64 sums run in a different order).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sylvie_comm import _ops
+from sylvie_comm.kernels import reference
+
+__all__ = [
+    "onebit_decode",
+    "onebit_encode",
+    "pack_bits",
+    "qbit_decode",
+    "qbit_encode",
+    "reference",
+    "unpack_bits",
+    "uses_extension",
+]
+
+
+
+def _as_int64(value: int) -> int:
+    """Reinterpret an integer modulo 2**64 as a signed int64 (the op schemas take int64)."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= (1 << 63) else value
+
+
+def uses_extension(t: torch.Tensor) -> bool:
+    """Whether a tensor on this device runs through the compiled kernels."""
+    if not _ops.HAS_EXTENSION:
+        return False
+    if t.device.type == "cpu":
+        return True
+    return t.device.type == "cuda" and _ops.WITH_CUDA_OPS
+
+
+def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
+    if uses_extension(values):
+        return torch.ops.sylvie_comm.pack_bits(values, bits)  # type: ignore[no-any-return]
+    return reference.pack_bits(values, bits)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    if uses_extension(packed):
+        return torch.ops.sylvie_comm.unpack_bits(packed, bits, cols)  # type: ignore[no-any-return]
+    return reference.unpack_bits(packed, bits, cols)
+
+
+def onebit_encode(x: torch.Tensor, chunk_size: int, norm_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if uses_extension(x):
+        packed, scales = torch.ops.sylvie_comm.onebit_encode(x, chunk_size, norm_scale)
+        return packed, scales
+    return reference.onebit_encode(x, chunk_size, norm_scale)
+
+
+def onebit_decode(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    numel: int,
+    chunk_size: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode into a new flat tensor, or into ``out`` (contiguous, ``numel`` elements)."""
+    if out is not None and uses_extension(packed) and out.is_contiguous():
+        torch.ops.sylvie_comm.onebit_decode_into(packed, scales, chunk_size, out.view(-1))
+        return out
+    if uses_extension(packed):
+        result = torch.ops.sylvie_comm.onebit_decode(packed, scales, numel, chunk_size, dtype)
+    else:
+        result = reference.onebit_decode(packed, scales, numel, chunk_size, dtype)
+    if out is None:
+        return result  # type: ignore[no-any-return]
+    return out.copy_(result.view(out.shape))
+
+
+def qbit_encode(
+    x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if uses_extension(x):
+        packed, scale, minimum = torch.ops.sylvie_comm.qbit_encode(
+            x, bits, _as_int64(seed), _as_int64(offset), meta_dtype
+        )
+        return packed, scale, minimum
+    return reference.qbit_encode(x, bits, seed, offset, meta_dtype)
+
+
+def qbit_decode(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    bits: int,
+    cols: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode into a new ``(rows, cols)`` tensor, or into ``out`` of that shape."""
+    if out is not None and uses_extension(packed) and out.is_contiguous() and out.dim() == 2:
+        torch.ops.sylvie_comm.qbit_decode_into(packed, scale, minimum, bits, out)
+        return out
+    if uses_extension(packed):
+        result = torch.ops.sylvie_comm.qbit_decode(packed, scale, minimum, bits, cols, dtype)
+    else:
+        result = reference.qbit_decode(packed, scale, minimum, bits, cols, dtype)
+    if out is None:
+        return result  # type: ignore[no-any-return]
+    return out.copy_(result.view(out.shape))

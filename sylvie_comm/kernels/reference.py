@@ -1,0 +1,227 @@
+"""Pure-torch references for every compiled kernel.
+
+These functions define the exact semantics of the ops registered under
+``torch.ops.sylvie_comm``: the C++ (CPU) and CUDA kernels must return the same
+bits for the same inputs, and the test suite checks that they do. They are also
+the fallback when the extension is not built, so they run on any device.
+
+Conventions shared with ``csrc/common/sc_math.h``:
+
+* Bit packing is little-endian inside a byte: value ``j`` of a byte occupies
+  bits ``[j * b, (j + 1) * b)`` for ``b``-bit values; rows are padded to whole
+  bytes with zero bits.
+* The stochastic-rounding noise is a counter-based hash of ``(seed, counter)``
+  with ``counter = offset + row * cols + col`` (64-bit), turned into a float in
+  ``[0, 1)`` on a 2**-24 grid, so every implementation draws identical noise.
+* A group (a one-bit chunk or a quantized row) that holds NaN or +-Inf gets a
+  NaN scale, so it decodes to NaN: non-finite values are never hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+# Constants of the "lowbias32" integer hash (hash-prospector); the seed keys are
+# derived with two odd constants so that seed 0 is not a degenerate key.
+_HASH_M1 = 0x21F0AAAD
+_HASH_M2 = 0x735A2D97
+_SEED_K0 = 0x9E3779B9
+_SEED_K1 = 0x85EBCA6B
+_U24 = 2.0**-24
+
+SUPPORTED_BITS = (1, 2, 4, 8)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for int64 tensors holding uint32 values, without int64 overflow."""
+    lo = x & 0xFFFF
+    hi = x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _HASH_M1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _HASH_M2)
+    return x ^ (x >> 15)
+
+
+def mix32_int(x: int) -> int:
+    """Scalar version of the hash, used to derive per-seed keys."""
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * _HASH_M1) & MASK32
+    x ^= x >> 15
+    x = (x * _HASH_M2) & MASK32
+    return x ^ (x >> 15)
+
+
+def seed_keys(seed: int) -> tuple[int, int]:
+    """Two 32-bit keys from a 64-bit seed (two's complement for negative seeds)."""
+    s = seed & 0xFFFFFFFFFFFFFFFF
+    return mix32_int((s & MASK32) ^ _SEED_K0), mix32_int((s >> 32) ^ _SEED_K1)
+
+
+def uniform(seed: int, offset: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Counter-based uniform noise in ``[0, 1)``: element ``i`` uses counter ``offset + i``."""
+    k0, k1 = seed_keys(seed)
+    ctr = torch.arange(numel, dtype=torch.int64, device=device) + offset
+    lo = ctr & MASK32
+    hi = (ctr >> 32) & MASK32
+    h = _mix32(_mix32(lo ^ k0) ^ hi ^ k1)
+    return (h >> 8).to(torch.float32) * _U24
+
+
+def _check_bits(bits: int) -> int:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {{1, 2, 4, 8}}, got {bits!r}")
+    return bits
+
+
+def packed_cols(cols: int, bits: int) -> int:
+    """Bytes per row for ``cols`` values of ``bits`` bits."""
+    return (cols * bits + 7) // 8
+
+
+def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack a 2-D uint8 tensor of values in ``[0, 2**bits)`` row by row."""
+    _check_bits(bits)
+    rows, cols = values.shape
+    per = 8 // bits
+    nbytes = packed_cols(cols, bits)
+    v = values.to(torch.int32) & ((1 << bits) - 1)
+    padded = torch.zeros(rows, nbytes * per, dtype=torch.int32, device=values.device)
+    padded[:, :cols] = v
+    shifts = torch.arange(per, dtype=torch.int32, device=values.device) * bits
+    return (padded.view(rows, nbytes, per) << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: a ``(rows, cols)`` uint8 tensor."""
+    _check_bits(bits)
+    rows = packed.shape[0]
+    per = 8 // bits
+    shifts = torch.arange(per, dtype=torch.int32, device=packed.device) * bits
+    vals = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return vals.reshape(rows, packed.shape[1] * per)[:, :cols].to(torch.uint8)
+
+
+def _nan_if_nonfinite(scale: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    return torch.where(finite, scale, torch.full_like(scale, float("nan")))
+
+
+def onebit_encode(x: torch.Tensor, chunk_size: int, norm_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sign bits (``x >= 0``) of a flat tensor plus one fp32 scale per chunk.
+
+    The scale is ``mean(|x|)`` (the L2-optimal scale for a sign code) or, with
+    ``norm_scale``, ``||x|| / sqrt(n)``; both accumulate in float64 and round to
+    fp32. A chunk holding NaN or Inf gets a NaN scale.
+    """
+    n = x.numel()
+    flat = x.reshape(-1)
+    bits = (flat >= 0).to(torch.uint8).view(1, -1)
+    packed = pack_bits(bits, 1).view(-1)
+    chunks = (n + chunk_size - 1) // chunk_size
+    xd = flat.to(torch.float64)
+    pad = chunks * chunk_size - n
+    xd = torch.nn.functional.pad(xd, (0, pad)).view(chunks, chunk_size)
+    counts = torch.full((chunks,), float(chunk_size), dtype=torch.float64, device=x.device)
+    if chunks and pad:
+        counts[-1] = chunk_size - pad
+    if norm_scale:
+        scale = torch.sqrt(xd.square().sum(1) / counts)
+    else:
+        scale = xd.abs().sum(1) / counts
+    finite = torch.isfinite(xd).all(1)
+    return packed, _nan_if_nonfinite(scale.to(torch.float32), finite)
+
+
+def onebit_decode(
+    packed: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``+scale`` where the bit is set, ``-scale`` elsewhere, as a flat tensor of ``dtype``."""
+    bits = unpack_bits(packed.view(1, -1), 1, numel).view(-1)
+    chunk_scale = scales.repeat_interleave(chunk_size)[:numel]
+    out = torch.where(bits.bool(), chunk_scale, -chunk_scale)
+    return out.to(dtype)
+
+
+def round_bf16(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """Round fp32 values to bf16-representable fp32 values, toward +inf (``up``) or -inf.
+
+    bf16 is the upper half of an fp32 word: truncating the low 16 bits rounds
+    toward zero, and one bf16 step away from zero is ``+0x10000`` on the word.
+    """
+    word = x.contiguous().view(torch.int32)
+    trunc = word & -65536
+    inexact = trunc != word
+    away = inexact & ((x > 0) if up else (x < 0))
+    return torch.where(away, trunc + 65536, trunc).view(torch.float32)
+
+
+def qbit_meta(
+    x: torch.Tensor, bits: int, meta_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row ``(scale, minimum, inverse scale, finite)`` of a 2-D tensor.
+
+    ``scale = (max - min) / (2**bits - 1)``, computed in float64 and rounded to
+    fp32. With bf16 metadata the minimum rounds down and the scale rounds up, so
+    the bf16 range still covers the row. A constant row has scale 0 and inverse
+    0, so it decodes exactly. A row with NaN or Inf (or a range beyond fp32) is
+    not finite: scale and minimum are NaN, so the whole row decodes to NaN.
+    """
+    levels = (1 << bits) - 1
+    rows = x.shape[0]
+    if x.shape[1] == 0:
+        zero = torch.zeros(rows, dtype=torch.float32, device=x.device)
+        return zero, zero, zero, torch.ones(rows, dtype=torch.bool, device=x.device)
+    xf = x.to(torch.float32)
+    mn = xf.amin(1)
+    mx = xf.amax(1)
+    if meta_dtype == torch.bfloat16:
+        mn = round_bf16(mn, up=False)
+    span = mx.to(torch.float64) - mn.to(torch.float64)
+    scale = (span / levels).to(torch.float32)
+    if meta_dtype == torch.bfloat16:
+        scale = round_bf16(scale, up=True)
+    # A range beyond fp32 would overflow in decode (q * scale) even where scale fits.
+    finite = torch.isfinite(mn) & torch.isfinite(mx) & torch.isfinite(span.to(torch.float32)) & torch.isfinite(scale)
+    inv = 1.0 / scale
+    inv = torch.where((scale > 0) & torch.isfinite(inv) & finite, inv, torch.zeros_like(inv))
+    nan = torch.full_like(scale, float("nan"))
+    return torch.where(finite, scale, nan), torch.where(finite, mn, nan), inv, finite
+
+
+def qbit_encode(
+    x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stochastically quantize each row of a 2-D tensor to ``bits`` bits and pack it.
+
+    ``q = floor((x - min) * inv + u)`` clamped to ``[0, 2**bits - 1]`` (NaN to 0),
+    with ``u`` from :func:`uniform` at counter ``offset + row * cols + col``; all
+    arithmetic in fp32 with one rounding per operation. A non-finite row packs
+    zeros. Returns ``(packed, scale, minimum)``, scale and minimum in ``meta_dtype``.
+    """
+    _check_bits(bits)
+    if meta_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"meta_dtype must be torch.float32 or torch.bfloat16, got {meta_dtype}")
+    rows, cols = x.shape
+    levels = (1 << bits) - 1
+    scale, mn, inv, finite = qbit_meta(x, bits, meta_dtype)
+    u = uniform(seed, offset, rows * cols, x.device).view(rows, cols)
+    safe_mn = torch.where(finite, mn, torch.zeros_like(mn))
+    t = (x.to(torch.float32) - safe_mn[:, None]) * inv[:, None] + u
+    t = torch.nan_to_num(t, nan=0.0, posinf=float(levels), neginf=0.0)
+    q = torch.floor(t).clamp_(0, levels).to(torch.uint8)
+    q = torch.where(finite[:, None], q, torch.zeros_like(q))
+    return pack_bits(q, bits), scale.to(meta_dtype), mn.to(meta_dtype)
+
+
+def qbit_decode(
+    packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, cols: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``q * scale + min`` per row (fp32 multiply, then fp32 add), cast to ``dtype``."""
+    q = unpack_bits(packed, bits, cols).to(torch.float32)
+    return (q * scale.to(torch.float32)[:, None] + minimum.to(torch.float32)[:, None]).to(dtype)
