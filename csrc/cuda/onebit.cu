@@ -80,6 +80,7 @@ __global__ void onebit_encode_kernel(const T* __restrict__ x, int64_t n, int64_t
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
+        if (t0 + u >= tiles) break;  // uniform across the warp
         const int64_t tile_start = start + (t0 + u) * G;  // a multiple of 8
         const bool valid = tile_start + gl < end;
         // NaN >= 0 is false: NaN packs a 0 bit, as in the reference.

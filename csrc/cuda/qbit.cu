@@ -153,6 +153,7 @@ __device__ __forceinline__ void span_quantize(const T* __restrict__ xrow, uint8_
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
+      if (t0 + static_cast<int64_t>(u) * nsub >= tiles) break;  // uniform across the warp
       const int64_t c = c_begin + (t0 + static_cast<int64_t>(u) * nsub) * W + sl;
       const bool valid = active && c < c_end;
       uint32_t q = 0;

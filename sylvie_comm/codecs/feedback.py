@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Iterator, Mapping
 from typing import Any
 

@@ -120,4 +120,6 @@ class QBitCodec(Codec):
 
     def wire_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
         meta_bytes = 4 if self.meta_dtype == "fp32" else 2
-        return sum(rows * (packed_cols(cols, self.bits) + 2 * meta_bytes) for rows, cols in row_layout(shape, self.row_size))
+        return sum(
+            rows * (packed_cols(cols, self.bits) + 2 * meta_bytes) for rows, cols in row_layout(shape, self.row_size)
+        )

@@ -25,7 +25,6 @@ __all__ = [
 ]
 
 
-
 def _as_int64(value: int) -> int:
     """Reinterpret an integer modulo 2**64 as a signed int64 (the op schemas take int64)."""
     value &= (1 << 64) - 1

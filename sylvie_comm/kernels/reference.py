@@ -130,10 +130,7 @@ def onebit_encode(x: torch.Tensor, chunk_size: int, norm_scale: bool) -> tuple[t
     counts = torch.full((chunks,), float(chunk_size), dtype=torch.float64, device=x.device)
     if chunks and pad:
         counts[-1] = chunk_size - pad
-    if norm_scale:
-        scale = torch.sqrt(xd.square().sum(1) / counts)
-    else:
-        scale = xd.abs().sum(1) / counts
+    scale = torch.sqrt(xd.square().sum(1) / counts) if norm_scale else xd.abs().sum(1) / counts
     finite = torch.isfinite(xd).all(1)
     return packed, _nan_if_nonfinite(scale.to(torch.float32), finite)
 

@@ -135,8 +135,9 @@ def test_noncontiguous_inputs(cpu_isa):
         (lambda: OPS.onebit_decode(torch.zeros(1, dtype=torch.uint8), torch.zeros(1), 9, 8, torch.float32), "bytes"),
         (lambda: OPS.unpack_bits(torch.zeros(1, 3, dtype=torch.uint8), 2, 5), "bytes per row"),
         (
-            lambda: OPS.qbit_decode(torch.zeros(2, 1, dtype=torch.uint8), torch.zeros(3), torch.zeros(3), 8, 1,
-                                    torch.float32),
+            lambda: OPS.qbit_decode(
+                torch.zeros(2, 1, dtype=torch.uint8), torch.zeros(3), torch.zeros(3), 8, 1, torch.float32
+            ),
             "per-row scale",
         ),
     ],
@@ -173,5 +174,7 @@ def test_cuda_kernels_match_reference(dtype):
         rpacked, rscales = ref.onebit_encode(x, 2048, False)
         assert_same(packed.cpu(), rpacked)
         assert_scales(scales.cpu(), rscales)
-        assert_same(OPS.onebit_decode(packed, scales, n, 2048, dtype).cpu(),
-                    ref.onebit_decode(rpacked, scales.cpu(), n, 2048, dtype))
+        assert_same(
+            OPS.onebit_decode(packed, scales, n, 2048, dtype).cpu(),
+            ref.onebit_decode(rpacked, scales.cpu(), n, 2048, dtype),
+        )

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Prepare .venv with everything sylvie-comm needs and build its kernels.
+# Sourced by scripts/demo.sh and scripts/test.sh; safe to run again (it only
+# reinstalls what changed). Set SYLVIE_COMM_VENV to use another location.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${SYLVIE_COMM_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+source "$VENV/bin/activate"
+
+stamp_of() { cat "$@" 2>/dev/null | sha256sum | cut -c1-16; }
+
+deps_stamp="$(stamp_of "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh")"
+if [ "$(cat "$VENV/.deps-stamp" 2>/dev/null)" != "$deps_stamp" ]; then
+  echo "setup: installing dependencies"
+  python -m pip install --quiet --upgrade pip "setuptools>=70" wheel
+  # The exact CPU build of torch first: a looser pin would pull a multi-GB CUDA build.
+  python -m pip install --quiet "torch==2.13.0"
+  python -m pip install --quiet "numpy>=1.24" "pyyaml>=6.0" "tqdm>=4.60" \
+    "pytest>=8" "hypothesis>=6.100" "scikit-learn>=1.3" "ruff>=0.6" "mypy>=1.10" "pybind11>=2.11" ninja
+  echo "$deps_stamp" > "$VENV/.deps-stamp"
+fi
+
+build_stamp="$(stamp_of "$ROOT/setup.py" $(find "$ROOT/csrc" -type f | sort))"
+if [ "$(cat "$VENV/.build-stamp" 2>/dev/null)" != "$build_stamp" ] || ! python -c "import sylvie_comm._C" 2>/dev/null; then
+  echo "setup: building the sylvie_comm kernels (about a minute)"
+  # No build isolation: compile against the torch installed above, not a fresh one.
+  (cd "$ROOT" && MAX_JOBS="${MAX_JOBS:-2}" python -m pip install --quiet --no-build-isolation --no-deps -e .)
+  echo "$build_stamp" > "$VENV/.build-stamp"
+fi

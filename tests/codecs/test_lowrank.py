@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sylvie_comm.codecs import lowrank
+
+
+@pytest.mark.parametrize("rank", [1, 2, 4])
+def test_orthogonalize_gives_orthonormal_columns(rank):
+    mats = [torch.randn(20, rank) for _ in range(3)] + [torch.randn(7, rank)]
+    lowrank.orthogonalize_(mats)
+    for m in mats:
+        torch.testing.assert_close(m.T @ m, torch.eye(rank), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_batched_equals_one_by_one(rank):
+    mats = [torch.randn(12, rank) for _ in range(4)]
+    singles = [m.clone() for m in mats]
+    lowrank.orthogonalize_(mats)
+    for s in singles:
+        lowrank.orthogonalize_([s])
+    for a, b in zip(mats, singles, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_zero_matrix_stays_finite():
+    z = torch.zeros(5, 2)
+    lowrank.orthogonalize_([z])
+    assert torch.equal(z, torch.zeros(5, 2))
+
+
+def test_full_rank_reconstruction_is_exact():
+    # n x m with r = min(n, m): Q square orthogonal, so P Q^T = M Q Q^T = M.
+    m = torch.randn(6, 4)
+    r = lowrank.effective_rank(m.shape, 10)
+    assert r == 4
+    q = lowrank.random_factor(4, r, lowrank.seeded_generator(0))
+    lowrank.orthogonalize_([q])
+    p = lowrank.p_step(m, q)
+    torch.testing.assert_close(lowrank.reconstruct(p, q), m, atol=1e-5, rtol=0)
+    # One power step from the other side too.
+    lowrank.orthogonalize_([p])
+    q2 = lowrank.q_step(m, p)
+    torch.testing.assert_close(lowrank.reconstruct(p, q2), m, atol=1e-5, rtol=0)
+
+
+def test_seeded_factors_agree():
+    a = lowrank.random_factor(30, 4, lowrank.seeded_generator(42))
+    b = lowrank.random_factor(30, 4, lowrank.seeded_generator(42))
+    c = lowrank.random_factor(30, 4, lowrank.seeded_generator(43))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_shapes_and_rates():
+    assert lowrank.matrix_shape((8, 3, 3, 3)) == (8, 27)
+    assert lowrank.matrix_shape((5,)) == (5, 1)
+    assert lowrank.effective_rank((8, 3, 3, 3), 4) == 4
+    assert lowrank.compression_rate((1000, 1000), 4) == pytest.approx(1000 * 1000 / (2000 * 4))
+    assert lowrank.compression_rate((1000, 1000), 4, alternate=True) == pytest.approx(1000 * 1000 / (1000 * 4))
+
+
+def test_orthogonalize_rejects_non_matrices():
+    with pytest.raises(ValueError, match="2-D"):
+        lowrank.orthogonalize_([torch.randn(3)])
