@@ -32,6 +32,12 @@ build_stamp="$(stamp_of "$ROOT/setup.py" $(find "$ROOT/csrc" -type f | sort))"
 if [ "$(cat "$VENV/.build-stamp" 2>/dev/null)" != "$build_stamp" ] || ! python -c "import sylvie_comm._C" 2>/dev/null; then
   echo "setup: building the sylvie_comm kernels (about a minute)"
   # No build isolation: compile against the torch installed above, not a fresh one.
-  (cd "$ROOT" && MAX_JOBS="${MAX_JOBS:-2}" python -m pip install --quiet --no-build-isolation --no-deps -e .)
+  log="$VENV/build.log"
+  if ! (cd "$ROOT" && MAX_JOBS="${MAX_JOBS:-2}" python -m pip install --no-build-isolation --no-deps -e . >"$log" 2>&1); then
+    cat "$log"
+    echo "setup: building the kernels failed (log above, also in $log)" >&2
+    exit 1
+  fi
+  grep "sylvie_comm: building CUDA kernels" "$log" || true
   echo "$build_stamp" > "$VENV/.build-stamp"
 fi

@@ -7,8 +7,8 @@ cd "$ROOT"
 # One thread per process: multi-process tests share the machine's cores.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 echo "== ruff"
-ruff check sylvie_comm tests examples setup.py
-ruff format --check sylvie_comm tests examples setup.py
+ruff check .
+ruff format --check .
 echo "== mypy"
 mypy sylvie_comm
 echo "== pytest"
