@@ -16,7 +16,7 @@
 //
 // Decode: one thread per packed byte writes its 8 values with one vector store.
 #include "common/sc_math.h"
-#include "cuda/kernels.h"
+#include "cuda/device.cuh"
 
 namespace sylvie_comm {
 namespace cuda {

@@ -8,7 +8,7 @@
 // one division per tile and then advanced incrementally. For 8 bits the
 // operation is the identity and is a device copy.
 #include "common/sc_math.h"
-#include "cuda/kernels.h"
+#include "cuda/device.cuh"
 
 namespace sylvie_comm {
 namespace cuda {

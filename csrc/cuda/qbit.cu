@@ -21,7 +21,7 @@
 //
 // Decode: lane-strided over the flat (rows, cols) output, coalesced stores.
 #include "common/sc_math.h"
-#include "cuda/kernels.h"
+#include "cuda/device.cuh"
 
 namespace sylvie_comm {
 namespace cuda {
