@@ -46,7 +46,9 @@ def _extension():
     print(f"sylvie_comm: building CUDA kernels: {'yes' if with_cuda else 'no'} ({why})", file=sys.stderr)
     sources = [str(CSRC / "module.cpp"), str(CSRC / "ops" / "ops.cpp"), str(CSRC / "cpu" / "kernels.cpp")]
     # No FMA contraction: the kernels must round exactly like the pure-torch reference.
-    cxx = ["-O3", "-std=c++17", "-ffp-contract=off"]
+    # -fopenmp: at::parallel_for is inlined from ATen's OpenMP header; without it the loops run serially.
+    cxx = ["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp"]
+    link = ["-fopenmp"]
     define_macros = []
     if with_cuda:
         sources += sorted(str(p) for p in (CSRC / "cuda").glob("*.cu"))
@@ -58,6 +60,7 @@ def _extension():
             include_dirs=[str(ROOT / CSRC)],
             define_macros=define_macros,
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--fmad=false"]},
+            extra_link_args=link,
         )
     return CppExtension(
         "sylvie_comm._C",
@@ -65,6 +68,7 @@ def _extension():
         include_dirs=[str(ROOT / CSRC)],
         define_macros=define_macros,
         extra_compile_args={"cxx": cxx},
+        extra_link_args=link,
     )
 
 
