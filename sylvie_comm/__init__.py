@@ -7,9 +7,29 @@ set of codecs and kernels.
 
 from sylvie_comm import _ops
 from sylvie_comm.codecs import Codec, Encoded, ErrorFeedback, available_codecs, get_codec
+from sylvie_comm.config import Config
 
 __version__ = "0.1.0"
 
 HAS_EXTENSION = _ops.HAS_EXTENSION
 
-__all__ = ["HAS_EXTENSION", "Codec", "Encoded", "ErrorFeedback", "__version__", "available_codecs", "get_codec"]
+__all__ = [
+    "HAS_EXTENSION",
+    "Codec",
+    "Config",
+    "Encoded",
+    "ErrorFeedback",
+    "__version__",
+    "available_codecs",
+    "ddp",
+    "get_codec",
+]
+
+
+def __getattr__(name: str) -> object:
+    # sylvie_comm.ddp imports torch.distributed machinery: load it on first use only.
+    if name == "ddp":
+        import importlib
+
+        return importlib.import_module("sylvie_comm.ddp")
+    raise AttributeError(f"module 'sylvie_comm' has no attribute {name!r}")

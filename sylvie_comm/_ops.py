@@ -6,6 +6,7 @@ kernel falls back to its pure-torch reference (same bits, slower).
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from types import ModuleType
@@ -19,7 +20,7 @@ if os.environ.get("SYLVIE_COMM_DISABLE_EXTENSION") == "1":
     _C, LOAD_ERROR = None, "disabled by SYLVIE_COMM_DISABLE_EXTENSION=1"
 else:
     try:
-        from sylvie_comm import _C  # type: ignore[attr-defined,no-redef]  # registers torch.ops.sylvie_comm.*
+        _C = importlib.import_module("sylvie_comm._C")  # registers torch.ops.sylvie_comm.*
     except ImportError as exc:  # the build failed or was skipped; the references still work
         _C, LOAD_ERROR = None, f"{type(exc).__name__}: {exc}"
     else:

@@ -1,0 +1,139 @@
+"""The transport seam: torch.distributed process groups behind one small interface.
+
+Every collective the integrations issue goes through a transport, which counts
+the bytes each rank puts on the wire. Multi-phase algorithms (PowerSGD's P then
+Q, the one-bit all-to-all then all-gather) run on a :class:`SerialExecutor`: one
+thread per transport that issues collectives in submission order, so every rank
+issues the same collectives in the same order (launching the second phase from
+future callbacks, as PyTorch's ``powerSGD_hook`` does, lets different ranks
+interleave buckets differently and gloo aborts with a size mismatch).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+# all_gather_single replaces all_gather_into_tensor (deprecated) where torch has it.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def wire_bytes(kind: str, nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends for a collective on ``nbytes`` of input (bandwidth-optimal algorithms).
+
+    all-reduce (ring: reduce-scatter + all-gather) sends ``2 (w - 1) / w`` of the
+    buffer; all-gather sends its ``nbytes`` to ``w - 1`` peers; all-to-all sends
+    all but its own ``1 / w`` share. One rank alone sends nothing.
+    """
+    w = world_size
+    if w <= 1:
+        return 0
+    if kind == "all_reduce":
+        return 2 * (w - 1) * nbytes // w
+    if kind == "all_gather":
+        return (w - 1) * nbytes
+    if kind == "all_to_all":
+        return (w - 1) * nbytes // w
+    raise ValueError(f"unknown collective kind {kind!r}; expected all_reduce, all_gather or all_to_all")
+
+
+@dataclass
+class CommStats:
+    """Collectives issued and bytes this rank sent, by kind."""
+
+    collectives: int = 0
+    bytes_sent: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.collectives += 1
+        self.bytes_sent += nbytes
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+
+
+class ProcessGroupTransport:
+    """Asynchronous collectives on a ``torch.distributed`` process group (None: the default group)."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "sylvie_comm: torch.distributed is not initialized; call dist.init_process_group() first"
+            )
+        self.group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.stats = CommStats()
+        self._lock = threading.Lock()
+
+    def _count(self, kind: str, t: torch.Tensor) -> None:
+        with self._lock:
+            self.stats.add(kind, wire_bytes(kind, t.numel() * t.element_size(), self.world_size))
+
+    def all_reduce(self, t: torch.Tensor) -> torch.futures.Future[Any]:
+        """Sum ``t`` in place across ranks; the future completes when it is done."""
+        self._count("all_reduce", t)
+        work = dist.all_reduce(t, group=self.group, async_op=True)
+        assert work is not None
+        return cast("torch.futures.Future[Any]", work.get_future())
+
+    def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.futures.Future[Any]:
+        """Gather every rank's ``t`` into ``out`` (``world_size * t.numel()`` elements, rank-major)."""
+        self._count("all_gather", t)
+        work = _all_gather_single(out, t, group=self.group, async_op=True)
+        assert work is not None
+        return cast("torch.futures.Future[Any]", work.get_future())
+
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> torch.futures.Future[Any]:
+        """Equal-split all-to-all: block ``j`` of ``t`` goes to rank ``j``; block ``i`` of ``out`` came from ``i``."""
+        self._count("all_to_all", t)
+        work = dist.all_to_all_single(out, t, group=self.group, async_op=True)
+        assert work is not None
+        return cast("torch.futures.Future[Any]", work.get_future())
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Blocking gather of a picklable object from every rank (set-up only)."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+class SerialExecutor:
+    """One daemon thread that runs submitted jobs in submission order.
+
+    A job is a callable run on the thread; its return value (or exception)
+    completes the returned future. Jobs that issue collectives therefore issue
+    them in one deterministic order on every rank.
+    """
+
+    def __init__(self, name: str = "sylvie-comm") -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], torch.futures.Future[Any]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], Any]) -> torch.futures.Future[Any]:
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        self._jobs.put((job, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, fut = item
+            try:
+                result = job()
+            except BaseException as exc:  # delivered to whoever waits on the future
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5)

@@ -1,0 +1,74 @@
+"""Run a function on several processes joined by a gloo process group, with a timeout."""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple[Any, ...]) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` processes; returns the results by rank.
+
+    A worker that raises fails the caller with its traceback; workers that do not
+    finish within ``timeout`` seconds are killed and the caller fails (no hang).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, queue, args), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead and all(r not in errors for r in dead):
+                    raise AssertionError(f"rank(s) {dead} died without reporting (exit codes "
+                                         f"{[procs[r].exitcode for r in dead]})") from None  # fmt: skip
+                if time.monotonic() > deadline:
+                    done = sorted(results) + sorted(errors)
+                    raise AssertionError(f"distributed run timed out after {timeout}s (ranks done: {done})") from None
+                continue
+            (results if status == "ok" else errors)[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+    return [results[r] for r in range(world)]
