@@ -358,7 +358,11 @@ def hook(state: HookState, bucket: GradBucket) -> Future[torch.Tensor]:
 
 
 # DDP checks the hook's annotations at run time; this module's are strings (PEP 563).
-hook.__annotations__ = {"state": HookState, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+hook.__annotations__ = {
+    "state": HookState,
+    "bucket": dist.GradBucket,  # type: ignore[attr-defined]
+    "return": torch.futures.Future[torch.Tensor],
+}
 
 
 # ---------------------------------------------------------------------------- all-reduce codecs
