@@ -58,16 +58,28 @@ class CommStats:
 
 
 class ProcessGroupTransport:
-    """Asynchronous collectives on a ``torch.distributed`` process group (None: the default group)."""
+    """Asynchronous collectives among the ranks of a ``torch.distributed`` process group.
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+    With ``dedicated`` (the default) the transport talks on a new group of the
+    same ranks, created here (a collective call: every rank must construct it).
+    Its collectives then never interleave with anyone else's: DDP itself
+    all-reduces on its group (the unused-parameter map with
+    ``find_unused_parameters=True``), and a second thread issuing collectives on
+    that group would pair them differently on different ranks and hang.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None, dedicated: bool = True) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "sylvie_comm: torch.distributed is not initialized; call dist.init_process_group() first"
             )
-        self.group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        if dedicated:
+            ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+            self.group = dist.new_group(ranks=ranks)
+        else:
+            self.group = process_group
         self.stats = CommStats()
         self._lock = threading.Lock()
 

@@ -33,11 +33,11 @@ import torch.distributed as dist
 from torch import nn
 
 from sylvie_comm.codecs import ErrorFeedback, lowrank
-from sylvie_comm.codecs.base import Encoded
+from sylvie_comm.codecs.base import Encoded, meta_of
 from sylvie_comm.codecs.cast import Bf16Codec, CastCodec, Fp16Codec
 from sylvie_comm.codecs.onebit import OneBitCodec
 from sylvie_comm.codecs.sign import SignCodec
-from sylvie_comm.codecs.topk import TopKCodec
+from sylvie_comm.codecs.topk import TopKCodec, topk_count
 from sylvie_comm.collectives import ProcessGroupTransport, SerialExecutor, wire_bytes
 from sylvie_comm.config import UNCOMPRESSED, Config, differences
 
@@ -482,7 +482,11 @@ class SignState(_FeedbackState):
 
 
 class TopKState(_FeedbackState):
-    """Top-k of each bucket with error feedback; values and int32 indices all-gathered."""
+    """Top-k of each parameter with error feedback; values and int32 indices of a bucket all-gathered at once.
+
+    Selection is per parameter (``ceil(ratio * numel)`` each), so what is sent
+    does not depend on how DDP groups parameters into buckets.
+    """
 
     name = "topk"
     option_defaults: ClassVar[dict[str, Any]] = {"ratio": 0.01}
@@ -494,21 +498,15 @@ class TopKState(_FeedbackState):
 
     def _compressed_step(self, plan: Plan, bucket: GradBucket, step: int) -> Future[torch.Tensor]:
         entries = plan.compressed
-        total = sum(e.numel for e in entries)
+        counts = [topk_count(e.numel, self.codec.ratio) for e in entries]
+        k = sum(counts)
 
         def encode() -> torch.Tensor:
-            comp = torch.cat([self.feedback.compensate(e.name, _grad(bucket, e)).reshape(-1) for e in entries])
-            enc = self.codec.encode(comp)
-            local = self.codec.decode(enc)
-            start = 0
-            for e in entries:
-                self.feedback.update(e.name, comp[start : start + e.numel].view(e.shape),
-                                     local[start : start + e.numel].view(e.shape))  # fmt: skip
-                start += e.numel
-            values, idx = enc.payload
-            return torch.cat([values.float().view(torch.int32), idx])
+            encs = [self.feedback.encode(self.codec, e.name, _grad(bucket, e)) for e in entries]
+            values = [enc.payload[0].float().view(torch.int32) for enc in encs]
+            return torch.cat(values + [enc.payload[1] for enc in encs]) if encs else torch.zeros(0, dtype=torch.int32)
 
-        packed = self._timed(step, "encode", encode) if entries else torch.zeros(0, dtype=torch.int32)
+        packed = self._timed(step, "encode", encode)
         gathered = torch.empty(self.world_size * packed.numel(), dtype=torch.int32)
         futs = [self._all_gather(gathered, packed, step)]
         raw = self._raw_allreduce(plan, bucket, step)
@@ -517,18 +515,14 @@ class TopKState(_FeedbackState):
 
         def decode(_: Future[Any]) -> torch.Tensor:
             def run() -> None:
-                if not entries:
-                    return
-                k = packed.numel() // 2
                 rows = gathered.view(self.world_size, 2 * k)
-                values = rows[:, :k].reshape(-1).view(torch.float32)
-                idx = rows[:, k:].reshape(-1).long()
-                dense = torch.zeros(total, dtype=torch.float32)
-                dense.index_add_(0, idx, values).div_(self.world_size)
                 start = 0
-                for e in entries:
-                    _grad(bucket, e).copy_(dense[start : start + e.numel].view(e.shape))
-                    start += e.numel
+                for e, ki in zip(entries, counts, strict=True):
+                    values = rows[:, start : start + ki].reshape(-1).view(torch.float32)
+                    idx = rows[:, k + start : k + start + ki].reshape(-1).long()
+                    dense = torch.zeros(e.numel, dtype=torch.float32).index_add_(0, idx, values)
+                    _grad(bucket, e).copy_(dense.div_(self.world_size).view(e.shape))
+                    start += ki
 
             self._timed(step, "decode", run)
             return bucket.buffer()
@@ -539,6 +533,17 @@ class TopKState(_FeedbackState):
 # ---------------------------------------------------------------------------- one-bit (two phases)
 
 
+@dataclass
+class _Slot:
+    """Where one parameter sits in a one-bit row: ``part`` values per rank in chunks of ``chunk``."""
+
+    entry: Entry
+    part: int
+    chunk: int
+    scales_at: int  # fp32 scales before this parameter's, in a row
+    bits_at: int  # bytes of sign bits before this parameter's, in a row's bit section
+
+
 class OneBitState(_FeedbackState):
     """Error-compensated one-bit all-reduce in two phases (1-bit Adam's compressed all-reduce).
 
@@ -546,8 +551,9 @@ class OneBitState(_FeedbackState):
     worker adds its residual, sign-compresses every part and sends part ``j``
     to rank ``j`` (all-to-all); rank ``j`` averages what it received for its
     parts, adds its server residual, compresses again and all-gathers. A rank
-    sends about ``2 (w - 1) / w * d / 8`` bytes plus scales. Parts are cut per
-    parameter, so both residuals are keyed by parameter name.
+    sends about ``2 (w - 1) / w * d / 8`` bytes plus scales. Parts and scale
+    chunks are cut per parameter, so what is sent, and both residuals, do not
+    depend on DDP's buckets.
     """
 
     name = "onebit"
@@ -556,88 +562,98 @@ class OneBitState(_FeedbackState):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.server_feedback = ErrorFeedback()
+        self._codecs: dict[int, OneBitCodec] = {}
         super().__init__(*args, **kwargs)
 
     def _validate_options(self, options: dict[str, Any]) -> dict[str, Any]:
         options = super()._validate_options(options)
-        self.codec = OneBitCodec(chunk_size=options["chunk_size"], scale=options["scale"])
+        OneBitCodec(chunk_size=options["chunk_size"], scale=options["scale"])  # validates both
         return options
 
+    def _codec(self, chunk: int) -> OneBitCodec:
+        codec = self._codecs.get(chunk)
+        if codec is None:
+            codec = self._codecs[chunk] = OneBitCodec(chunk_size=chunk, scale=self.options["scale"])
+        return codec
+
     def _build_plan(self, plan: Plan, bucket: GradBucket) -> None:
-        w = self.world_size
-        parts, start = {}, 0
+        w, limit = self.world_size, self.options["chunk_size"]
+        slots, scales, bits = [], 0, 0
         for e in plan.compressed:
-            part = math.ceil(e.numel / (w * 8)) * 8  # a multiple of 8: every part starts on a byte
-            parts[e.name] = (start, part)
-            start += part
-        plan.extra["parts"] = parts
-        plan.extra["row"] = start
-        plan.extra["row_bytes"] = self.codec.wire_bytes((start,))
+            part = math.ceil(e.numel / (w * 8)) * 8
+            nchunks = math.ceil(part / limit)
+            chunk = math.ceil(part / nchunks / 8) * 8  # <= chunk_size, a multiple of 8
+            part = nchunks * chunk  # every part holds whole chunks: scales never straddle ranks
+            slots.append(_Slot(e, part, chunk, scales, bits))
+            scales += nchunks
+            bits += part // 8
+        row = 4 * scales + bits
+        plan.extra.update(slots=slots, scale_bytes=4 * scales, bit_bytes=bits, row_bytes=row + (-row) % 4)
 
-    def _rows(self, plan: Plan) -> torch.Tensor:
-        return torch.zeros(self.world_size, plan.extra["row"], dtype=torch.float32)
+    def _sections(self, rows: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scales (fp32) and bits (uint8) views of (n, row_bytes) rows: scales first, 4-byte aligned."""
+        sb = plan.extra["scale_bytes"]
+        return rows[:, :sb].view(torch.float32), rows[:, sb : sb + plan.extra["bit_bytes"]]
 
-    def _pack_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, list[Encoded]]:
-        """Encode each row; one uint8 buffer per row: fp32 scales first (4-byte aligned), then the bits."""
-        encs = [self.codec.encode(r) for r in rows]
-        pad = torch.zeros(-(encs[0].nbytes) % 4, dtype=torch.uint8)  # keeps every row 4-byte aligned
-        return torch.stack([torch.cat([e.payload[1].view(torch.uint8), e.payload[0], pad]) for e in encs]), encs
+    def _encode_into(self, slot: _Slot, x: torch.Tensor, scales: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        """Encode ``x`` (rows x part) into the slot's columns; return the local decode."""
+        codec = self._codec(slot.chunk)
+        enc = codec.encode(x)
+        n = x.shape[0]
+        scales[:, slot.scales_at : slot.scales_at + slot.part // slot.chunk] = enc.payload[1].view(n, -1)
+        bits[:, slot.bits_at : slot.bits_at + slot.part // 8] = enc.payload[0].view(n, -1)
+        return codec.decode(enc).view(n, slot.part)
 
-    def _unpack_row(self, buf: torch.Tensor, like: Encoded) -> torch.Tensor:
-        nscale, nbits = 4 * like.payload[1].numel(), like.payload[0].numel()
-        payload = (buf[nscale : nscale + nbits], buf[:nscale].view(torch.float32))
-        return self.codec.decode(Encoded(payload, like.ctx))
+    def _decode_from(self, slot: _Slot, scales: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        """Decode the slot's columns of every row: (rows, part)."""
+        n = scales.shape[0]
+        s = scales[:, slot.scales_at : slot.scales_at + slot.part // slot.chunk].reshape(-1)
+        b = bits[:, slot.bits_at : slot.bits_at + slot.part // 8].reshape(-1)
+        meta = meta_of(torch.empty(n * slot.part))
+        return self._codec(slot.chunk).decode(Encoded((b, s), meta)).view(n, slot.part)
 
     def _prepare(self, plan: Plan, bucket: GradBucket, step: int) -> Any:
-        rows = self._rows(plan)
         w = self.world_size
-        for e in plan.compressed:
-            start, part = plan.extra["parts"][e.name]
+        send = torch.zeros(w, plan.extra["row_bytes"], dtype=torch.uint8)
+        scales, bits = self._sections(send, plan)
+        for slot in plan.extra["slots"]:
+            e = slot.entry
             comp = self.feedback.compensate(e.name, _grad(bucket, e)).reshape(-1)
-            padded = torch.zeros(w * part)
+            padded = torch.zeros(w * slot.part)
             padded[: e.numel] = comp
-            rows[:, start : start + part] = padded.view(w, part)
-        send, encs = self._pack_rows(rows)
-        local = torch.stack([self.codec.decode(enc) for enc in encs])
-        for e in plan.compressed:
-            start, part = plan.extra["parts"][e.name]
-            comp = rows[:, start : start + part].reshape(-1)[: e.numel]
-            dec = local[:, start : start + part].reshape(-1)[: e.numel]
-            self.feedback.update(e.name, comp.view(e.shape), dec.view(e.shape))
-        return send, encs[0]
+            local = self._encode_into(slot, padded.view(w, slot.part), scales, bits)
+            self.feedback.update(e.name, comp.view(e.shape), local.reshape(-1)[: e.numel].view(e.shape))
+        return send
 
     def _finish(self, plan: Plan, bucket: GradBucket, step: int, prepared: Any) -> torch.Tensor:
-        send, like = prepared
+        send: torch.Tensor = prepared
         w, rank = self.world_size, self.transport.rank
         raw = self._raw_allreduce(plan, bucket, step)
         if plan.compressed:
             recv = torch.empty_like(send)
             self._all_to_all(recv, send, step).wait()
 
-            def server() -> tuple[torch.Tensor, Encoded]:
-                avg = torch.stack([self._unpack_row(recv[i], like) for i in range(w)]).sum(0).div_(w)
-                for e in plan.compressed:
-                    start, part = plan.extra["parts"][e.name]
-                    key = f"{e.name}@{rank}"
-                    seg = avg[start : start + part]
-                    seg.copy_(self.server_feedback.compensate(key, seg))
-                packed, encs = self._pack_rows(avg.unsqueeze(0))
-                dec = self.codec.decode(encs[0])
-                for e in plan.compressed:
-                    start, part = plan.extra["parts"][e.name]
-                    self.server_feedback.update(f"{e.name}@{rank}", avg[start : start + part],
-                                                dec[start : start + part])  # fmt: skip
-                return packed[0], encs[0]
+            def server() -> torch.Tensor:
+                mine = torch.zeros(1, plan.extra["row_bytes"], dtype=torch.uint8)
+                rs, rb = self._sections(recv, plan)
+                ms, mb = self._sections(mine, plan)
+                for slot in plan.extra["slots"]:
+                    key = f"{slot.entry.name}@{rank}"
+                    avg = self._decode_from(slot, rs, rb).sum(0).div_(w)
+                    comp = self.server_feedback.compensate(key, avg)
+                    local = self._encode_into(slot, comp.view(1, -1), ms, mb)
+                    self.server_feedback.update(key, comp, local.view(-1))
+                return mine
 
-            mine, server_like = self._timed(step, "encode", server)
-            gathered = torch.empty(w, mine.numel(), dtype=torch.uint8)
-            self._all_gather(gathered.view(-1), mine, step).wait()
+            mine = self._timed(step, "encode", server)
+            gathered = torch.empty(w, plan.extra["row_bytes"], dtype=torch.uint8)
+            self._all_gather(gathered.view(-1), mine.view(-1), step).wait()
 
             def decode() -> None:
-                rows = torch.stack([self._unpack_row(gathered[j], server_like) for j in range(w)])
-                for e in plan.compressed:
-                    start, part = plan.extra["parts"][e.name]
-                    _grad(bucket, e).copy_(rows[:, start : start + part].reshape(-1)[: e.numel].view(e.shape))
+                gs, gb = self._sections(gathered, plan)
+                for slot in plan.extra["slots"]:
+                    e = slot.entry
+                    _grad(bucket, e).copy_(self._decode_from(slot, gs, gb).reshape(-1)[: e.numel].view(e.shape))
 
             self._timed(step, "decode", decode)
         if raw is not None:

@@ -33,7 +33,8 @@ def batch(rank: int, step: int, width: int = 16, n: int = 32, dtype: torch.dtype
 
 
 def grads(model: nn.Module) -> list[torch.Tensor]:
-    return [p.grad.detach().clone() for p in model.parameters()]
+    """Gradients, zeros where DDP left an unused parameter's gradient unset."""
+    return [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
 
 
 def relative_error(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -87,3 +88,110 @@ def _skip_unused(seq: nn.Sequential):
         return x
 
     return forward
+
+
+# ---------------------------------------------------------------- resume
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 24), nn.ReLU(), nn.Linear(24, 8))
+
+
+def train_steps(ddp: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: range) -> None:
+    for step in steps:
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        F.cross_entropy(ddp(x)[:, :8], y % 8).backward()
+        opt.step()
+
+
+def resume_run(rank: int, world: int, hooks: list[tuple[str, dict[str, Any]]], phase: str, folder: str, k: int):
+    """phase "first": k steps, checkpoint, k more. phase "resume": load the checkpoint, k steps."""
+    finals = {}
+    for name, opts in hooks:
+        model = mlp()
+        path = f"{folder}/{name}-rank{rank}.pt"
+        ckpt = torch.load(path, weights_only=False) if phase == "resume" else None
+        if ckpt is not None:
+            model.load_state_dict(ckpt["model"])
+        ddp = DDP(model, bucket_cap_mb=TINY_BUCKET_MB)
+        state = sylvie_comm.ddp.register(ddp, name, **opts)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if ckpt is not None:
+            opt.load_state_dict(ckpt["optim"])
+            state.load_state_dict(ckpt["hook"])
+            train_steps(ddp, opt, rank, range(k, 2 * k))
+        else:
+            train_steps(ddp, opt, rank, range(k))
+            ckpt = {"model": model.state_dict(), "optim": opt.state_dict(), "hook": state.state_dict()}
+            torch.save(ckpt, path)
+            train_steps(ddp, opt, rank, range(k, 2 * k))
+        finals[name] = [p.detach().clone() for p in model.parameters()]
+        state.close()
+    return finals
+
+
+# ---------------------------------------------------------------- convergence on a real data set
+
+
+def digits_split(rank: int, world: int):
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.int64)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    test_idx, train_idx = perm[:360], perm[360:]
+    shard = train_idx[rank::world]
+    return x[shard], y[shard], x[test_idx], y[test_idx]
+
+
+def train_digits(
+    rank: int, world: int, hook_name: str | None, options: dict[str, Any], steps: int = 1000, torch_powersgd_rank: int = 0,
+    bucket_mb: float = 25.0,
+) -> dict[str, Any]:  # fmt: skip
+    """Train a small MLP on scikit-learn's digits; return test accuracy, stats and collectives per step."""
+    xtr, ytr, xte, yte = digits_split(rank, world)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10))
+    ddp = DDP(model, bucket_cap_mb=bucket_mb)
+    calls = {"all_reduce": 0}
+    state = None
+    if torch_powersgd_rank:
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+        original = dist.all_reduce
+
+        def counting(*a: Any, **kw: Any) -> Any:
+            calls["all_reduce"] += 1
+            return original(*a, **kw)
+
+        dist.all_reduce = counting  # type: ignore[assignment]
+        ps_state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=torch_powersgd_rank,
+                                    start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)  # fmt: skip
+        ddp.register_comm_hook(ps_state, ps.powerSGD_hook)
+    elif hook_name is not None:
+        state = sylvie_comm.ddp.register(ddp, hook_name, **options)
+    # Momentum 0.5: with 0.9 at this learning rate, error feedback on sign codes overshoots (seen on one-bit).
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    g = torch.Generator().manual_seed(rank)
+    last_calls = 0
+    for step in range(steps):
+        idx = torch.randint(0, len(xtr), (32,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(ddp(xtr[idx]), ytr[idx]).backward()
+        opt.step()
+        if step == steps - 2:
+            last_calls = calls["all_reduce"]
+    with torch.no_grad():
+        acc = (model(xte).argmax(1) == yte).float().mean().item() * 100
+    out: dict[str, Any] = {"accuracy": acc}
+    if state is not None:
+        out["stats"] = state.stats()
+        out["collectives_per_step"] = state.stats()["last_step"]["collectives"]
+        state.close()
+    if torch_powersgd_rank:
+        out["collectives_per_step"] = calls["all_reduce"] - last_calls
+    return out
