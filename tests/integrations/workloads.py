@@ -148,8 +148,8 @@ def digits_split(rank: int, world: int):
 
 
 def train_digits(
-    rank: int, world: int, hook_name: str | None, options: dict[str, Any], steps: int = 1000, torch_powersgd_rank: int = 0,
-    bucket_mb: float = 25.0,
+    rank: int, world: int, hook_name: str | None, options: dict[str, Any], steps: int = 1000,
+    torch_powersgd_rank: int = 0, bucket_mb: float = 25.0,
 ) -> dict[str, Any]:  # fmt: skip
     """Train a small MLP on scikit-learn's digits; return test accuracy, stats and collectives per step."""
     xtr, ytr, xte, yte = digits_split(rank, world)
