@@ -44,12 +44,76 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+DEMO_CODECS = (("none", []), ("acpsgd", ["--rank", "4"]), ("onebit", []))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _bench_ddp(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from sylvie_comm.bench import ddp as bd
+
+    print("measuring (two runs of five hooks on a 17.9M-parameter MLP; a few minutes) ...", file=sys.stderr)
+    res = bd.run(rank=args.rank, steps=args.steps)
+    print(bd.format_table(res))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
-    print("sylvie-comm demo: kernel benchmark on the embedded default (1M and 4M fp32 elements)\n")
-    ns = argparse.Namespace(
-        sizes=(1 << 20, 4 << 20), threads=None, row=1024, ref_elems=1 << 18, min_time=0.1, out=args.out
+    """Data-parallel training on 2 processes: plain all-reduce vs ACP-SGD vs one-bit, side by side."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "ddp_train.py"
+    if not script.exists():
+        print(f"sylvie-comm demo: {script} not found; run the demo from a source checkout", file=sys.stderr)
+        return 2
+    print(
+        f"sylvie-comm demo: {args.nproc} processes (gloo), scikit-learn digits, {args.steps} steps each; "
+        "the same model and data under three gradient hooks\n"
     )
-    return _bench_kernels(ns)
+    rows = []
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory() as tmp:
+        for codec, extra in DEMO_CODECS:
+            out = Path(tmp) / f"{codec}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+                   f"--master_port={_free_port()}", str(script), "--codec", codec, *extra,
+                   "--steps", str(args.steps), "--json-out", str(out)]  # fmt: skip
+            print(f"  running {codec} ...", flush=True)
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(proc.stdout + proc.stderr, file=sys.stderr)
+                return proc.returncode
+            rows.append(json.loads(out.read_text()))
+    base = rows[0]
+    print(f"\n{'hook':<8}{'accuracy':>10}{'MB sent':>10}{'vs plain':>10}{'wall s':>9}{'encode+decode s':>17}")
+    for r in rows:
+        print(
+            f"{r['codec']:<8}{r['accuracy']:>9.2f}%{r['bytes_sent'] / 1e6:>10.2f}"
+            f"{base['bytes_sent'] / r['bytes_sent']:>9.1f}x{r['seconds']:>9.1f}"
+            f"{r['encode_seconds'] + r['decode_seconds']:>17.2f}"
+        )
+    print("\nMB sent: bytes rank 0 put on the wire (ring all-reduce/all-gather/all-to-all volumes).")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(rows, indent=2))
+        print(f"wrote {args.out}")
+    return 0
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -71,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run the demo on the embedded default")
-    demo.add_argument("--out", default="bench-results/demo-kernels.json", help="where to write the JSON results")
+    demo.add_argument("--steps", type=int, default=1000, help="training steps per hook (default 1000)")
+    demo.add_argument("--nproc", type=int, default=2, help="processes (default 2)")
+    demo.add_argument("--out", default="bench-results/demo.json", help="where to write the JSON results")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks (baseline and candidate in one run, as ratios)")
@@ -84,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--min-time", type=float, default=0.2, help="seconds of repeats per measurement")
     k.add_argument("--out", default="bench-results/kernels.json", help="where to write the JSON results")
     k.set_defaults(func=_bench_kernels)
+
+    d = bench_sub.add_parser("ddp", help="DDP hook compute time and memory vs PyTorch's powerSGD_hook (17.9M MLP)")
+    d.add_argument("--rank", type=int, default=4, help="low-rank hooks' rank (default 4)")
+    d.add_argument("--steps", type=int, default=5, help="measured steps per hook (default 5)")
+    d.add_argument("--out", default="bench-results/ddp.json", help="where to write the JSON results")
+    d.set_defaults(func=_bench_ddp)
 
     info = sub.add_parser("info", help="what this installation built and can use")
     info.set_defaults(func=_info)

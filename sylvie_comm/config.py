@@ -98,7 +98,10 @@ class Config:
                 raise ValueError(f"config: rules[{i}] has unknown field(s) {', '.join(extra)}")
             rules.append(Rule(str(r["match"]), r.get("codec"), dict(r.get("options") or {})))
         kwargs = {k: data[k] for k in ("codec", "warmup_steps", "min_compression_rate", "seed") if k in data}
-        return cls(options=dict(data.get("options") or {}), rules=tuple(rules), **kwargs)
+        options = data.get("options") or {}
+        if not isinstance(options, Mapping):
+            raise ValueError(f"config: options must be a mapping, got {type(options).__name__}")
+        return cls(options=dict(options), rules=tuple(rules), **kwargs)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Config:

@@ -761,11 +761,17 @@ class _LowRankState(HookState):
     def _matrix(self, bucket: GradBucket, e: Entry) -> torch.Tensor:
         return _grad(bucket, e).view(lowrank.matrix_shape(e.shape))
 
-    def _write_approx(self, bucket: GradBucket, e: Entry, p: torch.Tensor, q: torch.Tensor) -> None:
-        """grad <- P Q^T / world_size (computed in fp32, stored in the gradient's dtype)."""
+    def _write_approx(self, bucket: GradBucket, e: Entry, p: torch.Tensor, q: torch.Tensor, scale: float) -> None:
+        """grad <- scale * P Q^T, in fp32, written straight into the bucket when it is fp32.
+
+        The scale multiplies the small factor, not the product: one pass over the gradient.
+        """
         g = self._matrix(bucket, e)
-        approx = lowrank.reconstruct(p, q).div_(self.world_size)
-        g.copy_(approx)
+        scaled_q = q * scale if scale != 1.0 else q
+        if g.dtype == torch.float32:
+            lowrank.reconstruct(p, scaled_q, out=g)
+        else:
+            g.copy_(lowrank.reconstruct(p, scaled_q))
 
     def _persistent_tensors(self) -> list[torch.Tensor]:
         bufs = [t for plan in self._plans.values() for t in (plan.extra.get("pbuf"), plan.extra.get("qbuf"))]
@@ -829,7 +835,7 @@ class ACPSGDState(_LowRankState):
             def run() -> None:
                 for e in comp:
                     p, q = self._factors[e.name]
-                    self._write_approx(bucket, e, p, q)
+                    self._write_approx(bucket, e, p, q, 1.0 / self.world_size)
                 self._read_raw(plan, bucket, buf, plan.extra["raw_p" if p_step else "raw_q"])
 
             self._timed(step, "decode", run)
@@ -878,10 +884,13 @@ class PowerSGDState(_LowRankState):
             for e in comp:
                 p, q = self._factors[e.name]
                 q.div_(self.world_size)  # the averaged Q: decoded gradient and next step's warm start
+                self._write_approx(bucket, e, p, q, 1.0)
+                # E <- (M + E) - P Q^T, from the fp32 product (re-derived when the gradient is low precision).
                 g = self._matrix(bucket, e)
-                approx = lowrank.reconstruct(p, q)
-                self._residuals[e.name].sub_(approx)
-                g.copy_(approx)
+                if g.dtype == torch.float32:
+                    self._residuals[e.name].sub_(g)
+                else:
+                    self._residuals[e.name].addmm_(p, q.T, alpha=-1.0)
             self._read_raw(plan, bucket, plan.extra["pbuf"], plan.extra["raw_p"])
 
         self._timed(step, "decode", decode)

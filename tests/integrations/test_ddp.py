@@ -113,6 +113,31 @@ def test_resume_is_bit_identical(tmp_path):
                 assert torch.equal(pa, pb), f"{name}: resumed run differs"
 
 
+def test_resume_survives_a_new_bucket_size(tmp_path):
+    """State is keyed by parameter name: resuming into one big bucket gives the same parameters."""
+    k, hooks = 3, [("acpsgd", {"rank": 2}), ("powersgd", {"rank": 2}), ("onebit", {"chunk_size": 16})]
+    first = run_distributed(wl.resume_run, 2, hooks, "first", str(tmp_path), k)
+    second = run_distributed(wl.resume_run, 2, hooks, "resume", str(tmp_path), k, 100.0)
+    for a, b in zip(first, second, strict=True):
+        for name, _ in hooks:
+            for pa, pb in zip(a[name], b[name], strict=True):
+                torch.testing.assert_close(pa, pb, rtol=0, atol=1e-6, msg=f"{name}: resumed run differs")
+
+
+def test_yaml_config_with_per_name_rules(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(
+        "codec: acpsgd\noptions: {rank: 2}\nrules:\n"
+        "  - {match: '0.weight', codec: uncompressed}\n"
+        "  - {match: '4.*', options: {rank: 3}}\n"
+    )
+    res = run_distributed(wl.rules_run, 2, str(path))[0]
+    assert "0.weight" not in res["factors"]  # sent raw by rule
+    assert res["factors"]["2.weight"] == ((24, 2), (32, 2))
+    assert res["factors"]["4.weight"] == ((8, 3), (24, 3))  # rank overridden by rule
+    assert res["stats"]["last_step"]["collectives"] >= 3
+
+
 def _mismatch_worker(rank: int, world: int) -> str:
     import sylvie_comm
 

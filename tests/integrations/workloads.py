@@ -106,7 +106,10 @@ def train_steps(ddp: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: ra
         opt.step()
 
 
-def resume_run(rank: int, world: int, hooks: list[tuple[str, dict[str, Any]]], phase: str, folder: str, k: int):
+def resume_run(
+    rank: int, world: int, hooks: list[tuple[str, dict[str, Any]]], phase: str, folder: str, k: int,
+    resume_bucket_mb: float = TINY_BUCKET_MB,
+):  # fmt: skip
     """phase "first": k steps, checkpoint, k more. phase "resume": load the checkpoint, k steps."""
     finals = {}
     for name, opts in hooks:
@@ -115,7 +118,7 @@ def resume_run(rank: int, world: int, hooks: list[tuple[str, dict[str, Any]]], p
         ckpt = torch.load(path, weights_only=False) if phase == "resume" else None
         if ckpt is not None:
             model.load_state_dict(ckpt["model"])
-        ddp = DDP(model, bucket_cap_mb=TINY_BUCKET_MB)
+        ddp = DDP(model, bucket_cap_mb=resume_bucket_mb if ckpt is not None else TINY_BUCKET_MB)
         state = sylvie_comm.ddp.register(ddp, name, **opts)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         if ckpt is not None:
@@ -195,3 +198,14 @@ def train_digits(
     if torch_powersgd_rank:
         out["collectives_per_step"] = calls["all_reduce"] - last_calls
     return out
+
+
+def rules_run(rank: int, world: int, config_path: str) -> dict[str, Any]:
+    """Train a few steps under a YAML config with per-name rules; report what each parameter became."""
+    ddp = DDP(mlp(), bucket_cap_mb=TINY_BUCKET_MB)
+    state = sylvie_comm.ddp.register(ddp, config=sylvie_comm.Config.from_yaml(config_path))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    train_steps(ddp, opt, rank, range(4))
+    factors = {n: (tuple(p.shape), tuple(q.shape)) for n, (p, q) in state._factors.items()}
+    state.close()
+    return {"factors": factors, "stats": state.stats()}
