@@ -44,7 +44,7 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
-DEMO_CODECS = (("none", []), ("acpsgd", ["--rank", "4"]), ("onebit", []))
+DEMO_CODECS: tuple[tuple[str, list[str]], ...] = (("none", []), ("acpsgd", ["--rank", "4"]), ("onebit", []))
 
 
 def _free_port() -> int:

@@ -52,7 +52,7 @@ def _tensor_bytes(obj: Any) -> int:
 
 
 def _run_hook(name: str, rank: int, world: int, rank_r: int, steps: int, warmup: int) -> dict[str, Any]:
-    import sylvie_comm
+    import sylvie_comm.ddp
 
     model = mlp_17m()
     one_bucket = name == "torch-powersgd"
@@ -65,7 +65,7 @@ def _run_hook(name: str, rank: int, world: int, rank_r: int, steps: int, warmup:
                                     start_powerSGD_iter=warmup, use_error_feedback=True, warm_start=True)  # fmt: skip
         ddp.register_comm_hook(ps_state, ps.powerSGD_hook)
     else:
-        opts = {"rank": rank_r} if name in ("acpsgd", "powersgd") else {}
+        opts: dict[str, Any] = {"rank": rank_r} if name in ("acpsgd", "powersgd") else {}
         state = sylvie_comm.ddp.register(ddp, name, warmup_steps=warmup, **opts)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(32, 512, generator=g)
@@ -76,7 +76,7 @@ def _run_hook(name: str, rank: int, world: int, rank_r: int, steps: int, warmup:
         loss = F.cross_entropy(ddp(x), y)
         dist.barrier()
         t0 = time.perf_counter()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         dt = time.perf_counter() - t0
         if step >= warmup:
             times.append(dt)
@@ -125,7 +125,8 @@ def _spawn(world: int, rank_r: int, steps: int, warmup: int) -> dict[str, Any]:
     results = dict(queue.get(timeout=1800) for _ in range(world))
     for p in procs:
         p.join()
-    return results[0]
+    out: dict[str, Any] = results[0]
+    return out
 
 
 def run(rank: int = 4, steps: int = 5, warmup: int = 2) -> dict[str, Any]:
