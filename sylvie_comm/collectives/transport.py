@@ -15,7 +15,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -108,11 +108,66 @@ class ProcessGroupTransport:
         assert work is not None
         return cast("torch.futures.Future[Any]", work.get_future())
 
+    def all_to_all_v(
+        self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> torch.futures.Future[Any]:
+        """All-to-all with per-peer row counts: rows ``in_splits[j]`` of ``t`` go to rank ``j``."""
+        row = t[0].numel() * t.element_size() if t.dim() and t.shape[0] else 0
+        sent = (sum(in_splits) - in_splits[self.rank]) * row
+        with self._lock:
+            self.stats.add("all_to_all", sent)
+        work = dist.all_to_all_single(out, t, out_splits, in_splits, group=self.group, async_op=True)
+        assert work is not None
+        return cast("torch.futures.Future[Any]", work.get_future())
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Blocking gather of a picklable object from every rank (set-up only)."""
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+
+T = TypeVar("T")
+
+
+def agree(
+    transport: ProcessGroupTransport, build: Callable[[], T], describe: Callable[[T], dict[str, Any]], what: str
+) -> T:
+    """Build something on every rank and fail on every rank if any rank failed or they disagree.
+
+    ``build`` runs locally; its ValueError/TypeError/ImportError is caught so
+    that this rank still takes part in the exchange of descriptions (a rank that
+    raised early would leave the others waiting in the next collective). Then
+    every rank sees every rank's outcome: the failing rank re-raises its error,
+    the others raise one naming that rank; configurations that differ raise on
+    every rank, naming the first differing field.
+    """
+    from sylvie_comm.config import differences
+
+    obj: T | None = None
+    try:
+        obj = build()
+        info: dict[str, Any] = {"error": None, "config": describe(obj)}
+        failure: BaseException | None = None
+    except (ValueError, TypeError, ImportError) as exc:
+        info, failure = {"error": f"{type(exc).__name__}: {exc}", "config": None}, exc
+    everyone = transport.all_gather_object(info)
+    for rank, theirs in enumerate(everyone):
+        if theirs["error"] is not None:
+            if failure is not None:
+                raise failure
+            raise ValueError(f"{what}: rank {rank} could not set up: {theirs['error']}")
+    reference = everyone[0]["config"]
+    for rank, theirs in enumerate(everyone):
+        diff = differences(reference, theirs["config"])
+        if diff:
+            field_, a, b = diff[0]
+            raise ValueError(
+                f"{what}: ranks disagree on the configuration: '{field_}' is {a!r} on rank 0 but {b!r} "
+                f"on rank {rank}; every rank must use the same settings"
+            )
+    assert obj is not None
+    return obj
 
 
 class SerialExecutor:

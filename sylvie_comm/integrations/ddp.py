@@ -38,7 +38,7 @@ from sylvie_comm.codecs.cast import Bf16Codec, CastCodec, Fp16Codec
 from sylvie_comm.codecs.onebit import OneBitCodec
 from sylvie_comm.codecs.sign import SignCodec
 from sylvie_comm.codecs.topk import TopKCodec, topk_count
-from sylvie_comm.collectives import ProcessGroupTransport, SerialExecutor, wire_bytes
+from sylvie_comm.collectives import ProcessGroupTransport, SerialExecutor, agree, wire_bytes
 from sylvie_comm.config import UNCOMPRESSED, Config, differences
 
 if TYPE_CHECKING:
@@ -132,10 +132,10 @@ class HookState:
     def __init__(
         self,
         config: Config,
-        process_group: dist.ProcessGroup | None = None,
+        transport: ProcessGroupTransport,
         named_parameters: Iterable[tuple[str, nn.Parameter]] | None = None,
     ) -> None:
-        # hyperparameters
+        # hyperparameters (no collectives here: make_state() agrees across ranks around this)
         self.config = config
         self.options = self._validate_options(dict(config.options))
         if self.error_feedback and config.warmup_steps < 2:
@@ -144,7 +144,7 @@ class HookState:
                 "because DDP rebuilds its buckets after the first iteration and the hook's per-bucket "
                 "buffers should be laid out once the buckets are final"
             )
-        self.transport = ProcessGroupTransport(process_group)
+        self.transport = transport
         self.world_size = self.transport.world_size
         # internal state
         self.step = 0
@@ -158,9 +158,10 @@ class HookState:
         self._lock = threading.Lock()
         self._total = StepStats()
         self._per_step: dict[int, StepStats] = {}
-        self._agree_across_ranks()
 
-    # ------------------------------------------------------------------ set-up
+    def describe(self) -> dict[str, Any]:
+        """What every rank must agree on."""
+        return {"hook": self.name, **self.config.to_dict()}
 
     def _validate_options(self, options: dict[str, Any]) -> dict[str, Any]:
         unknown = sorted(set(options) - set(self.option_defaults))
@@ -173,19 +174,6 @@ class HookState:
         """Name the parameters (state is keyed by these names)."""
         self._names = {id(p): n for n, p in named_parameters}
         self._auto_names = False
-
-    def _agree_across_ranks(self) -> None:
-        """Every rank compares configurations; any difference fails on every rank, naming the field."""
-        mine = {"hook": self.name, **self.config.to_dict()}
-        everyone = self.transport.all_gather_object({"digest": self.config.digest(), "config": mine})
-        reference = everyone[0]["config"]
-        for rank, theirs in enumerate(everyone):
-            if theirs["digest"] != everyone[0]["digest"] or theirs["config"] != reference:
-                field_, a, b = differences(reference, theirs["config"])[0]
-                raise ValueError(
-                    f"sylvie_comm.ddp: ranks disagree on the hook configuration: '{field_}' is {a!r} on rank 0 "
-                    f"but {b!r} on rank {rank}; every rank must register the same hook"
-                )
 
     def _name_of(self, p: torch.Tensor) -> str:
         name = self._names.get(id(p))
@@ -914,24 +902,27 @@ def make_state(
     **options: Any,
 ) -> HookState:
     """Build the state of a hook (a collective call: every rank must make it)."""
-    if config is None:
-        config = Config(codec=codec or "acpsgd")
-    elif codec is not None and codec != config.codec:
-        raise ValueError(f"ddp: codec {codec!r} given with a config for {config.codec!r}; pass one of them")
-    extra: dict[str, Any] = {
-        k: options.pop(k) for k in ("warmup_steps", "min_compression_rate", "seed") if k in options
-    }
-    if options or extra:
-        d = config.to_dict()
-        d["options"] = {**d["options"], **options}
-        d.update(extra)
-        config = Config.from_dict(d)
-    cls = HOOKS.get(config.codec)
-    if cls is None:
-        raise ValueError(f"ddp: unknown hook {config.codec!r}; available: {', '.join(sorted(HOOKS))}")
+    transport = ProcessGroupTransport(process_group)  # a collective: every rank gets here
     module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     named = list(module.named_parameters()) if module is not None else None
-    return cls(config, process_group, named)
+
+    def build() -> HookState:
+        cfg = config if config is not None else Config(codec=codec or "acpsgd")
+        if config is not None and codec is not None and codec != config.codec:
+            raise ValueError(f"ddp: codec {codec!r} given with a config for {config.codec!r}; pass one of them")
+        opts = dict(options)
+        extra: dict[str, Any] = {k: opts.pop(k) for k in ("warmup_steps", "min_compression_rate", "seed") if k in opts}
+        if opts or extra:
+            d = cfg.to_dict()
+            d["options"] = {**d["options"], **opts}
+            d.update(extra)
+            cfg = Config.from_dict(d)
+        cls = HOOKS.get(cfg.codec)
+        if cls is None:
+            raise ValueError(f"ddp: unknown hook {cfg.codec!r}; available: {', '.join(sorted(HOOKS))}")
+        return cls(cfg, transport, named)
+
+    return agree(transport, build, lambda state: state.describe(), "sylvie_comm.ddp")
 
 
 def make_hook(
