@@ -79,6 +79,9 @@ def import_dgl() -> Any:
         )
         sys.modules["dgl.graphbolt"] = _GraphboltStub("dgl.graphbolt")
     _dgl_module = importlib.import_module("dgl")
+    stub = sys.modules.get("dgl.graphbolt")
+    if isinstance(stub, _GraphboltStub) and not hasattr(_dgl_module, "graphbolt"):
+        _dgl_module.graphbolt = stub  # so dgl.graphbolt.X explains itself instead of AttributeError
     return _dgl_module
 
 

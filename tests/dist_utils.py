@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import queue as queue_mod
 import socket
@@ -27,7 +28,10 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        # Serialized to bytes: tensors sent through the queue would share memory with a process that exits.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -63,7 +67,10 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, timeout: flo
                     done = sorted(results) + sorted(errors)
                     raise AssertionError(f"distributed run timed out after {timeout}s (ranks done: {done})") from None
                 continue
-            (results if status == "ok" else errors)[rank] = payload
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors[rank] = payload
     finally:
         for p in procs:
             p.join(timeout=10)

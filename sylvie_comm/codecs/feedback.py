@@ -62,11 +62,15 @@ class ErrorFeedback:
             self._residuals[name] = res
         return res
 
-    def encode(self, codec: Codec, name: str, tensor: torch.Tensor) -> Encoded:
+    def encode(self, codec: Codec, name: str, tensor: torch.Tensor, bound_rows: bool = False) -> Encoded:
         """Compensate, encode, decode locally and update the residual; return the encoding.
 
         Works in the residual's own buffer: after the first step no memory of
         the tensor's size is allocated here besides what the codec allocates.
+        With ``bound_rows`` the compensated tensor is clamped into each row's
+        range of ``tensor`` before encoding (see :func:`clamp_rows`): use it
+        with q-bit, whose 1-bit stochastic rounding makes plain error feedback
+        diverge.
         """
         check_tensor(tensor, "ErrorFeedback.encode")
         res = self._residuals.get(name)
@@ -76,7 +80,7 @@ class ErrorFeedback:
         else:
             _check_shape(name, res, tensor)
             comp = res.add_(tensor)
-        encoded = codec.encode(comp)
+        encoded = codec.encode(clamp_rows(comp, tensor) if bound_rows else comp)
         storage = comp.untyped_storage().data_ptr()
         payload = tuple(p.clone() if p.untyped_storage().data_ptr() == storage else p for p in encoded.payload)
         comp.sub_(codec.decode(encoded))  # comp is the residual buffer: it now holds comp - decoded
@@ -108,3 +112,18 @@ def _check_shape(name: str, residual: torch.Tensor, tensor: torch.Tensor) -> Non
             f"ErrorFeedback: '{name}' has shape {tuple(tensor.shape)} but its residual has "
             f"{tuple(residual.shape)}; call reset('{name}') if the tensor changed on purpose"
         )
+
+
+def clamp_rows(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``x`` clamped, row by row (first dimension), into the ``[min, max]`` of the rows of ``like``.
+
+    Error feedback for range-based quantizers (q-bit): quantizing
+    ``clamp_rows(x + residual, x)`` keeps the residual bounded where plain error
+    feedback with 1-bit stochastic rounding grows without bound.
+    """
+    if like.dim() < 2 or like.shape[1] == 0 or like.shape[0] == 0:
+        return x
+    flat = like.reshape(like.shape[0], -1)
+    lo = flat.amin(1).view(-1, *([1] * (like.dim() - 1)))
+    hi = flat.amax(1).view(-1, *([1] * (like.dim() - 1)))
+    return torch.maximum(torch.minimum(x, hi), lo)

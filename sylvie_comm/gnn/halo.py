@@ -12,15 +12,17 @@ on one communication thread and decides which epoch's data each layer uses.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
 
 from sylvie_comm.codecs import ErrorFeedback
 from sylvie_comm.codecs.base import Encoded, TensorMeta
+from sylvie_comm.codecs.feedback import clamp_rows
 from sylvie_comm.codecs.quant import QBitCodec
 from sylvie_comm.collectives import SerialExecutor
 from sylvie_comm.gnn.partition import Partition
@@ -79,6 +81,8 @@ class RowFormat:
     def decode(self, wire: torch.Tensor) -> torch.Tensor:
         """uint8 rows -> fp32 rows."""
         rows = wire.shape[0]
+        if rows == 0:
+            return torch.zeros(0, self.features)
         if self.codec is None:
             return wire.contiguous().view(self.cast).view(rows, self.features).float()
         mb = self.meta_bytes
@@ -87,6 +91,31 @@ class RowFormat:
         enc = Encoded((packed, meta[:, 0].contiguous(), meta[:, 1].contiguous()),
                       TensorMeta(torch.Size((rows, self.features)), torch.float32, wire.device))  # fmt: skip
         return self.codec.decode(enc)
+
+
+def check_partitions(part: Partition, transport: Any) -> None:
+    """Fail on every rank unless the ranks hold matching partitions of one graph (a collective call).
+
+    Rank ``r`` must send rank ``p`` exactly as many rows as ``p`` expects from
+    ``r``; partitions from different runs (or a METIS labelling that differs
+    between processes) would otherwise pair messages of different sizes.
+    """
+    mine = {"rank": part.rank, "num_parts": part.num_parts, "num_nodes": part.num_nodes,
+            "send": part.send_counts, "halo": list(part.halo_counts)}  # fmt: skip
+    everyone = transport.all_gather_object(mine)
+    for r, info in enumerate(everyone):
+        if info["rank"] != r or info["num_parts"] != len(everyone) or info["num_nodes"] != everyone[0]["num_nodes"]:
+            raise ValueError(
+                f"halo: rank {r} holds partition {info['rank']} of {info['num_parts']} of a {info['num_nodes']}-node "
+                f"graph; expected partition {r} of {len(everyone)} of a {everyone[0]['num_nodes']}-node graph"
+            )
+    for r, a in enumerate(everyone):
+        for p, b in enumerate(everyone):
+            if a["send"][p] != b["halo"][r]:
+                raise ValueError(
+                    f"halo: partitions disagree: rank {r} would send {a['send'][p]} rows to rank {p}, which expects "
+                    f"{b['halo'][r]}; make the partitions once (partition() then save_partitions()) and load them"
+                )
 
 
 class HaloExchanger:
@@ -111,11 +140,7 @@ class HaloExchanger:
         error_feedback: bool = False,
         seed: int = 0,
     ) -> None:
-        if transport.world_size != part.num_parts or transport.rank != part.rank:
-            raise ValueError(
-                f"halo: partition {part.rank} of {part.num_parts} does not match this rank "
-                f"({transport.rank} of {transport.world_size})"
-            )
+        check_partitions(part, transport)
         self.part = part
         self.transport = transport
         self.forward_precision = parse_precision(forward)
@@ -148,21 +173,37 @@ class HaloExchanger:
 
     def _encode(self, fmt: RowFormat, rows: torch.Tensor, ef_key: str) -> torch.Tensor:
         if self.error_feedback and fmt.codec is not None:
+            # Range-bounded error feedback: the compensated rows are clamped into each row's own
+            # [min, max] before quantizing, so the quantizer range never grows with the residual.
+            # Plain error feedback diverges with 1-bit stochastic rounding (its error can reach the
+            # whole range, which then widens the next range); bounded, it behaves like a first-order
+            # sigma-delta modulator and the residual stays within a few quantization steps.
             comp = self.feedback.compensate(ef_key, rows)
-            wire = fmt.encode(comp)
+            wire = fmt.encode(clamp_rows(comp, rows))
             self.feedback.update(ef_key, comp, fmt.decode(wire))
             return wire
         return fmt.encode(rows)
 
-    def features_job(self, inner: torch.Tensor, key: str) -> Callable[[], torch.Tensor]:
-        """Encode boundary rows now; the returned job sends them and returns the decoded halo rows."""
+    def features_job(
+        self, inner: torch.Tensor, key: str, feedback: bool = True, precision: str | None = None
+    ) -> Callable[[], torch.Tensor]:
+        """Encode boundary rows now; the returned job sends them and returns the decoded halo rows.
+
+        ``feedback=False`` leaves the error-feedback residuals alone (evaluation
+        passes); ``precision`` overrides the forward precision (one-off exchanges).
+        """
         if inner.dim() != 2 or inner.shape[0] != self.part.n_inner:
             raise ValueError(
                 f"halo: expected features of shape ({self.part.n_inner}, F) for this partition's inner nodes, "
                 f"got {tuple(inner.shape)}"
             )
-        fmt = self._format("forward", inner.shape[1], key)
-        wire = self._encode(fmt, inner[self.boundary].float(), f"forward/{key}")
+        fmt = (
+            self._format("forward", inner.shape[1], key)
+            if precision is None
+            else RowFormat(parse_precision(precision), inner.shape[1], self.meta_dtype, self.seed)
+        )
+        rows = inner[self.boundary].float()
+        wire = self._encode(fmt, rows, f"forward/{key}") if feedback else fmt.encode(rows)
         send = wire[self.pick]
         self.bytes_sent["forward"] += (send.shape[0] - self.send_counts[self.part.rank]) * fmt.row_bytes
 
@@ -222,6 +263,7 @@ class HaloPipeline:
         self.last_sync = 0
         self._queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
         self._observed: collections.Counter[int] = collections.Counter()
+        self._evaluating = False
 
     def is_sync(self, epoch: int) -> bool:
         return self.staleness == 0 or epoch == 0 or (self.sync_every > 0 and epoch % self.sync_every == 0)
@@ -240,8 +282,27 @@ class HaloPipeline:
         self._queues[name].append(pending)
         return pending
 
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Exchanges inside run synchronously, outside the pipeline and without error feedback."""
+        self._evaluating = True
+        try:
+            yield
+        finally:
+            self._evaluating = False
+
+    def exchange_once(self, inner: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
+        """One synchronous exchange outside the pipeline (e.g. the raw input features, once)."""
+        job = self.exchanger.features_job(inner.detach(), "once", feedback=False, precision=precision)
+        out: torch.Tensor = self.executor.submit(job).wait()
+        return out
+
     def features(self, layer: int, inner: torch.Tensor) -> torch.Tensor:
         """Halo rows for this layer: fresh in a synchronous epoch, else from epoch max(t - S, last sync)."""
+        if self._evaluating:
+            job = self.exchanger.features_job(inner.detach(), str(layer), feedback=False)
+            fresh: torch.Tensor = self.executor.submit(job).wait()
+            return fresh
         name = f"f{layer}"
         mine = self._launch(name, self.exchanger.features_job(inner.detach(), str(layer)))
         if mine.sync:

@@ -14,7 +14,7 @@ inner node, so neighbour means and sums equal the full graph's.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,8 +140,7 @@ def assign_metis(src: torch.Tensor, dst: torch.Tensor, num_nodes: int, num_parts
     if _deps.with_dgl():
         dgl = _deps.import_dgl()
         g = dgl.graph((s, d), num_nodes=num_nodes)
-        assign: torch.Tensor = dgl.metis_partition_assignment(g, num_parts).long()
-        return assign
+        return canonical_labels(dgl.metis_partition_assignment(g, num_parts).long(), num_parts)
     if not _deps.WITH_PYMETIS:
         raise ImportError("partition: method='metis' requires 'dgl' or 'pymetis': pip install 'sylvie-comm[dgl]'")
     import numpy as np
@@ -150,7 +149,21 @@ def assign_metis(src: torch.Tensor, dst: torch.Tensor, num_nodes: int, num_parts
     xadj = torch.zeros(num_nodes + 1, dtype=torch.int64)
     xadj[1:] = torch.bincount(s, minlength=num_nodes).cumsum(0)
     _, membership = pymetis.part_graph(num_parts, xadj=xadj.numpy(), adjncy=d.numpy())
-    return torch.from_numpy(np.asarray(membership, dtype=np.int64))
+    return canonical_labels(torch.from_numpy(np.asarray(membership, dtype=np.int64)), num_parts)
+
+
+def canonical_labels(assign: torch.Tensor, num_parts: int) -> torch.Tensor:
+    """Renumber parts by their smallest node id.
+
+    METIS through DGL returns the same parts under different labels from one
+    process to the next, so ranks partitioning on their own would disagree on
+    who owns what; canonical labels make every rank's call identical.
+    """
+    first = torch.full((num_parts,), assign.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, assign, torch.arange(assign.numel()), reduce="amin")
+    relabel = torch.empty(num_parts, dtype=torch.int64)
+    relabel[torch.argsort(first)] = torch.arange(num_parts)
+    return relabel[assign]
 
 
 def partition(
@@ -250,3 +263,30 @@ def partition(
             )
         )
     return parts
+
+
+def shared_partition(
+    make_graph: Callable[[], Any],
+    rank: int,
+    num_parts: int,
+    folder: str | Path,
+    method: str = "metis",
+    seed: int = 0,
+) -> Partition:
+    """Partition once on rank 0, then every rank loads its own part (a collective: uses a barrier).
+
+    ``make_graph()`` returns a :class:`~sylvie_comm.gnn.data.GraphData` (or
+    anything with ``src``, ``dst``, ``num_nodes`` and ``ndata``); only rank 0
+    calls it. Partitioning on every rank separately is fragile: METIS through
+    DGL does not always return the same parts in different processes.
+    """
+    import torch.distributed as dist
+
+    folder = Path(folder)
+    if rank == 0:
+        g = make_graph()
+        parts = partition((g.src, g.dst), num_parts, method, num_nodes=g.num_nodes, ndata=g.ndata, seed=seed)
+        save_partitions(parts, folder)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return load_partition(folder, rank)

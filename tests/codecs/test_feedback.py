@@ -77,3 +77,15 @@ def test_shape_change_is_an_error():
         ef.encode(codec, "a", torch.randn(8))
     ef.reset("a")
     ef.encode(codec, "a", torch.randn(8))
+
+
+def test_one_bit_qbit_needs_range_bounded_feedback():
+    """Plain error feedback with 1-bit stochastic rounding grows without bound; bounded rows stay put."""
+    x = torch.randn(50, 64)
+    codec = sylvie_comm.get_codec("qbit", bits=1)
+    plain, bounded = ErrorFeedback(), ErrorFeedback()
+    for _ in range(20):
+        plain.encode(codec, "x", x)
+        bounded.encode(codec, "x", x, bound_rows=True)
+    assert plain.residual("x").norm() > 100 * x.norm()
+    assert bounded.residual("x").norm() < 3 * x.norm()

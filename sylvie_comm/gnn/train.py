@@ -1,0 +1,215 @@
+"""Distributed full-graph training on one partition per rank.
+
+:class:`Trainer` wires the pieces: the halo transport (a process group of its
+own), the exchanger (precision per direction, error feedback), the
+bounded-staleness pipeline, the model on the local block, and the weight
+gradient all-reduce (DDP, optionally with a sylvie_comm gradient hook). The
+loss is the global mean over training nodes, so with staleness 0 and fp32
+exchange the gradients equal single-process full-graph training's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import resource
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from sylvie_comm.collectives import ProcessGroupTransport, agree, wire_bytes
+from sylvie_comm.gnn.halo import HaloExchanger, HaloPipeline, parse_precision
+from sylvie_comm.gnn.models import FullGraphGNN, LocalGraph
+from sylvie_comm.gnn.partition import Partition
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything every rank must agree on."""
+
+    model: str = "sage"  # "sage" (mean) or "gcn"
+    hidden: int = 64
+    layers: int = 2
+    dropout: float = 0.0
+    lr: float = 0.01
+    weight_decay: float = 0.0
+    forward: str = "fp32"  # halo features: fp32 | bf16 | fp16 | q1 | q2 | q4 | q8
+    backward: str = "fp32"  # halo gradients, same choices
+    meta_dtype: str = "fp32"  # scale/min of q-bit rows: fp32 | bf16
+    error_feedback: bool = False
+    staleness: int = 0  # 0: synchronous
+    sync_every: int = 0  # every K-th epoch synchronous (0: only epoch 0)
+    backend: str = "auto"  # layers: auto | dgl | torch
+    grad_hook: str | None = None  # a sylvie_comm.ddp hook for the weight gradients (None: fp32 all-reduce)
+    precompute_first: bool = True  # aggregate the fixed input features once (fp32): no first-layer exchange
+    seed: int = 0
+
+    def validated(self) -> TrainConfig:
+        return dataclasses.replace(self, forward=parse_precision(self.forward), backward=parse_precision(self.backward))
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class Trainer:
+    """Full-graph training of one rank's partition (a collective constructor: every rank builds one)."""
+
+    def __init__(self, part: Partition, config: TrainConfig, process_group: dist.ProcessGroup | None = None) -> None:
+        self.part = part
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(process_group) if distributed else 1
+        self.transport = ProcessGroupTransport(process_group) if distributed else None
+        feat = part.ndata.get("feat")
+
+        def build() -> TrainConfig:
+            if feat is None or "label" not in part.ndata or "train_mask" not in part.ndata:
+                raise ValueError("gnn: the partition needs node data 'feat', 'label' and 'train_mask'")
+            if part.num_parts != self.world:
+                raise ValueError(f"gnn: {part.num_parts} partitions for {self.world} ranks; they must match")
+            return config.validated()
+
+        def describe(cfg: TrainConfig) -> dict[str, Any]:
+            return {**dataclasses.asdict(cfg), "num_parts": part.num_parts, "num_nodes": part.num_nodes,
+                    "features": int(feat.shape[1]) if feat is not None else None}  # fmt: skip
+
+        if self.transport is not None:
+            self.config = agree(self.transport, build, describe, "sylvie_comm.gnn")
+        else:
+            self.config = build()
+        cfg = self.config
+        self.pipeline: HaloPipeline | None = None
+        if self.transport is not None and self.world > 1:
+            exchanger = HaloExchanger(part, self.transport, cfg.forward, cfg.backward, cfg.meta_dtype,
+                                      cfg.error_feedback, cfg.seed)  # fmt: skip
+            self.pipeline = HaloPipeline(exchanger, cfg.staleness, cfg.sync_every)
+        self.graph = LocalGraph(part, self.pipeline)
+        self.x = part.ndata["feat"].float()
+        self.y = part.ndata["label"]
+        self.first_aggregate: torch.Tensor | None = None
+        if cfg.precompute_first:
+            # The input never changes: exchange its halo rows once, exactly, and aggregate once.
+            halo_x = self.pipeline.exchange_once(self.x) if self.pipeline is not None else self.x[:0]
+            self.first_aggregate = self.graph.first_aggregate(cfg.model, torch.cat([self.x, halo_x]))
+        num_classes = self._all_reduce_max(int(self.y.max().item()) + 1 if self.y.numel() else 0)
+        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+        self.model = FullGraphGNN(cfg.model, self.x.shape[1], cfg.hidden, num_classes, cfg.layers, cfg.dropout,
+                                  cfg.backend)  # fmt: skip
+        self.net: torch.nn.Module = self.model
+        self.hook_state = None
+        if self.world > 1:
+            self.net = torch.nn.parallel.DistributedDataParallel(self.model, process_group=process_group)
+            if cfg.grad_hook is not None:
+                from sylvie_comm.integrations.ddp import register
+
+                self.hook_state = register(self.net, cfg.grad_hook, process_group=process_group)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.masks: dict[str, torch.Tensor] = {
+            k: part.ndata[k] for k in ("train_mask", "val_mask", "test_mask") if k in part.ndata
+        }
+        self.train_count = self._all_reduce_sum(torch.tensor([float(self.masks["train_mask"].sum())]))[0].item()
+        self.epoch = -1
+        self.params = sum(p.numel() for p in self.model.parameters())
+
+    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    def _all_reduce_max(self, v: int) -> int:
+        t = torch.tensor([v])
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def forward(self) -> torch.Tensor:
+        """Logits of this rank's inner nodes."""
+        return self.net(self.graph, self.x, self.first_aggregate)  # type: ignore[no-any-return]
+
+    def loss(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sum of cross-entropy over local training nodes / global training count (times the world size,
+        because DDP averages gradients over ranks)."""
+        m = self.masks["train_mask"]
+        local = F.cross_entropy(logits[m], self.y[m], reduction="sum") / self.train_count
+        return local * self.world
+
+    def train_epoch(self) -> dict[str, Any]:
+        self.epoch += 1
+        if self.pipeline is not None:
+            self.pipeline.begin_epoch(self.epoch)
+        halo_before = self._halo_bytes()
+        hook_before = self.hook_state.stats()["bytes_sent"] if self.hook_state is not None else 0
+        t0 = time.perf_counter()
+        self.model.train()
+        self.opt.zero_grad()
+        logits = self.forward()
+        loss = self.loss(logits)
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.opt.step()
+        seconds = time.perf_counter() - t0
+        metrics = self._accuracies(logits.detach(), loss.detach() / self.world)
+        if self.hook_state is not None:
+            grad_bytes = self.hook_state.stats()["bytes_sent"] - hook_before
+        else:
+            grad_bytes = wire_bytes("all_reduce", 4 * self.params, self.world)
+        return {
+            "epoch": self.epoch,
+            "seconds": seconds,
+            "halo_bytes": self._halo_bytes() - halo_before,
+            "grad_bytes": grad_bytes,
+            **metrics,
+        }
+
+    def _halo_bytes(self) -> int:
+        if self.pipeline is None:
+            return 0
+        return sum(self.pipeline.exchanger.bytes_sent.values())
+
+    def _accuracies(self, logits: torch.Tensor, loss: torch.Tensor) -> dict[str, float]:
+        pred = logits.argmax(1)
+        vals = [float(loss.item())]
+        names = ["train", "val", "test"]
+        for k in names:
+            m = self.masks.get(f"{k}_mask")
+            vals += [float((pred[m] == self.y[m]).sum()) if m is not None else 0.0,
+                     float(m.sum()) if m is not None else 0.0]  # fmt: skip
+        t = self._all_reduce_sum(torch.tensor(vals, dtype=torch.float64))
+        out = {"loss": float(t[0])}
+        for i, k in enumerate(names):
+            out[f"{k}_acc"] = float(t[1 + 2 * i] / t[2 + 2 * i] * 100) if t[2 + 2 * i] > 0 else float("nan")
+        return out
+
+    @contextlib.contextmanager
+    def _synchronous(self) -> Iterator[None]:
+        if self.pipeline is None:
+            yield
+            return
+        with self.pipeline.evaluating():
+            yield
+
+    def evaluate(self) -> dict[str, float]:
+        """Accuracies with fresh (synchronous, uncompensated) halo data and dropout off."""
+        self.model.eval()
+        with torch.no_grad(), self._synchronous():
+            logits = self.model(self.graph, self.x, self.first_aggregate)
+            m = self.masks["train_mask"]
+            loss = F.cross_entropy(logits[m], self.y[m], reduction="sum") / self.train_count
+            return self._accuracies(logits, loss)
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"peak_rss_mb": peak_rss_mb()}
+        if self.pipeline is not None:
+            out.update(self.pipeline.stats())
+        return out
+
+    def close(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
+        if self.hook_state is not None:
+            self.hook_state.close()
