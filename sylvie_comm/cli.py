@@ -92,6 +92,22 @@ def _run_example(script: Any, nproc: int, extra: list[str], out: Any) -> dict[st
     return result
 
 
+def _bench_gnn(args: argparse.Namespace) -> int:
+    import json
+
+    from sylvie_comm.bench import gnn as bg
+
+    print(f"measuring {len(bg.SETTINGS)} settings on a {args.nodes:,}-node graph ({args.world} ranks) ...",
+          file=sys.stderr)  # fmt: skip
+    res = bg.run(nodes=args.nodes, features=args.features, degree=args.degree, world=args.world,
+                 epochs=args.epochs, layers=args.layers, hidden=args.hidden)  # fmt: skip
+    print(bg.format_table(res))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     """DDP on 2 processes (plain vs ACP-SGD vs one-bit), then full-graph GNN on 4 (fp32 vs 1-bit, S=1)."""
     import json
@@ -181,6 +197,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=5, help="measured steps per hook (default 5)")
     d.add_argument("--out", default="bench-results/ddp.json", help="where to write the JSON results")
     d.set_defaults(func=_bench_ddp)
+
+    gn = bench_sub.add_parser("gnn", help="full-graph GNN: vanilla, PipeGCN-like, 1-bit, Sylvie and ours")
+    gn.add_argument("--nodes", type=int, default=200_000)
+    gn.add_argument("--features", type=int, default=128)
+    gn.add_argument("--degree", type=float, default=10.0)
+    gn.add_argument("--world", type=int, default=4)
+    gn.add_argument("--epochs", type=int, default=10)
+    gn.add_argument("--layers", type=int, default=3)
+    gn.add_argument("--hidden", type=int, default=256)
+    gn.add_argument("--out", default="bench-results/gnn.json", help="where to write the JSON results")
+    gn.set_defaults(func=_bench_gnn)
 
     info = sub.add_parser("info", help="what this installation built and can use")
     info.set_defaults(func=_info)
