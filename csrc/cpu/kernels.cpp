@@ -14,6 +14,7 @@
 #include <stdexcept>
 
 #include "../common/sc_math.h"
+#include "../ops/checks.h"
 #include "isa.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -99,22 +100,7 @@ constexpr int64_t kSegment = 1 << 16;
 // Minimum elements per parallel task.
 constexpr int64_t kGrainElems = 1 << 15;
 
-void check_float_input(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(x.device().is_cpu(), op, ": expected a CPU tensor, got device ", x.device());
-  auto t = x.scalar_type();
-  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, op,
-              ": expected a float32, float16 or bfloat16 tensor, got ", t);
-}
-
-void check_bits(int64_t bits, const char* op) {
-  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, op, ": bits must be one of {1, 2, 4, 8}, got ",
-              bits);
-}
-
-void check_out_dtype(at::ScalarType t, const char* op) {
-  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, op,
-              ": dtype must be float32, float16 or bfloat16, got ", t);
-}
+constexpr c10::DeviceType kCPU = c10::DeviceType::CPU;
 
 // Calls fn(block_ptr, block_len, block_offset) over [0, n) in fp32, converting
 // from scalar_t in blocks of kConv when scalar_t is not float.
@@ -169,9 +155,7 @@ float nan_f() { return std::numeric_limits<float>::quiet_NaN(); }
 // ---------------------------------------------------------------- pack / unpack
 
 at::Tensor pack_bits_cpu(const at::Tensor& values_, int64_t bits) {
-  check_bits(bits, "pack_bits");
-  TORCH_CHECK(values_.dim() == 2, "pack_bits: expected a 2-D tensor, got ", values_.dim(), " dimensions");
-  TORCH_CHECK(values_.scalar_type() == at::kByte, "pack_bits: expected uint8 values, got ", values_.scalar_type());
+  checks::pack_bits(values_, bits, kCPU);
   at::Tensor values = values_.contiguous();
   const int64_t rows = values.size(0), cols = values.size(1), pc = sc_packed_cols(cols, static_cast<int>(bits));
   at::Tensor out = at::empty({rows, pc}, values.options());
@@ -193,13 +177,8 @@ at::Tensor pack_bits_cpu(const at::Tensor& values_, int64_t bits) {
 }
 
 at::Tensor unpack_bits_cpu(const at::Tensor& packed_, int64_t bits, int64_t cols) {
-  check_bits(bits, "unpack_bits");
-  TORCH_CHECK(packed_.dim() == 2, "unpack_bits: expected a 2-D tensor, got ", packed_.dim(), " dimensions");
-  TORCH_CHECK(packed_.scalar_type() == at::kByte, "unpack_bits: expected uint8, got ", packed_.scalar_type());
-  TORCH_CHECK(cols >= 0, "unpack_bits: cols must be >= 0, got ", cols);
+  checks::unpack_bits(packed_, bits, cols, kCPU);
   const int64_t pc = sc_packed_cols(cols, static_cast<int>(bits));
-  TORCH_CHECK(packed_.size(1) == pc, "unpack_bits: ", cols, " values of ", bits, " bits need ", pc,
-              " bytes per row, got ", packed_.size(1));
   at::Tensor packed = packed_.contiguous();
   const int64_t rows = packed.size(0);
   at::Tensor out = at::empty({rows, cols}, packed.options());
@@ -215,9 +194,8 @@ at::Tensor unpack_bits_cpu(const at::Tensor& packed_, int64_t bits, int64_t cols
 // ---------------------------------------------------------------- one-bit
 
 std::tuple<at::Tensor, at::Tensor> onebit_encode_cpu(const at::Tensor& x_, int64_t chunk_size, bool norm_scale) {
-  check_float_input(x_, "onebit_encode");
-  TORCH_CHECK(chunk_size > 0 && chunk_size % 8 == 0, "onebit_encode: chunk_size must be a positive multiple of 8, got ",
-              chunk_size);
+  checks::float_input(x_, kCPU, "onebit_encode");
+  checks::chunk_size(chunk_size, "onebit_encode");
   at::Tensor x = x_.contiguous();
   const int64_t n = x.numel();
   const int64_t chunks = (n + chunk_size - 1) / chunk_size;
@@ -247,17 +225,9 @@ std::tuple<at::Tensor, at::Tensor> onebit_encode_cpu(const at::Tensor& x_, int64
 
 void onebit_decode_into_cpu(const at::Tensor& packed_, const at::Tensor& scales_, int64_t chunk_size,
                             const at::Tensor& out) {
-  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous(), "onebit_decode_into: out must be a contiguous CPU tensor");
-  check_out_dtype(out.scalar_type(), "onebit_decode_into");
-  TORCH_CHECK(chunk_size > 0 && chunk_size % 8 == 0, "onebit_decode: chunk_size must be a positive multiple of 8, got ",
-              chunk_size);
+  checks::onebit_decode_into(packed_, scales_, chunk_size, out, kCPU);
   const int64_t numel = out.numel();
-  TORCH_CHECK(packed_.scalar_type() == at::kByte && packed_.numel() == (numel + 7) / 8,
-              "onebit_decode: expected ", (numel + 7) / 8, " uint8 bytes for ", numel, " values, got ",
-              packed_.numel(), " of ", packed_.scalar_type());
   const int64_t chunks = (numel + chunk_size - 1) / chunk_size;
-  TORCH_CHECK(scales_.scalar_type() == at::kFloat && scales_.numel() == chunks, "onebit_decode: expected ", chunks,
-              " float32 scales, got ", scales_.numel(), " of ", scales_.scalar_type());
   at::Tensor packed = packed_.contiguous(), scales = scales_.contiguous();
   const uint8_t* p = packed.data_ptr<uint8_t>();
   const float* sc = scales.data_ptr<float>();
@@ -278,8 +248,7 @@ void onebit_decode_into_cpu(const at::Tensor& packed_, const at::Tensor& scales_
 
 at::Tensor onebit_decode_cpu(const at::Tensor& packed, const at::Tensor& scales, int64_t numel, int64_t chunk_size,
                              at::ScalarType dtype) {
-  check_out_dtype(dtype, "onebit_decode");
-  TORCH_CHECK(numel >= 0, "onebit_decode: numel must be >= 0, got ", numel);
+  checks::decode_alloc(dtype, numel, "numel", "onebit_decode");
   at::Tensor out = at::empty({numel}, packed.options().dtype(dtype));
   onebit_decode_into_cpu(packed, scales, chunk_size, out);
   return out;
@@ -289,11 +258,7 @@ at::Tensor onebit_decode_cpu(const at::Tensor& packed, const at::Tensor& scales,
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qbit_encode_cpu(const at::Tensor& x_, int64_t bits, int64_t seed,
                                                                int64_t offset, at::ScalarType meta_dtype) {
-  check_float_input(x_, "qbit_encode");
-  check_bits(bits, "qbit_encode");
-  TORCH_CHECK(x_.dim() == 2, "qbit_encode: expected a 2-D tensor (rows, cols), got ", x_.dim(), " dimensions");
-  TORCH_CHECK(meta_dtype == at::kFloat || meta_dtype == at::kBFloat16,
-              "qbit_encode: meta_dtype must be float32 or bfloat16, got ", meta_dtype);
+  checks::qbit_encode(x_, bits, meta_dtype, kCPU);
   at::Tensor x = x_.contiguous();
   const int64_t rows = x.size(0), cols = x.size(1);
   const int b = static_cast<int>(bits);
@@ -389,22 +354,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qbit_encode_cpu(const at::Tensor&
 
 void qbit_decode_into_cpu(const at::Tensor& packed_, const at::Tensor& scale_, const at::Tensor& minimum_,
                           int64_t bits, const at::Tensor& out) {
-  check_bits(bits, "qbit_decode");
-  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == 2,
-              "qbit_decode_into: out must be a contiguous 2-D CPU tensor, got shape ", out.sizes());
-  check_out_dtype(out.scalar_type(), "qbit_decode");
-  TORCH_CHECK(packed_.dim() == 2 && packed_.scalar_type() == at::kByte,
-              "qbit_decode: expected a 2-D uint8 packed tensor, got ", packed_.dim(), "-D ", packed_.scalar_type());
+  checks::qbit_decode_into(packed_, scale_, minimum_, bits, out, kCPU);
   const int b = static_cast<int>(bits);
   const int64_t rows = out.size(0), cols = out.size(1), pc = sc_packed_cols(cols, b);
-  TORCH_CHECK(packed_.size(0) == rows && packed_.size(1) == pc, "qbit_decode: ", rows, " rows of ", cols,
-              " values of ", bits, " bits need packed shape [", rows, ", ", pc, "], got ", packed_.sizes());
-  for (const at::Tensor* m : {&scale_, &minimum_}) {
-    TORCH_CHECK(m->dim() == 1 && m->size(0) == rows, "qbit_decode: expected ", rows,
-                " per-row scale and minimum values, got shape ", m->sizes());
-    TORCH_CHECK(m->scalar_type() == at::kFloat || m->scalar_type() == at::kBFloat16,
-                "qbit_decode: scale and minimum must be float32 or bfloat16, got ", m->scalar_type());
-  }
   at::Tensor packed = packed_.contiguous();
   at::Tensor scale = scale_.to(at::kFloat).contiguous(), minimum = minimum_.to(at::kFloat).contiguous();
   const uint8_t* p = packed.data_ptr<uint8_t>();
@@ -430,8 +382,7 @@ void qbit_decode_into_cpu(const at::Tensor& packed_, const at::Tensor& scale_, c
 
 at::Tensor qbit_decode_cpu(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& minimum, int64_t bits,
                            int64_t cols, at::ScalarType dtype) {
-  check_out_dtype(dtype, "qbit_decode");
-  TORCH_CHECK(cols >= 0, "qbit_decode: cols must be >= 0, got ", cols);
+  checks::decode_alloc(dtype, cols, "cols", "qbit_decode");
   TORCH_CHECK(packed.dim() == 2, "qbit_decode: expected a 2-D uint8 packed tensor, got ", packed.dim(), "-D");
   at::Tensor out = at::empty({packed.size(0), cols}, packed.options().dtype(dtype));
   qbit_decode_into_cpu(packed, scale, minimum, bits, out);

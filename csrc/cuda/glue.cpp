@@ -11,35 +11,19 @@
 
 #include "common/sc_math.h"
 #include "cuda/kernels.h"
+#include "ops/checks.h"
 
 namespace sylvie_comm {
 namespace cuda {
 namespace {
 
-void check_float_input(const at::Tensor& x, const char* op) {
-  TORCH_CHECK(x.is_cuda(), op, ": expected a CUDA tensor, got device ", x.device());
-  auto t = x.scalar_type();
-  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, op,
-              ": expected a float32, float16 or bfloat16 tensor, got ", t);
-}
+constexpr c10::DeviceType kCUDA = c10::DeviceType::CUDA;
 
-void check_cuda(const at::Tensor& t, const char* op) {
-  TORCH_CHECK(t.is_cuda(), op, ": expected a CUDA tensor, got device ", t.device());
-}
+void check_cuda(const at::Tensor& t, const char* op) { checks::on_device(t, kCUDA, op); }
 
 // Every tensor an op reads or writes must be on the device its kernels run on.
 void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* what, const char* op) {
   TORCH_CHECK(t.device() == ref.device(), op, ": ", what, " must be on ", ref.device(), ", got ", t.device());
-}
-
-void check_bits(int64_t bits, const char* op) {
-  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, op, ": bits must be one of {1, 2, 4, 8}, got ",
-              bits);
-}
-
-void check_out_dtype(at::ScalarType t, const char* op) {
-  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, op,
-              ": dtype must be float32, float16 or bfloat16, got ", t);
 }
 
 void check_launch(cudaError_t err, const char* op) {
@@ -57,10 +41,7 @@ ScDType sc_dtype(at::ScalarType t) {
 // ---------------------------------------------------------------- pack / unpack
 
 at::Tensor pack_bits_cuda(const at::Tensor& values_, int64_t bits) {
-  check_bits(bits, "pack_bits");
-  check_cuda(values_, "pack_bits");
-  TORCH_CHECK(values_.dim() == 2, "pack_bits: expected a 2-D tensor, got ", values_.dim(), " dimensions");
-  TORCH_CHECK(values_.scalar_type() == at::kByte, "pack_bits: expected uint8 values, got ", values_.scalar_type());
+  checks::pack_bits(values_, bits, kCUDA);
   c10::cuda::CUDAGuard device_guard(values_.device());
   at::Tensor values = values_.contiguous();
   const int b = static_cast<int>(bits);
@@ -73,15 +54,8 @@ at::Tensor pack_bits_cuda(const at::Tensor& values_, int64_t bits) {
 }
 
 at::Tensor unpack_bits_cuda(const at::Tensor& packed_, int64_t bits, int64_t cols) {
-  check_bits(bits, "unpack_bits");
-  check_cuda(packed_, "unpack_bits");
-  TORCH_CHECK(packed_.dim() == 2, "unpack_bits: expected a 2-D tensor, got ", packed_.dim(), " dimensions");
-  TORCH_CHECK(packed_.scalar_type() == at::kByte, "unpack_bits: expected uint8, got ", packed_.scalar_type());
-  TORCH_CHECK(cols >= 0, "unpack_bits: cols must be >= 0, got ", cols);
+  checks::unpack_bits(packed_, bits, cols, kCUDA);
   const int b = static_cast<int>(bits);
-  const int64_t pc = sc_packed_cols(cols, b);
-  TORCH_CHECK(packed_.size(1) == pc, "unpack_bits: ", cols, " values of ", bits, " bits need ", pc,
-              " bytes per row, got ", packed_.size(1));
   c10::cuda::CUDAGuard device_guard(packed_.device());
   at::Tensor packed = packed_.contiguous();
   const int64_t rows = packed.size(0);
@@ -95,9 +69,8 @@ at::Tensor unpack_bits_cuda(const at::Tensor& packed_, int64_t bits, int64_t col
 // ---------------------------------------------------------------- one-bit
 
 std::tuple<at::Tensor, at::Tensor> onebit_encode_cuda(const at::Tensor& x_, int64_t chunk_size, bool norm_scale) {
-  check_float_input(x_, "onebit_encode");
-  TORCH_CHECK(chunk_size > 0 && chunk_size % 8 == 0, "onebit_encode: chunk_size must be a positive multiple of 8, got ",
-              chunk_size);
+  checks::float_input(x_, kCUDA, "onebit_encode");
+  checks::chunk_size(chunk_size, "onebit_encode");
   c10::cuda::CUDAGuard device_guard(x_.device());
   at::Tensor x = x_.contiguous();
   const int64_t n = x.numel();
@@ -116,17 +89,8 @@ std::tuple<at::Tensor, at::Tensor> onebit_encode_cuda(const at::Tensor& x_, int6
 
 void onebit_decode_into_cuda(const at::Tensor& packed_, const at::Tensor& scales_, int64_t chunk_size,
                              const at::Tensor& out) {
-  TORCH_CHECK(out.is_cuda() && out.is_contiguous(), "onebit_decode_into: out must be a contiguous CUDA tensor");
-  check_out_dtype(out.scalar_type(), "onebit_decode_into");
-  TORCH_CHECK(chunk_size > 0 && chunk_size % 8 == 0, "onebit_decode: chunk_size must be a positive multiple of 8, got ",
-              chunk_size);
+  checks::onebit_decode_into(packed_, scales_, chunk_size, out, kCUDA);
   const int64_t numel = out.numel();
-  TORCH_CHECK(packed_.scalar_type() == at::kByte && packed_.numel() == (numel + 7) / 8,
-              "onebit_decode: expected ", (numel + 7) / 8, " uint8 bytes for ", numel, " values, got ",
-              packed_.numel(), " of ", packed_.scalar_type());
-  const int64_t chunks = (numel + chunk_size - 1) / chunk_size;
-  TORCH_CHECK(scales_.scalar_type() == at::kFloat && scales_.numel() == chunks, "onebit_decode: expected ", chunks,
-              " float32 scales, got ", scales_.numel(), " of ", scales_.scalar_type());
   check_same_device(packed_, out, "packed", "onebit_decode");
   check_same_device(scales_, out, "scales", "onebit_decode");
   c10::cuda::CUDAGuard device_guard(out.device());
@@ -138,8 +102,7 @@ void onebit_decode_into_cuda(const at::Tensor& packed_, const at::Tensor& scales
 
 at::Tensor onebit_decode_cuda(const at::Tensor& packed, const at::Tensor& scales, int64_t numel, int64_t chunk_size,
                               at::ScalarType dtype) {
-  check_out_dtype(dtype, "onebit_decode");
-  TORCH_CHECK(numel >= 0, "onebit_decode: numel must be >= 0, got ", numel);
+  checks::decode_alloc(dtype, numel, "numel", "onebit_decode");
   check_cuda(packed, "onebit_decode");
   at::Tensor out = at::empty({numel}, packed.options().dtype(dtype));
   onebit_decode_into_cuda(packed, scales, chunk_size, out);
@@ -150,11 +113,7 @@ at::Tensor onebit_decode_cuda(const at::Tensor& packed, const at::Tensor& scales
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qbit_encode_cuda(const at::Tensor& x_, int64_t bits, int64_t seed,
                                                                 int64_t offset, at::ScalarType meta_dtype) {
-  check_float_input(x_, "qbit_encode");
-  check_bits(bits, "qbit_encode");
-  TORCH_CHECK(x_.dim() == 2, "qbit_encode: expected a 2-D tensor (rows, cols), got ", x_.dim(), " dimensions");
-  TORCH_CHECK(meta_dtype == at::kFloat || meta_dtype == at::kBFloat16,
-              "qbit_encode: meta_dtype must be float32 or bfloat16, got ", meta_dtype);
+  checks::qbit_encode(x_, bits, meta_dtype, kCUDA);
   c10::cuda::CUDAGuard device_guard(x_.device());
   at::Tensor x = x_.contiguous();
   const int64_t rows = x.size(0), cols = x.size(1);
@@ -174,22 +133,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qbit_encode_cuda(const at::Tensor
 
 void qbit_decode_into_cuda(const at::Tensor& packed_, const at::Tensor& scale_, const at::Tensor& minimum_,
                            int64_t bits, const at::Tensor& out) {
-  check_bits(bits, "qbit_decode");
-  TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() == 2,
-              "qbit_decode_into: out must be a contiguous 2-D CUDA tensor, got shape ", out.sizes());
-  check_out_dtype(out.scalar_type(), "qbit_decode");
-  TORCH_CHECK(packed_.dim() == 2 && packed_.scalar_type() == at::kByte,
-              "qbit_decode: expected a 2-D uint8 packed tensor, got ", packed_.dim(), "-D ", packed_.scalar_type());
+  checks::qbit_decode_into(packed_, scale_, minimum_, bits, out, kCUDA);
   const int b = static_cast<int>(bits);
-  const int64_t rows = out.size(0), cols = out.size(1), pc = sc_packed_cols(cols, b);
-  TORCH_CHECK(packed_.size(0) == rows && packed_.size(1) == pc, "qbit_decode: ", rows, " rows of ", cols,
-              " values of ", bits, " bits need packed shape [", rows, ", ", pc, "], got ", packed_.sizes());
-  for (const at::Tensor* m : {&scale_, &minimum_}) {
-    TORCH_CHECK(m->dim() == 1 && m->size(0) == rows, "qbit_decode: expected ", rows,
-                " per-row scale and minimum values, got shape ", m->sizes());
-    TORCH_CHECK(m->scalar_type() == at::kFloat || m->scalar_type() == at::kBFloat16,
-                "qbit_decode: scale and minimum must be float32 or bfloat16, got ", m->scalar_type());
-  }
+  const int64_t rows = out.size(0), cols = out.size(1);
   check_same_device(packed_, out, "packed", "qbit_decode");
   check_same_device(scale_, out, "scale", "qbit_decode");
   check_same_device(minimum_, out, "minimum", "qbit_decode");
@@ -203,8 +149,7 @@ void qbit_decode_into_cuda(const at::Tensor& packed_, const at::Tensor& scale_, 
 
 at::Tensor qbit_decode_cuda(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& minimum,
                             int64_t bits, int64_t cols, at::ScalarType dtype) {
-  check_out_dtype(dtype, "qbit_decode");
-  TORCH_CHECK(cols >= 0, "qbit_decode: cols must be >= 0, got ", cols);
+  checks::decode_alloc(dtype, cols, "cols", "qbit_decode");
   TORCH_CHECK(packed.dim() == 2, "qbit_decode: expected a 2-D uint8 packed tensor, got ", packed.dim(), "-D");
   check_cuda(packed, "qbit_decode");
   at::Tensor out = at::empty({packed.size(0), cols}, packed.options().dtype(dtype));

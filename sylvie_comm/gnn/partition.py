@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from sylvie_comm import _deps
+from sylvie_comm.gnn.data import symmetrize
 
 METHODS = ("metis", "random")
 
@@ -115,15 +116,6 @@ def _edges_of(graph: Any, num_nodes: int | None) -> tuple[torch.Tensor, torch.Te
     raise TypeError(f"partition: expected (src, dst) edge tensors or a DGLGraph, got {type(graph).__name__}")
 
 
-def _symmetric_simple(src: torch.Tensor, dst: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Undirected, self-loop-free, duplicate-free edge list (both directions), sorted by source."""
-    keep = src != dst
-    s = torch.cat([src[keep], dst[keep]])
-    d = torch.cat([dst[keep], src[keep]])
-    key = torch.unique(s * n + d)
-    return key // n, key % n
-
-
 def assign_random(num_nodes: int, num_parts: int, seed: int = 0) -> torch.Tensor:
     """Balanced random assignment: part sizes differ by at most one node."""
     perm = torch.randperm(num_nodes, generator=torch.Generator().manual_seed(seed))
@@ -136,7 +128,7 @@ def assign_metis(src: torch.Tensor, dst: torch.Tensor, num_nodes: int, num_parts
     """METIS (edge-cut minimizing) assignment: through DGL when it imports, else the pymetis wheel."""
     if num_parts == 1:
         return torch.zeros(num_nodes, dtype=torch.int64)
-    s, d = _symmetric_simple(src, dst, num_nodes)
+    s, d = symmetrize(src, dst, num_nodes)
     if _deps.with_dgl():
         dgl = _deps.import_dgl()
         g = dgl.graph((s, d), num_nodes=num_nodes)

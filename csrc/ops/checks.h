@@ -1,0 +1,112 @@
+// Argument checks shared by the CPU (csrc/cpu/kernels.cpp) and CUDA
+// (csrc/cuda/glue.cpp) registrations of every op, so both devices accept the
+// same inputs and reject the rest with the same messages.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "common/sc_math.h"
+
+namespace sylvie_comm {
+namespace checks {
+
+inline void on_device(const at::Tensor& t, c10::DeviceType type, const char* op) {
+  TORCH_CHECK(t.device().type() == type, op, ": expected a ", c10::DeviceTypeName(type), " tensor, got device ",
+              t.device());
+}
+
+inline void bits(int64_t bits, const char* op) {
+  TORCH_CHECK(bits == 1 || bits == 2 || bits == 4 || bits == 8, op, ": bits must be one of {1, 2, 4, 8}, got ",
+              bits);
+}
+
+inline bool is_float(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+
+inline void float_input(const at::Tensor& x, c10::DeviceType type, const char* op) {
+  on_device(x, type, op);
+  TORCH_CHECK(is_float(x.scalar_type()), op, ": expected a float32, float16 or bfloat16 tensor, got ",
+              x.scalar_type());
+}
+
+inline void out_dtype(at::ScalarType t, const char* op) {
+  TORCH_CHECK(is_float(t), op, ": dtype must be float32, float16 or bfloat16, got ", t);
+}
+
+inline void chunk_size(int64_t chunk, const char* op) {
+  TORCH_CHECK(chunk > 0 && chunk % 8 == 0, op, ": chunk_size must be a positive multiple of 8, got ", chunk);
+}
+
+inline void contiguous_out(const at::Tensor& out, c10::DeviceType type, const char* op, int64_t dim = -1) {
+  TORCH_CHECK(out.device().type() == type && out.is_contiguous() && (dim < 0 || out.dim() == dim), op,
+              ": out must be a contiguous ", dim < 0 ? "" : "2-D ", c10::DeviceTypeName(type),
+              " tensor, got shape ", out.sizes());
+  out_dtype(out.scalar_type(), op);
+}
+
+inline void pack_bits(const at::Tensor& values, int64_t nbits, c10::DeviceType type) {
+  bits(nbits, "pack_bits");
+  on_device(values, type, "pack_bits");
+  TORCH_CHECK(values.dim() == 2, "pack_bits: expected a 2-D tensor, got ", values.dim(), " dimensions");
+  TORCH_CHECK(values.scalar_type() == at::kByte, "pack_bits: expected uint8 values, got ", values.scalar_type());
+}
+
+inline void unpack_bits(const at::Tensor& packed, int64_t nbits, int64_t cols, c10::DeviceType type) {
+  bits(nbits, "unpack_bits");
+  on_device(packed, type, "unpack_bits");
+  TORCH_CHECK(packed.dim() == 2, "unpack_bits: expected a 2-D tensor, got ", packed.dim(), " dimensions");
+  TORCH_CHECK(packed.scalar_type() == at::kByte, "unpack_bits: expected uint8, got ", packed.scalar_type());
+  TORCH_CHECK(cols >= 0, "unpack_bits: cols must be >= 0, got ", cols);
+  const int64_t pc = sc_packed_cols(cols, static_cast<int>(nbits));
+  TORCH_CHECK(packed.size(1) == pc, "unpack_bits: ", cols, " values of ", nbits, " bits need ", pc,
+              " bytes per row, got ", packed.size(1));
+}
+
+inline void onebit_decode_into(const at::Tensor& packed, const at::Tensor& scales, int64_t chunk,
+                               const at::Tensor& out, c10::DeviceType type) {
+  contiguous_out(out, type, "onebit_decode_into");
+  chunk_size(chunk, "onebit_decode");
+  const int64_t numel = out.numel();
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == (numel + 7) / 8, "onebit_decode: expected ",
+              (numel + 7) / 8, " uint8 bytes for ", numel, " values, got ", packed.numel(), " of ",
+              packed.scalar_type());
+  const int64_t chunks = (numel + chunk - 1) / chunk;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == chunks, "onebit_decode: expected ", chunks,
+              " float32 scales, got ", scales.numel(), " of ", scales.scalar_type());
+  on_device(packed, type, "onebit_decode");
+  on_device(scales, type, "onebit_decode");
+}
+
+inline void qbit_encode(const at::Tensor& x, int64_t nbits, at::ScalarType meta_dtype, c10::DeviceType type) {
+  float_input(x, type, "qbit_encode");
+  bits(nbits, "qbit_encode");
+  TORCH_CHECK(x.dim() == 2, "qbit_encode: expected a 2-D tensor (rows, cols), got ", x.dim(), " dimensions");
+  TORCH_CHECK(meta_dtype == at::kFloat || meta_dtype == at::kBFloat16,
+              "qbit_encode: meta_dtype must be float32 or bfloat16, got ", meta_dtype);
+}
+
+inline void qbit_decode_into(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& minimum,
+                             int64_t nbits, const at::Tensor& out, c10::DeviceType type) {
+  bits(nbits, "qbit_decode");
+  contiguous_out(out, type, "qbit_decode_into", 2);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte,
+              "qbit_decode: expected a 2-D uint8 packed tensor, got ", packed.dim(), "-D ", packed.scalar_type());
+  const int64_t rows = out.size(0), cols = out.size(1), pc = sc_packed_cols(cols, static_cast<int>(nbits));
+  TORCH_CHECK(packed.size(0) == rows && packed.size(1) == pc, "qbit_decode: ", rows, " rows of ", cols,
+              " values of ", nbits, " bits need packed shape [", rows, ", ", pc, "], got ", packed.sizes());
+  for (const at::Tensor* m : {&scale, &minimum}) {
+    TORCH_CHECK(m->dim() == 1 && m->size(0) == rows, "qbit_decode: expected ", rows,
+                " per-row scale and minimum values, got shape ", m->sizes());
+    TORCH_CHECK(m->scalar_type() == at::kFloat || m->scalar_type() == at::kBFloat16,
+                "qbit_decode: scale and minimum must be float32 or bfloat16, got ", m->scalar_type());
+    on_device(*m, type, "qbit_decode");
+  }
+  on_device(packed, type, "qbit_decode");
+}
+
+inline void decode_alloc(at::ScalarType dtype, int64_t count, const char* what, const char* op) {
+  out_dtype(dtype, op);
+  TORCH_CHECK(count >= 0, op, ": ", what, " must be >= 0, got ", count);
+}
+
+}  // namespace checks
+}  // namespace sylvie_comm
