@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from sylvie_comm.gnn import data as gdata
 from sylvie_comm.gnn.partition import shared_partition
-from sylvie_comm.gnn.train import TrainConfig, Trainer, peak_rss_mb
+from sylvie_comm.gnn.train import TrainConfig, Trainer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

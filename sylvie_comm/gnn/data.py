@@ -70,6 +70,8 @@ def csbm(
     avg_degree: float = 20.0,
     homophily: float = 0.6,
     signal: float = 0.3,
+    communities: int = 0,
+    locality: float = 0.9,
     seed: int = 0,
 ) -> GraphData:
     """A contextual stochastic block model.
@@ -77,7 +79,12 @@ def csbm(
     Each node gets a class, features ``signal * mu_class + N(0, I)`` (the class
     means are random unit-variance vectors scaled so a single node is hard to
     classify), and about ``avg_degree`` undirected edges, each joining two nodes
-    of the same class with probability ``homophily``.
+    of the same class with probability ``homophily``. With ``communities > 0``
+    the nodes also fall into that many equal blocks of consecutive ids and a
+    fraction ``locality`` of the edges stays inside a block (whatever the
+    classes), as in real graphs with community structure: METIS then finds
+    small edge cuts, where on a pure block model every partition's halo is most
+    of the graph.
     """
     if num_nodes < num_classes or num_classes < 2:
         raise ValueError(f"csbm: need num_classes >= 2 and num_nodes >= num_classes, got {num_nodes}, {num_classes}")
@@ -98,6 +105,12 @@ def csbm(
     cls = y[src]
     partner = by_class[starts[cls] + (torch.rand(m, generator=gen) * counts[cls]).long().clamp(max=counts[cls] - 1)]
     dst = torch.where(same, partner, torch.randint(0, num_nodes, (m,), generator=gen))
+    if communities > 0:
+        size = -(-num_nodes // communities)
+        block_start = (src // size) * size
+        local = block_start + (torch.rand(m, generator=gen) * size).long()
+        inside = (torch.rand(m, generator=gen) < locality) & (local < num_nodes)
+        dst = torch.where(inside, local, dst)
     src, dst = symmetrize(src, dst, num_nodes)
     ndata = {"feat": x.float(), "label": y, **_split_masks(num_nodes, gen)}
     return GraphData("csbm", src, dst, num_nodes, ndata, num_classes)
