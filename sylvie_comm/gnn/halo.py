@@ -323,6 +323,8 @@ class HaloPipeline:
         name = f"g{layer}"
         mine = self._launch(name, self.exchanger.gradients_job(grad_halo.detach(), str(layer)))
         if mine.sync:
+            # Applied now and never again: keep it out of the queue (it would pin its rows forever).
+            self._queues[name].pop()
             mine.applied = True
             return self._applied(mine)
         queue = self._queues[name]
@@ -351,6 +353,10 @@ class HaloPipeline:
             for entry in queue:
                 entry.future.wait()
             queue.clear()
+
+    def pending(self) -> int:
+        """Exchanges held in the queues (at most about ``2 (S + 1)`` per layer)."""
+        return sum(len(q) for q in self._queues.values())
 
     def stats(self) -> dict[str, Any]:
         total = sum(self._observed.values())

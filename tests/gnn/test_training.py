@@ -63,6 +63,29 @@ def _staleness_worker(rank: int, world: int) -> dict[str, Any]:
     return gw.run(rank, world, cfg, 9)
 
 
+def _queue_worker(rank: int, world: int, staleness: int) -> list[int]:
+    from sylvie_comm.gnn.partition import partition
+    from sylvie_comm.gnn.train import TrainConfig, Trainer
+
+    g = gw.small_graph()
+    parts = partition((g.src, g.dst), world, "random", num_nodes=g.num_nodes, ndata=g.ndata)
+    tr = Trainer(parts[rank], TrainConfig(hidden=8, layers=3, backend="torch", staleness=staleness))
+    sizes = []
+    for _ in range(8):
+        tr.train_epoch()
+        sizes.append(tr.pipeline.pending())
+    tr.close()
+    return sizes
+
+
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_pipeline_holds_a_bounded_number_of_exchanges(staleness):
+    """Nothing accumulates epoch after epoch (a synchronous run once kept every gradient exchange)."""
+    for sizes in run_distributed(_queue_worker, 2, staleness):
+        assert max(sizes) <= 2 * 2 * (staleness + 1), sizes
+        assert sizes[-1] == sizes[-2], sizes
+
+
 def test_staleness_is_bounded_and_recorded():
     res = run_distributed(_staleness_worker, 2)
     for r in res:
