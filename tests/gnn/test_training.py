@@ -128,8 +128,9 @@ def test_one_bit_with_staleness_one_keeps_accuracy(tmp_path):
     assert res["sylvie"]["halo_bytes"] * 256 == res["fp32"]["halo_bytes"] * (8 + 8)
 
 
-def _mismatch_worker(rank: int, world: int) -> str:
-    cfg = {"model": "sage", "hidden": 16, "backend": "torch", "staleness": 1 if rank == 0 else 2}
+def _setup_error(rank: int, world: int, per_rank: list[dict[str, Any]]) -> str:
+    """Set up training with this rank's extra options; the ValueError message, or "no error"."""
+    cfg = {"model": "sage", "hidden": 16, "backend": "torch", **per_rank[rank]}
     try:
         gw.run(rank, world, cfg, 1)
     except ValueError as exc:
@@ -138,21 +139,12 @@ def _mismatch_worker(rank: int, world: int) -> str:
 
 
 def test_mismatched_options_fail_on_every_rank():
-    for msg in run_distributed(_mismatch_worker, 2, timeout=60):
+    for msg in run_distributed(_setup_error, 2, [{"staleness": 1}, {"staleness": 2}], timeout=60):
         assert "'staleness' is 1 on rank 0 but 2 on rank 1" in msg
 
 
-def _bad_precision_worker(rank: int, world: int) -> str:
-    cfg = {"model": "sage", "hidden": 16, "backend": "torch", "forward": "q3" if rank == 1 else "q1"}
-    try:
-        gw.run(rank, world, cfg, 1)
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
 def test_invalid_option_on_one_rank_fails_every_rank():
-    msgs = run_distributed(_bad_precision_worker, 2, timeout=60)
+    msgs = run_distributed(_setup_error, 2, [{"forward": "q1"}, {"forward": "q3"}], timeout=60)
     assert "rank 1 could not set up" in msgs[0]
     assert "halo precision must be one of" in msgs[1]
 

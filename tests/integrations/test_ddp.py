@@ -138,37 +138,27 @@ def test_yaml_config_with_per_name_rules(tmp_path):
     assert res["stats"]["last_step"]["collectives"] >= 3
 
 
-def _mismatch_worker(rank: int, world: int) -> str:
+def _register_error(rank: int, world: int, hook_rank: list[int]) -> str:
+    """Register acpsgd with this rank's ``hook_rank`` option; the ValueError message, or "no error"."""
     import sylvie_comm
 
     ddp = torch.nn.parallel.DistributedDataParallel(wl.mlp())
     try:
-        sylvie_comm.ddp.register(ddp, "acpsgd", rank=4 if rank == 0 else 8)
+        sylvie_comm.ddp.register(ddp, "acpsgd", rank=hook_rank[rank])
     except ValueError as exc:
         return str(exc)
     return "no error"
 
 
 def test_config_mismatch_fails_fast_on_every_rank():
-    messages = run_distributed(_mismatch_worker, 2, timeout=60)
+    messages = run_distributed(_register_error, 2, [4, 8], timeout=60)
     for msg in messages:
         assert "'options.rank' is 4 on rank 0 but 8 on rank 1" in msg
 
 
-def _one_rank_invalid_worker(rank: int, world: int) -> str:
-    import sylvie_comm
-
-    ddp = torch.nn.parallel.DistributedDataParallel(wl.mlp())
-    try:
-        sylvie_comm.ddp.register(ddp, "acpsgd", rank=0 if rank == 1 else 4)
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
 def test_an_invalid_option_on_one_rank_fails_every_rank():
     """The rank with the bad option raises its own error; the others learn of it instead of waiting."""
-    messages = run_distributed(_one_rank_invalid_worker, 2, timeout=60)
+    messages = run_distributed(_register_error, 2, [4, 0], timeout=60)
     assert "rank 1 could not set up" in messages[0] and "rank must be an integer >= 1" in messages[0]
     assert "rank must be an integer >= 1, got 0" in messages[1]
 
