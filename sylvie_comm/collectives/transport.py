@@ -1,7 +1,7 @@
 """The transport seam: torch.distributed process groups behind one small interface.
 
-Every collective the integrations issue goes through a transport, which counts
-the bytes each rank puts on the wire. Multi-phase algorithms (PowerSGD's P then
+Every collective the integrations issue goes through a transport; callers count
+what they send with :func:`wire_bytes`. Multi-phase algorithms (PowerSGD's P then
 Q, the one-bit all-to-all then all-gather) run on a :class:`SerialExecutor`: one
 thread per transport that issues collectives in submission order, so every rank
 issues the same collectives in the same order (launching the second phase from
@@ -14,7 +14,6 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 import torch
@@ -43,20 +42,6 @@ def wire_bytes(kind: str, nbytes: int, world_size: int) -> int:
     raise ValueError(f"unknown collective kind {kind!r}; expected all_reduce, all_gather or all_to_all")
 
 
-@dataclass
-class CommStats:
-    """Collectives issued and bytes this rank sent, by kind."""
-
-    collectives: int = 0
-    bytes_sent: int = 0
-    by_kind: dict[str, int] = field(default_factory=dict)
-
-    def add(self, kind: str, nbytes: int) -> None:
-        self.collectives += 1
-        self.bytes_sent += nbytes
-        self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
-
-
 class ProcessGroupTransport:
     """Asynchronous collectives among the ranks of a ``torch.distributed`` process group.
 
@@ -80,30 +65,21 @@ class ProcessGroupTransport:
             self.group = dist.new_group(ranks=ranks)
         else:
             self.group = process_group
-        self.stats = CommStats()
-        self._lock = threading.Lock()
-
-    def _count(self, kind: str, t: torch.Tensor) -> None:
-        with self._lock:
-            self.stats.add(kind, wire_bytes(kind, t.numel() * t.element_size(), self.world_size))
 
     def all_reduce(self, t: torch.Tensor) -> torch.futures.Future[Any]:
         """Sum ``t`` in place across ranks; the future completes when it is done."""
-        self._count("all_reduce", t)
         work = dist.all_reduce(t, group=self.group, async_op=True)
         assert work is not None
         return cast("torch.futures.Future[Any]", work.get_future())
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.futures.Future[Any]:
         """Gather every rank's ``t`` into ``out`` (``world_size * t.numel()`` elements, rank-major)."""
-        self._count("all_gather", t)
         work = _all_gather_single(out, t, group=self.group, async_op=True)
         assert work is not None
         return cast("torch.futures.Future[Any]", work.get_future())
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> torch.futures.Future[Any]:
         """Equal-split all-to-all: block ``j`` of ``t`` goes to rank ``j``; block ``i`` of ``out`` came from ``i``."""
-        self._count("all_to_all", t)
         work = dist.all_to_all_single(out, t, group=self.group, async_op=True)
         assert work is not None
         return cast("torch.futures.Future[Any]", work.get_future())
@@ -112,10 +88,6 @@ class ProcessGroupTransport:
         self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int], in_splits: list[int]
     ) -> torch.futures.Future[Any]:
         """All-to-all with per-peer row counts: rows ``in_splits[j]`` of ``t`` go to rank ``j``."""
-        row = t[0].numel() * t.element_size() if t.dim() and t.shape[0] else 0
-        sent = (sum(in_splits) - in_splits[self.rank]) * row
-        with self._lock:
-            self.stats.add("all_to_all", sent)
         work = dist.all_to_all_single(out, t, out_splits, in_splits, group=self.group, async_op=True)
         assert work is not None
         return cast("torch.futures.Future[Any]", work.get_future())
