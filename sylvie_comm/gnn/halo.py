@@ -153,10 +153,10 @@ class HaloExchanger:
         self.feedback = ErrorFeedback()
         self._formats: dict[tuple[str, int, str], RowFormat] = {}
         # Each boundary row is encoded once; every peer's rows are picked from that encoding.
-        sends = [s for s in part.send_idx]
-        self.boundary = torch.unique(torch.cat(sends)) if sends else torch.zeros(0, dtype=torch.int64)
-        self.pick = torch.cat([torch.searchsorted(self.boundary, s) for s in sends])
+        sends = part.send_idx  # one (possibly empty) list per rank
         self.scatter_idx = torch.cat(sends)  # where returned gradient rows land among the inner rows
+        self.boundary = torch.unique(self.scatter_idx)
+        self.pick = torch.cat([torch.searchsorted(self.boundary, s) for s in sends])
         self.send_counts = part.send_counts
         self.halo_counts = list(part.halo_counts)
         self.bytes_sent = {"forward": 0, "backward": 0}
