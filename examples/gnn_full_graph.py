@@ -8,120 +8,22 @@ Run on four processes (CPU, gloo):
 
 Rank 0 partitions the graph (METIS by default) into a folder; every rank loads
 its own part. Each epoch prints loss, accuracy, epoch time and the bytes rank 0
-put on the wire for halos and weight gradients.
+put on the wire for halos; the run ends with test accuracy and the halo and
+weight-gradient bytes per epoch.
+
+The workload is ``sylvie_comm.demo.gnn_full_graph`` (the one ``sylvie-comm demo``
+runs); its ``train`` holds the whole integration:
+
+    part = shared_partition(make_graph, rank, world, folder, "metis")
+    trainer = Trainer(part, TrainConfig(forward="q1", backward="q1", staleness=1, ...))
+    for epoch in range(epochs):
+        stats = trainer.train_epoch()
+
+This script is its command line, the same as
+``torchrun --nproc_per_node 4 -m sylvie_comm.demo.gnn_full_graph ...``.
 """
 
-from __future__ import annotations
-
-import argparse
-import hashlib
-import json
-import os
-import tempfile
-
-import torch
-import torch.distributed as dist
-from tqdm import tqdm
-
-from sylvie_comm.gnn import data as gdata
-from sylvie_comm.gnn.partition import shared_partition
-from sylvie_comm.gnn.train import TrainConfig, Trainer
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", default="csbm", help="csbm (generated), digits, or an OGB name (with --root)")
-    p.add_argument("--root", default=None, help="OGB data root (the folder holding e.g. ogbn_arxiv/)")
-    p.add_argument("--nodes", type=int, default=4000, help="csbm: number of nodes")
-    p.add_argument("--features", type=int, default=64, help="csbm: feature width")
-    p.add_argument("--model", default="sage", choices=["sage", "gcn"])
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--dropout", type=float, default=0.5)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--epochs", type=int, default=100)
-    p.add_argument("--bits-fwd", default="32", help="halo features: 32, 16 (bf16), fp16, 8, 4, 2 or 1")
-    p.add_argument("--bits-bwd", default="32", help="halo gradients: same choices")
-    p.add_argument("--meta-dtype", default="fp32", choices=["fp32", "bf16"], help="q-bit scale and minimum")
-    p.add_argument("--error-feedback", action="store_true", help="range-bounded error feedback on q-bit halos")
-    p.add_argument("--staleness", type=int, default=0, help="0: synchronous; S: halos up to S epochs old")
-    p.add_argument("--sync-every", type=int, default=0, help="every K-th epoch synchronous (0: only the first)")
-    p.add_argument("--partition", default="metis", choices=["metis", "random"])
-    p.add_argument("--parts-dir", default=None, help="where rank 0 writes the partitions (default: a temp dir)")
-    p.add_argument("--backend", default="auto", choices=["auto", "dgl", "torch"])
-    p.add_argument("--grad-hook", default=None, help="a sylvie_comm.ddp hook for the weight gradients")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json-out", default=None, help="rank 0 writes its results here")
-    p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
-
-
-def precision(bits: str) -> str:
-    return {"32": "fp32", "16": "bf16", "fp16": "fp16"}.get(bits, f"q{bits}")
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29534", rank=0, world_size=1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    def make_graph() -> gdata.GraphData:
-        if args.dataset == "csbm":
-            return gdata.csbm(num_nodes=args.nodes, feat_dim=args.features, seed=args.seed)
-        return gdata.load_dataset(args.dataset, root=args.root)
-
-    tag = hashlib.sha1(f"{args.dataset}/{args.nodes}/{args.features}/{args.seed}/{args.partition}/{world}".encode())
-    folder = args.parts_dir or os.path.join(tempfile.gettempdir(), f"sylvie-comm-parts-{tag.hexdigest()[:12]}")
-    part = shared_partition(make_graph, rank, world, folder, args.partition, args.seed)
-    config = TrainConfig(
-        model=args.model, hidden=args.hidden, layers=args.layers, dropout=args.dropout, lr=args.lr,
-        forward=precision(args.bits_fwd), backward=precision(args.bits_bwd), meta_dtype=args.meta_dtype,
-        error_feedback=args.error_feedback, staleness=args.staleness, sync_every=args.sync_every,
-        backend=args.backend, grad_hook=args.grad_hook, seed=args.seed,
-    )  # fmt: skip
-    trainer = Trainer(part, config)
-    label = f"{config.forward}/{config.backward} S={config.staleness}"
-    bar = tqdm(range(args.epochs), disable=rank != 0 or args.no_progress, desc=label, unit="epoch")
-    history = []
-    for _ in bar:
-        h = trainer.train_epoch()
-        history.append(h)
-        bar.set_postfix(loss=f"{h['loss']:.3f}", train=f"{h['train_acc']:.1f}", s=f"{h['seconds']:.2f}",
-                        halo_kB=f"{h['halo_bytes'] / 1e3:.0f}", refresh=False)  # fmt: skip
-    final = trainer.evaluate()
-    stats = trainer.stats()
-    epochs = len(history)
-    result = {
-        "config": label,
-        "dataset": args.dataset,
-        "world_size": world,
-        "nodes": part.num_nodes,
-        "epochs": epochs,
-        "epoch_seconds": sum(h["seconds"] for h in history[1:]) / max(epochs - 1, 1),  # epoch 0 is synchronous
-        "halo_bytes_per_epoch": sum(h["halo_bytes"] for h in history) / epochs,
-        "grad_bytes_per_epoch": sum(h["grad_bytes"] for h in history) / epochs,
-        "peak_rss_mb": stats["peak_rss_mb"],
-        "max_observed_staleness": stats.get("max_observed_staleness", 0),
-        **{k: final[k] for k in ("train_acc", "val_acc", "test_acc")},
-    }
-    if rank == 0:
-        print(
-            f"{label}: test accuracy {final['test_acc']:.2f}% (val {final['val_acc']:.2f}%) after {epochs} epochs "
-            f"on {world} ranks; {result['epoch_seconds']:.3f} s/epoch; rank 0 sent "
-            f"{result['halo_bytes_per_epoch'] / 1e6:.3f} MB of halos and {result['grad_bytes_per_epoch'] / 1e6:.3f} MB "
-            f"of weight gradients per epoch; observed staleness <= {result['max_observed_staleness']}"
-        )
-        if args.json_out:
-            with open(args.json_out, "w") as f:
-                json.dump(result, f)
-    trainer.close()
-    dist.destroy_process_group()
-    return result
-
+from sylvie_comm.demo import gnn_full_graph
 
 if __name__ == "__main__":
-    main()
+    gnn_full_graph.main()

@@ -1,4 +1,4 @@
-"""Command line: ``sylvie-comm demo | bench kernels | info``."""
+"""Command line: ``sylvie-comm demo | bench kernels | bench ddp | bench gnn | info``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -33,6 +32,16 @@ def _threads(text: str) -> tuple[int, ...]:
     return values
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _bench_kernels(args: argparse.Namespace) -> int:
     from sylvie_comm.bench import kernels as bk
 
@@ -46,24 +55,8 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
-DEMO_CODECS: tuple[tuple[str, list[str]], ...] = (("none", []), ("acpsgd", ["--rank", "4"]), ("onebit", []))
-GNN_DEMO: tuple[tuple[str, list[str]], ...] = (
-    ("fp32, synchronous", []),
-    ("1-bit, staleness 1", ["--bits-fwd", "1", "--bits-bwd", "1", "--staleness", "1"]),
-)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _bench_ddp(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from sylvie_comm.bench import ddp as bd
 
@@ -74,22 +67,6 @@ def _bench_ddp(args: argparse.Namespace) -> int:
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"\nwrote {args.out}")
     return 0
-
-
-def _run_example(script: Any, nproc: int, extra: list[str], out: Any) -> dict[str, Any]:
-    """One torchrun of an example; returns the JSON it wrote (raises with its output on failure)."""
-    import json
-    import os
-    import subprocess
-
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--master_port={_free_port()}", str(script), *extra, "--no-progress", "--json-out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}")
-    result: dict[str, Any] = json.loads(Path(out).read_text())
-    return result
 
 
 def _bench_gnn(args: argparse.Namespace) -> int:
@@ -111,43 +88,17 @@ def _bench_gnn(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     """DDP on 2 processes (plain vs ACP-SGD vs one-bit), then full-graph GNN on 4 (fp32 vs 1-bit, S=1)."""
     import json
-    import tempfile
 
-    examples = Path(__file__).resolve().parents[1] / "examples"
-    if not (examples / "ddp_train.py").exists():
-        print(f"sylvie-comm demo: {examples} not found; run the demo from a source checkout", file=sys.stderr)
-        return 2
-    results: dict[str, Any] = {"ddp": [], "gnn": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        print(f"1) data-parallel training: {args.nproc} processes (gloo), scikit-learn digits, {args.steps} steps, "
-              "the same model and data under three gradient hooks")  # fmt: skip
-        for codec, extra in DEMO_CODECS:
-            print(f"   running {codec} ...", flush=True)
-            cmd = ["--codec", codec, *extra, "--steps", str(args.steps)]
-            results["ddp"].append(_run_example(examples / "ddp_train.py", args.nproc, cmd, Path(tmp) / "d.json"))
-        rows = results["ddp"]
-        base = rows[0]
-        print(f"\n   {'hook':<8}{'accuracy':>10}{'MB sent':>10}{'vs plain':>10}{'wall s':>9}{'encode+decode s':>17}")
-        for r in rows:
-            print(
-                f"   {r['codec']:<8}{r['accuracy']:>9.2f}%{r['bytes_sent'] / 1e6:>10.2f}"
-                f"{base['bytes_sent'] / r['bytes_sent']:>9.1f}x{r['seconds']:>9.1f}"
-                f"{r['encode_seconds'] + r['decode_seconds']:>17.2f}"
-            )
-        print(f"\n2) full-graph GNN: {args.gnn_nproc} processes, generated CSBM graph (4000 nodes), GraphSAGE, "
-              f"{args.epochs} epochs; halo exchange fp32 synchronous vs 1-bit with staleness 1")  # fmt: skip
-        for label, extra in GNN_DEMO:
-            print(f"   running {label} ...", flush=True)
-            cmd = [*extra, "--epochs", str(args.epochs), "--parts-dir", str(Path(tmp) / "parts")]
-            r = _run_example(examples / "gnn_full_graph.py", args.gnn_nproc, cmd, Path(tmp) / "g.json")
-            results["gnn"].append({"label": label, **r})
-        g0 = results["gnn"][0]
-        print(f"\n   {'halo exchange':<24}{'test acc':>9}{'s/epoch':>9}{'halo MB/epoch':>15}{'vs fp32':>9}")
-        for r in results["gnn"]:
-            ratio = g0["halo_bytes_per_epoch"] / r["halo_bytes_per_epoch"] if r["halo_bytes_per_epoch"] else 0.0
-            print(f"   {r['label']:<24}{r['test_acc']:>8.2f}%{r['epoch_seconds']:>9.3f}"
-                  f"{r['halo_bytes_per_epoch'] / 1e6:>15.3f}{ratio:>8.1f}x")  # fmt: skip
-    print("\nMB: bytes rank 0 put on the wire (ring all-reduce/all-gather/all-to-all volumes).")
+    from sylvie_comm import demo
+
+    def echo(text: str) -> None:
+        print(text, flush=True)
+
+    try:
+        results = demo.run(steps=args.steps, nproc=args.nproc, epochs=args.epochs, gnn_nproc=args.gnn_nproc, echo=echo)
+    except RuntimeError as exc:
+        print(f"sylvie-comm demo: {exc}", file=sys.stderr)
+        return 1
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))
@@ -173,11 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sylvie-comm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run the demo on the embedded default")
-    demo.add_argument("--steps", type=int, default=1000, help="training steps per hook (default 1000)")
-    demo.add_argument("--nproc", type=int, default=2, help="DDP processes (default 2)")
-    demo.add_argument("--gnn-nproc", type=int, default=4, help="GNN processes (default 4)")
-    demo.add_argument("--epochs", type=int, default=100, help="GNN epochs per run (default 100)")
+    demo = sub.add_parser("demo", help="DDP under three gradient hooks, then full-graph GNN with fp32 and 1-bit halos")
+    demo.add_argument("--steps", type=_positive, default=1000, help="DDP training steps per hook (default 1000)")
+    demo.add_argument("--nproc", type=_positive, default=2, help="DDP processes (default 2)")
+    demo.add_argument("--gnn-nproc", type=_positive, default=4, help="GNN processes (default 4)")
+    demo.add_argument("--epochs", type=_positive, default=100, help="GNN epochs per run (default 100)")
     demo.add_argument("--out", default="bench-results/demo.json", help="where to write the JSON results")
     demo.set_defaults(func=_demo)
 

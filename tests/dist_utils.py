@@ -79,3 +79,57 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, timeout: flo
     if errors:
         raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
     return [results[r] for r in range(world)]
+
+
+def run_distributed_losing(
+    fn: Callable[..., Any], world: int, *args: Any, lost: tuple[int, ...] = (1,), timeout: float = 120.0
+) -> dict[int, Any]:
+    """Like :func:`run_distributed`, but the ranks in ``lost`` are expected to die or hang (``fn`` makes them).
+
+    Returns the results of the surviving ranks, by rank. Fails if a survivor raises, dies without
+    reporting or does not report within ``timeout`` seconds, or if a lost rank reports anything.
+    Lost ranks still running once the survivors have reported are killed.
+    """
+    if not lost or any(not 0 <= r < world for r in lost) or len(set(lost)) == world:
+        raise ValueError(f"lost must name some but not all of the ranks 0..{world - 1}, got {lost}")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, queue, args), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    survivors = [r for r in range(world) if r not in lost]
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < len(survivors):
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                silent = [r for r in survivors if r not in results and r not in errors]
+                dead = [r for r in silent if procs[r].exitcode not in (None, 0)]
+                if dead:
+                    raise AssertionError(f"surviving rank(s) {dead} died without reporting (exit codes "
+                                         f"{[procs[r].exitcode for r in dead]})") from None  # fmt: skip
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"surviving rank(s) {silent} did not report within {timeout}s") from None
+                continue
+            if rank in lost:
+                what = payload if status == "error" else "a result"
+                raise AssertionError(f"rank {rank} was to be lost but reported {status}:\n{what}")
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors[rank] = payload
+    finally:
+        for r in lost:
+            if procs[r].is_alive():
+                procs[r].kill()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+    return results

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 import tracemalloc
@@ -27,8 +28,23 @@ def seconds_per_call(fn: Callable[[], Any], min_time: float = 0.2, max_calls: in
     return statistics.median(times)
 
 
+# Kineto, the profiler's backend, logs a "profiler_start" and a "profiler_stop" line to stderr each time a
+# trace starts and stops. Those lines have a severity of their own, USDT (5), above ERROR (4), so the default
+# threshold, which hides kineto's info, warning and stage lines, lets them through: two lines per measurement.
+# Kineto reads KINETO_LOG_LEVEL once, when the profiler first starts in a process; 6 is above every severity
+# and silences kineto's log (its errors too) for that process. The memory events read here are recorded by
+# torch's allocator hooks, not logged by kineto.
+_KINETO_QUIET_LEVEL = "6"
+
+
+def _quiet_kineto() -> None:
+    """Raise kineto's log threshold above its trace markers, unless the user chose a level."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", _KINETO_QUIET_LEVEL)
+
+
 def peak_torch_bytes(fn: Callable[[], Any]) -> int:
     """Peak bytes of CPU tensor memory allocated during one call of ``fn`` (its outputs included)."""
+    _quiet_kineto()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted((e for e in prof.events() if e.cpu_memory_usage != 0), key=lambda e: e.time_range.start)

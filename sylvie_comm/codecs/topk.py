@@ -27,12 +27,12 @@ class TopKCodec(Codec):
     Biased: use with error feedback.
 
     Args:
-        ratio: fraction of entries kept, in (0, 1] (default 0.01).
+        ratio: fraction of entries kept, in (0, 1] (default 0.1).
     """
 
     name: ClassVar[str] = "topk"
 
-    def __init__(self, *, ratio: float = 0.01) -> None:
+    def __init__(self, *, ratio: float = 0.1) -> None:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
             raise ValueError(f"topk: ratio must be in (0, 1], got {ratio!r}")
         self.ratio = float(ratio)

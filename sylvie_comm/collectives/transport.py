@@ -7,20 +7,30 @@ thread per transport that issues collectives in submission order, so every rank
 issues the same collectives in the same order (launching the second phase from
 future callbacks, as PyTorch's ``powerSGD_hook`` does, lets different ranks
 interleave buckets differently and gloo aborts with a size mismatch).
+
+A collective that fails (a peer died, or did not answer within the transport's
+``timeout``) completes its future with a :class:`CollectiveError` naming the
+collective, never with the half-written buffer.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import queue
 import threading
+import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar, cast
+from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 # all_gather_single replaces all_gather_into_tensor (deprecated) where torch has it.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+Future = torch.futures.Future
 
 
 def wire_bytes(kind: str, nbytes: int, world_size: int) -> int:
@@ -42,6 +52,25 @@ def wire_bytes(kind: str, nbytes: int, world_size: int) -> int:
     raise ValueError(f"unknown collective kind {kind!r}; expected all_reduce, all_gather or all_to_all")
 
 
+# How long a collective on a transport's own group may wait for its peers. Long enough for a rank-0-only
+# evaluation or checkpoint between two steps; short enough that a hung peer fails the job in minutes
+# (torch's gloo default is 30 minutes).
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class CollectiveError(RuntimeError):
+    """A collective did not complete: a peer is gone (it died or closed its connection) or did not answer in time."""
+
+
+def _timeout_seconds(timeout: float | timedelta | None) -> float:
+    if timeout is None:
+        return DEFAULT_TIMEOUT_S
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+        raise ValueError(f"sylvie_comm: timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+    return float(seconds)
+
+
 class ProcessGroupTransport:
     """Asynchronous collectives among the ranks of a ``torch.distributed`` process group.
 
@@ -51,52 +80,159 @@ class ProcessGroupTransport:
     all-reduces on its group (the unused-parameter map with
     ``find_unused_parameters=True``), and a second thread issuing collectives on
     that group would pair them differently on different ranks and hang.
+
+    Every collective returns a future that completes with the collective's
+    result or, if it failed, with a :class:`CollectiveError` (``wait()`` and
+    ``value()`` raise it). :meth:`close` destroys the dedicated group;
+    ``dist.destroy_process_group()`` and interpreter exit release it too.
+
+    Args:
+        process_group: the ranks to talk among (default: the default group).
+        dedicated: talk on a new group of those ranks (default) or on ``process_group`` itself.
+        timeout: seconds (or a ``timedelta``) a collective on the dedicated group may wait for its
+            peers before it fails (default ``DEFAULT_TIMEOUT_S``, 600 s); a group that is not
+            dedicated keeps its own timeout.
     """
 
-    def __init__(self, process_group: dist.ProcessGroup | None = None, dedicated: bool = True) -> None:
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        dedicated: bool = True,
+        timeout: float | timedelta | None = None,
+    ) -> None:
+        self.timeout = _timeout_seconds(timeout)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "sylvie_comm: torch.distributed is not initialized; call dist.init_process_group() first"
             )
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        self.dedicated = dedicated
+        self._closed = False
+        self._failure: CollectiveError | None = None  # the first collective that failed
+        group = process_group
         if dedicated:
             ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-            self.group = dist.new_group(ranks=ranks)
+            group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=self.timeout))
+        # Borrowed, never owned: torch.distributed's registry owns the group and drops it in
+        # destroy_process_group(), on the calling thread. Future callbacks run on the group's own
+        # worker threads and hold whoever issued the collective (a hook state, and through it this
+        # transport); were the group owned here, its last reference could go on one of those threads,
+        # and its destructor would join the thread it runs on ("Resource deadlock avoided", abort).
+        self._group_ref = weakref.ref(group) if group is not None else None
+        if dedicated and group is not None:
+            _DEDICATED_GROUPS.add(group)
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The group the collectives run on (``None``: the default group)."""
+        if self._closed:
+            raise RuntimeError(f"sylvie_comm: the transport of rank {self.rank} is closed; it issues no collectives")
+        if self._group_ref is None:
+            return None
+        group = self._group_ref()
+        if group is None:
+            raise RuntimeError(
+                f"sylvie_comm: the process group of the transport of rank {self.rank} was destroyed "
+                "(dist.destroy_process_group()); build a new hook or exchanger after init_process_group()"
+            )
+        return group
+
+    def _error(self, what: str, exc: BaseException) -> CollectiveError:
+        """The error a failed collective completes with: which collective, where, why, and the backend's words."""
+        lines = str(exc).strip().splitlines()
+        detail = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+        if "timed out" in detail.lower() or "timeout" in detail.lower():
+            reason = f"no answer within {self.timeout:g} s: a peer is gone or hanging"
         else:
-            self.group = process_group
+            reason = "a peer is gone or failed"
+        where = f"on rank {self.rank} (world {self.world_size})"
+        return CollectiveError(f"sylvie_comm: {what} {where} failed: {reason} ({detail})")
 
-    def all_reduce(self, t: torch.Tensor) -> torch.futures.Future[Any]:
+    def _fail(self, error: CollectiveError) -> CollectiveError:
+        if self._failure is None:
+            self._failure = error
+        return error
+
+    def _issue(self, kind: str, t: torch.Tensor, start: Callable[[dist.ProcessGroup | None], Any]) -> Future[Any]:
+        what = f"{kind} of {t.numel() * t.element_size()} bytes"
+        group = self.group
+        done: Future[Any] = torch.futures.Future()
+        if self._failure is not None:
+            # The group is broken: a new collective would only wait out the timeout again.
+            where = f"on rank {self.rank} (world {self.world_size})"
+            earlier = str(self._failure).removeprefix("sylvie_comm: ")
+            done.set_exception(CollectiveError(f"sylvie_comm: {what} {where} not issued: an earlier {earlier}"))
+            return done
+        try:
+            work = start(group)
+        except dist.DistError as exc:  # e.g. the connection to a peer is already broken
+            raise self._fail(self._error(what, exc)) from exc
+
+        def settle(f: Future[Any]) -> None:
+            # Runs on the group's worker thread. Only a successful collective hands its buffers on.
+            try:
+                result = f.value()
+            except Exception as exc:
+                done.set_exception(self._fail(self._error(what, exc)))
+            else:
+                done.set_result(result)
+
+        work.get_future().add_done_callback(settle)
+        return done
+
+    def all_reduce(self, t: torch.Tensor) -> Future[Any]:
         """Sum ``t`` in place across ranks; the future completes when it is done."""
-        work = dist.all_reduce(t, group=self.group, async_op=True)
-        assert work is not None
-        return cast("torch.futures.Future[Any]", work.get_future())
+        return self._issue("all_reduce", t, lambda g: dist.all_reduce(t, group=g, async_op=True))
 
-    def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.futures.Future[Any]:
+    def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> Future[Any]:
         """Gather every rank's ``t`` into ``out`` (``world_size * t.numel()`` elements, rank-major)."""
-        work = _all_gather_single(out, t, group=self.group, async_op=True)
-        assert work is not None
-        return cast("torch.futures.Future[Any]", work.get_future())
+        return self._issue("all_gather", t, lambda g: _all_gather_single(out, t, group=g, async_op=True))
 
-    def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> torch.futures.Future[Any]:
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> Future[Any]:
         """Equal-split all-to-all: block ``j`` of ``t`` goes to rank ``j``; block ``i`` of ``out`` came from ``i``."""
-        work = dist.all_to_all_single(out, t, group=self.group, async_op=True)
-        assert work is not None
-        return cast("torch.futures.Future[Any]", work.get_future())
+        return self._issue("all_to_all", t, lambda g: dist.all_to_all_single(out, t, group=g, async_op=True))
 
     def all_to_all_v(
         self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int], in_splits: list[int]
-    ) -> torch.futures.Future[Any]:
+    ) -> Future[Any]:
         """All-to-all with per-peer row counts: rows ``in_splits[j]`` of ``t`` go to rank ``j``."""
-        work = dist.all_to_all_single(out, t, out_splits, in_splits, group=self.group, async_op=True)
-        assert work is not None
-        return cast("torch.futures.Future[Any]", work.get_future())
+
+        def start(g: dist.ProcessGroup | None) -> Any:
+            return dist.all_to_all_single(out, t, out_splits, in_splits, group=g, async_op=True)
+
+        return self._issue("all_to_all_v", t, start)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Blocking gather of a picklable object from every rank (set-up only)."""
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        group = self.group
+        try:
+            dist.all_gather_object(out, obj, group=group)
+        except RuntimeError as exc:
+            raise self._fail(self._error("all_gather_object", exc)) from exc
         return out
+
+    def close(self) -> None:
+        """Destroy the dedicated group, here and now (every rank closes its own; idempotent).
+
+        Call it once no collective of this transport is in flight (after the last backward pass).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        group = self._group_ref() if self._group_ref is not None else None
+        self._group_ref = None
+        if self.dedicated and group is not None:
+            _destroy(group)
+
+
+def _destroy(group: dist.ProcessGroup) -> None:
+    _DEDICATED_GROUPS.discard(group)
+    if dist.is_initialized():
+        # Already gone if dist.destroy_process_group() ran first (it destroys every group).
+        with contextlib.suppress(ValueError):
+            dist.destroy_process_group(group)
 
 
 T = TypeVar("T")
@@ -146,33 +282,68 @@ class SerialExecutor:
     """One daemon thread that runs submitted jobs in submission order.
 
     A job is a callable run on the thread; its return value (or exception)
-    completes the returned future. Jobs that issue collectives therefore issue
-    them in one deterministic order on every rank.
+    completes the returned future (``wait()`` raises the job's exception).
+    Jobs that issue collectives therefore issue them in one deterministic order
+    on every rank. The thread stops on :meth:`close`, when the executor is
+    garbage collected, and at interpreter exit.
     """
 
     def __init__(self, name: str = "sylvie-comm") -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], torch.futures.Future[Any]] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
+        # The thread holds the queue, not the executor, so dropping the executor stops the thread.
+        self._thread = threading.Thread(target=_serve, args=(self._jobs,), name=name, daemon=True)
         self._thread.start()
+        self._stop = weakref.finalize(self, self._jobs.put, None)
+        _LIVE_EXECUTORS.add(self)
 
-    def submit(self, job: Callable[[], Any]) -> torch.futures.Future[Any]:
-        fut: torch.futures.Future[Any] = torch.futures.Future()
+    def submit(self, job: Callable[[], Any]) -> Future[Any]:
+        if not self._stop.alive:
+            raise RuntimeError(f"sylvie_comm: the executor {self.name!r} is closed; it runs no more jobs")
+        fut: Future[Any] = torch.futures.Future()
         self._jobs.put((job, fut))
         return fut
 
-    def _run(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            job, fut = item
-            try:
-                result = job()
-            except BaseException as exc:  # delivered to whoever waits on the future
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread once the jobs already submitted have run; wait up to ``timeout`` s (idempotent)."""
+        self._stop()
+        _LIVE_EXECUTORS.discard(self)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=5)
+
+def _serve(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]) -> None:
+    while (item := jobs.get()) is not None:
+        _run(*item)
+        # Not kept until the next job arrives: it would pin the job's closure (a hook state, its buffers).
+        del item
+
+
+def _run(job: Callable[[], Any], fut: Future[Any]) -> None:
+    try:
+        result = job()
+    except Exception as exc:  # delivered to whoever waits on the future
+        fut.set_exception(exc)
+    except BaseException as exc:  # e.g. SystemExit: still complete the future, or its waiter hangs
+        fut.set_exception(RuntimeError(f"sylvie_comm: a job of the executor raised {type(exc).__name__}: {exc}"))
+        raise
+    else:
+        fut.set_result(result)
+
+
+# What is still running at interpreter exit, whether or not its owner was closed or dropped.
+_DEDICATED_GROUPS: weakref.WeakSet[dist.ProcessGroup] = weakref.WeakSet()
+_LIVE_EXECUTORS: weakref.WeakSet[SerialExecutor] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Stop the executors' threads, then destroy the dedicated groups still alive, on the main thread.
+
+    Left to interpreter teardown, a group would be destroyed while its worker threads may still be
+    finishing a future callback, which needs the interpreter that is being torn down.
+    """
+    for executor in list(_LIVE_EXECUTORS):
+        executor.close()
+    for group in list(_DEDICATED_GROUPS):
+        _destroy(group)

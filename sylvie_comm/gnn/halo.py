@@ -7,6 +7,11 @@ all-to-all with per-peer splits, decode into the halo buffer. Backward mirrors
 it: halo-row gradients go back to their owners, who add them into their inner
 rows. :class:`HaloPipeline` (the bounded-staleness adaptor) runs the exchanges
 on one communication thread and decides which epoch's data each layer uses.
+
+Both have ``state_dict()``/``load_state_dict()``: the exchanger holds the
+error-feedback residuals and the noise offsets of its q-bit codecs, the
+pipeline the exchanges still queued for later epochs (by value), so a run
+restarted from a checkpoint continues bit for bit.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import collections
 import contextlib
 import dataclasses
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -118,6 +123,53 @@ def check_partitions(part: Partition, transport: Any) -> None:
                 )
 
 
+def partition_signature(part: Partition) -> dict[str, Any]:
+    """What identifies a partition in a checkpoint: its place, its sizes and checksums of its node ids."""
+
+    def ids(t: torch.Tensor) -> str:
+        data = t.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+        return f"{t.numel()} ids, crc32 {zlib.crc32(data):08x}"
+
+    return {"num_parts": part.num_parts, "num_nodes": part.num_nodes, "rank": part.rank, "inner": ids(part.inner),
+            "halo": ids(part.halo), "send_counts": part.send_counts, "halo_counts": list(part.halo_counts)}  # fmt: skip
+
+
+def check_state(what: str, state: Any, keys: set[str]) -> Mapping[str, Any]:
+    """``state`` as a mapping with exactly ``keys``, or a ValueError naming what is missing or unexpected."""
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{what}: expected a state dict (a mapping), got {type(state).__name__}")
+    missing, extra = sorted(keys - set(state)), sorted(set(state) - keys, key=str)
+    if missing or extra:
+        wrong = ([f"lacks {missing}"] if missing else []) + ([f"has unexpected {extra}"] if extra else [])
+        raise ValueError(f"{what}: the state dict {' and '.join(wrong)}; expected the keys {sorted(keys)}")
+    return state
+
+
+def _differences(mine: Mapping[str, Any], theirs: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """Dotted fields where two nested settings differ, in the order of ``mine`` (its most telling first)."""
+    out: list[tuple[str, Any, Any]] = []
+    for key, here in mine.items():
+        there = theirs.get(key)
+        if isinstance(here, Mapping) and isinstance(there, Mapping):
+            out += _differences(here, there, f"{prefix}{key}.")
+        elif here != there:
+            out.append((f"{prefix}{key}", here, there))
+    return out + [(f"{prefix}{key}", None, theirs[key]) for key in theirs if key not in mine]
+
+
+def check_settings(what: str, mine: Mapping[str, Any], theirs: Any) -> None:
+    """Fail, naming the first differing field, unless a checkpoint's settings equal this run's."""
+    if not isinstance(theirs, Mapping):
+        raise ValueError(f"{what}: the checkpoint's 'settings' must be a mapping, got {type(theirs).__name__}")
+    diff = _differences(mine, theirs)
+    if diff:
+        field, here, there = diff[0]
+        raise ValueError(
+            f"{what}: the checkpoint's '{field}' is {there!r} but this run's is {here!r}; resume with the "
+            "configuration, world size and partition that wrote the checkpoint (each rank loads its own)"
+        )
+
+
 class HaloExchanger:
     """The two halo transfers of one partition, with per-direction precision and optional error feedback.
 
@@ -162,14 +214,17 @@ class HaloExchanger:
         self.bytes_sent = {"forward": 0, "backward": 0}
 
     def _format(self, direction: str, features: int, key: str) -> RowFormat:
-        precision = self.forward_precision if direction == "forward" else self.backward_precision
         fkey = (direction, features, key)
         fmt = self._formats.get(fkey)
         if fmt is None:
-            # Distinct noise streams per rank, direction and layer.
-            seed = zlib.crc32(f"{self.seed}/{self.part.rank}/{direction}/{key}".encode())
-            fmt = self._formats[fkey] = RowFormat(precision, features, self.meta_dtype, seed)
+            fmt = self._formats[fkey] = self._new_format(direction, features, key)
         return fmt
+
+    def _new_format(self, direction: str, features: int, key: str) -> RowFormat:
+        precision = self.forward_precision if direction == "forward" else self.backward_precision
+        # Distinct noise streams per rank, direction and layer.
+        seed = zlib.crc32(f"{self.seed}/{self.part.rank}/{direction}/{key}".encode())
+        return RowFormat(precision, features, self.meta_dtype, seed)
 
     def _encode(self, fmt: RowFormat, rows: torch.Tensor, ef_key: str) -> torch.Tensor:
         if self.error_feedback and fmt.codec is not None:
@@ -228,6 +283,55 @@ class HaloExchanger:
 
         return job
 
+    def settings(self) -> dict[str, Any]:
+        """What a checkpoint of this exchanger is only valid for."""
+        return {"world_size": self.transport.world_size, "forward": self.forward_precision,
+                "backward": self.backward_precision, "meta_dtype": self.meta_dtype,
+                "error_feedback": self.error_feedback, "seed": self.seed,
+                "partition": partition_signature(self.part)}  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """Error-feedback residuals, the noise offset of every q-bit codec (by direction, layer key and
+        width) and the byte counters. Local: no collectives."""
+        codecs = [{"direction": d, "key": k, "features": f, "codec": fmt.codec.state_dict()}
+                  for (d, f, k), fmt in self._formats.items() if fmt.codec is not None]  # fmt: skip
+        return {"settings": self.settings(), "feedback": self.feedback.state_dict(), "codecs": codecs,
+                "bytes_sent": dict(self.bytes_sent)}  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; a checkpoint of other settings or another partition raises
+        ValueError naming the field, and nothing is changed then."""
+        what = "halo: HaloExchanger.load_state_dict"
+        state = check_state(what, state, {"settings", "feedback", "codecs", "bytes_sent"})
+        check_settings(what, self.settings(), state["settings"])
+        if not isinstance(state["codecs"], list):
+            raise ValueError(f"{what}: 'codecs' must be a list, got {type(state['codecs']).__name__}")
+        # Codecs are built aside and replace the live ones only once everything has loaded.
+        formats: dict[tuple[str, int, str], RowFormat] = {}
+        for i, rec in enumerate(state["codecs"]):
+            rec = check_state(f"{what}: codecs[{i}]", rec, {"direction", "key", "features", "codec"})
+            direction, key, features = rec["direction"], rec["key"], rec["features"]
+            if direction not in ("forward", "backward") or not isinstance(key, str):
+                raise ValueError(f"{what}: codecs[{i}] has direction {direction!r} and key {key!r}; expected "
+                                 "'forward' or 'backward' and a string")  # fmt: skip
+            if isinstance(features, bool) or not isinstance(features, int) or features < 0:
+                raise ValueError(f"{what}: codecs[{i}] has features {features!r}; expected an integer >= 0")
+            fmt = formats[(direction, features, key)] = self._new_format(direction, features, key)
+            if fmt.codec is None:
+                raise ValueError(f"{what}: codecs[{i}] holds q-bit state for {direction} halos, which this "
+                                 f"exchanger sends as {fmt.precision}")  # fmt: skip
+            fmt.codec.load_state_dict(rec["codec"])
+        bytes_sent = state["bytes_sent"]
+        if not isinstance(bytes_sent, Mapping) or set(bytes_sent) != {"forward", "backward"}:
+            raise ValueError(f"{what}: 'bytes_sent' must map 'forward' and 'backward' to byte counts")
+        self.feedback.load_state_dict(state["feedback"])  # validates before it replaces anything
+        self._formats = formats
+        self.bytes_sent = {k: int(v) for k, v in bytes_sent.items()}
+
+
+# Queue names: "f<layer>" holds feature exchanges, "g<layer>" gradient exchanges.
+_QUEUE_KINDS = {"f": "features", "g": "gradients"}
+
 
 @dataclasses.dataclass
 class _Pending:
@@ -243,8 +347,9 @@ class HaloPipeline:
     ``staleness=0``: every exchange is synchronous. ``staleness=S >= 1``: each
     layer launches this epoch's exchange in the background and uses halo
     features from epoch ``t - S`` (or from the last synchronous epoch, if that
-    is newer); halo gradients sent at epoch ``u`` are added at epoch ``u + S``
-    (each exactly once). Epoch 0 and every ``sync_every``-th epoch are
+    is newer); halo gradients sent at an asynchronous epoch ``u`` are added at
+    epoch ``u + S``, unless that epoch is synchronous and adds its own fresh
+    ones instead (every backward adds at most one set). Epoch 0 and every ``sync_every``-th epoch are
     synchronous, so no epoch ever sees zeros or data older than S epochs. All
     exchanges run in submission order on one thread, the same order on every
     rank. ``stats()`` reports the staleness actually observed.
@@ -358,6 +463,71 @@ class HaloPipeline:
         """Exchanges held in the queues (at most about ``2 (S + 1)`` per layer)."""
         return sum(len(q) for q in self._queues.values())
 
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch counters, the observed staleness, the exchanger's state and, by layer, every exchange
+        still queued for later epochs (its epoch and decoded rows). Call it between epochs.
+
+        Each queued exchange is waited for and captured by value, so the checkpoint does not depend on how far
+        the communication thread has got. Local: the peers' threads complete their half of these
+        exchanges on their own.
+        """
+        queued: dict[str, dict[int, list[dict[str, Any]]]] = {"features": {}, "gradients": {}}
+        for name, queue in sorted(self._queues.items()):
+            if queue:
+                queued[_QUEUE_KINDS[name[0]]][int(name[1:])] = [
+                    {"epoch": e.epoch, "sync": e.sync, "rows": e.future.wait().detach().clone()} for e in queue
+                ]
+        return {"staleness": self.staleness, "sync_every": self.sync_every, "epoch": self.epoch,
+                "last_sync": self.last_sync, "observed": dict(self._observed), **queued,
+                "exchanger": self.exchanger.state_dict()}  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output into a pipeline that has not run an epoch yet.
+
+        A checkpoint with another staleness, ``sync_every``, precision, world size or partition raises
+        ValueError naming the field; nothing is changed then.
+        """
+        what = "halo: HaloPipeline.load_state_dict"
+        if self.epoch != -1 or self.pending():
+            raise ValueError(f"{what}: load a checkpoint before the first epoch (this pipeline is at epoch "
+                             f"{self.epoch}); build a fresh trainer to resume")  # fmt: skip
+        keys = {"staleness", "sync_every", "epoch", "last_sync", "observed", "features", "gradients", "exchanger"}
+        state = check_state(what, state, keys)
+        for field in ("staleness", "sync_every"):
+            if state[field] != getattr(self, field):
+                raise ValueError(f"{what}: the checkpoint's '{field}' is {state[field]!r} but this run's is "
+                                 f"{getattr(self, field)!r}; resume with the configuration that wrote it")  # fmt: skip
+        epoch, last_sync = state["epoch"], state["last_sync"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (epoch, last_sync)):
+            raise ValueError(f"{what}: 'epoch' and 'last_sync' must be integers, got {epoch!r} and {last_sync!r}")
+        if not -1 <= last_sync <= max(epoch, 0):
+            raise ValueError(f"{what}: 'last_sync' {last_sync} is not an epoch up to 'epoch' {epoch}")
+        rows_expected = {"features": self.exchanger.part.n_halo, "gradients": int(self.exchanger.scatter_idx.numel())}
+        queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
+        for prefix, kind in _QUEUE_KINDS.items():
+            if not isinstance(state[kind], Mapping) or not all(isinstance(v, list) for v in state[kind].values()):
+                raise ValueError(f"{what}: '{kind}' must map layers to lists of exchanges")
+            for layer, entries in state[kind].items():
+                for e in entries:
+                    e = check_state(f"{what}: {kind}[{layer}]", e, {"epoch", "sync", "rows"})
+                    rows = e["rows"]
+                    if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape[0] != rows_expected[kind]:
+                        got = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
+                        raise ValueError(f"{what}: {kind}[{layer}] rows must be a ({rows_expected[kind]}, F) "
+                                         f"tensor for this partition, got {got}")  # fmt: skip
+                    if not isinstance(e["epoch"], int) or not 0 <= e["epoch"] <= epoch:
+                        raise ValueError(f"{what}: {kind}[{layer}] holds epoch {e['epoch']!r}; expected 0..{epoch}")
+                    done: torch.futures.Future[Any] = torch.futures.Future()
+                    done.set_result(rows.detach().clone())
+                    queues[f"{prefix}{int(layer)}"].append(_Pending(e["epoch"], done, bool(e["sync"])))
+        observed = state["observed"]
+        if not isinstance(observed, Mapping):
+            raise ValueError(f"{what}: 'observed' must map staleness to counts, got {type(observed).__name__}")
+        self.exchanger.load_state_dict(state["exchanger"])  # validates before it changes anything
+        self.epoch, self.last_sync = epoch, last_sync
+        self._queues = queues
+        self._observed = collections.Counter({int(k): int(v) for k, v in observed.items()})
+
     def stats(self) -> dict[str, Any]:
         total = sum(self._observed.values())
         return {
@@ -369,8 +539,11 @@ class HaloPipeline:
         }
 
     def close(self) -> None:
-        self.drain()
-        self.executor.close()
+        """Wait for the exchanges in flight, then stop the communication thread (also when one failed)."""
+        try:
+            self.drain()
+        finally:
+            self.executor.close()
 
 
 class _HaloFn(torch.autograd.Function):

@@ -9,11 +9,25 @@ agreed order: halo rows are grouped by owner, then sorted by global id, and an
 owner sends exactly those rows in that order. The local block has sources
 ``[inner; halo]`` and destinations ``inner``, and holds every in-edge of every
 inner node, so neighbour means and sums equal the full graph's.
+
+Partitioning is a pure function of (graph, method, number of parts, seed): the
+same inputs give the same partition in any process, on any run, whichever
+optional libraries are installed (METIS always runs through ``pymetis`` with an
+explicit seed; tested across processes). :func:`shared_partition` records a
+digest of those inputs next to the parts and reuses a folder whose record
+matches, so runs that compare settings train on the same partition.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
+import os
+import re
+import shutil
+import tempfile
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +39,8 @@ from sylvie_comm import _deps
 from sylvie_comm.gnn.data import symmetrize
 
 METHODS = ("metis", "random")
+MAX_SEED = 2**31 - 1  # METIS keeps its seed in a 32-bit index on common builds
+_PART_FILE = re.compile(r"part\d+\.pt")
 
 
 @dataclass
@@ -71,29 +87,136 @@ class Partition:
         return path
 
 
-def save_partitions(parts: list[Partition], folder: str | Path) -> Path:
-    """Write every partition; each rank later loads only its own with :func:`load_partition`."""
+def save_partitions(parts: list[Partition], folder: str | Path, inputs: Mapping[str, Any] | None = None) -> Path:
+    """Write every partition; each rank later loads only its own with :func:`load_partition`.
+
+    The files are written into a fresh folder next to ``folder`` that then takes
+    its place in one rename, so a reader sees the previous complete partition or
+    the new complete one, never a half-written mix (nor one left by a crash).
+    An existing ``folder`` is replaced; it may hold only a partition's files
+    (``meta.json``, ``part<r>.pt``), so nothing else is ever deleted.
+
+    Args:
+        parts: every rank's partition, as :func:`partition` returns them.
+        folder: where to write.
+        inputs: what the parts were made from (see :func:`partition_inputs`),
+            recorded in ``meta.json`` for :func:`shared_partition` to compare.
+    """
+    if not parts:
+        raise ValueError("save_partitions: expected at least one partition, got none")
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "meta.json").write_text(
-        json.dumps({"num_parts": len(parts), "num_nodes": parts[0].num_nodes, "format": 1})
-    )
-    for p in parts:
-        p.save(folder)
+    _check_only_partition_files(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.writing-", dir=folder.parent))
+    try:
+        meta: dict[str, Any] = {"num_parts": len(parts), "num_nodes": parts[0].num_nodes, "format": 1}
+        if inputs is not None:
+            meta["inputs"] = dict(inputs)
+        (staging / "meta.json").write_text(json.dumps(meta))
+        for p in parts:
+            p.save(staging)
+        _publish(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return folder
+
+
+def _check_only_partition_files(folder: Path) -> None:
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise NotADirectoryError(f"partition: {folder} exists and is not a folder; expected a partition folder")
+    foreign = sorted(p.name for p in folder.iterdir() if p.name != "meta.json" and not _PART_FILE.fullmatch(p.name))
+    if foreign:
+        raise ValueError(
+            f"partition: {folder} holds files that are not a partition's ({', '.join(foreign[:5])}); "
+            "expected a new folder or one written by save_partitions (it is replaced as a whole)"
+        )
+
+
+def _publish(staging: Path, folder: Path) -> None:
+    """Move the complete folder ``staging`` to ``folder`` (each step one atomic rename)."""
+    while True:
+        try:
+            os.replace(staging, folder)  # succeeds when folder is missing or an empty folder
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        retired = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex[:12]}")
+        try:
+            os.replace(folder, retired)
+        except FileNotFoundError:
+            continue  # another writer moved it away first; try again
+        shutil.rmtree(retired, ignore_errors=True)
 
 
 def load_partition(folder: str | Path, rank: int) -> Partition:
     """Load one rank's partition from a folder written by :func:`save_partitions`."""
     folder = Path(folder)
-    meta_path = folder / "meta.json"
-    if not meta_path.exists():
-        raise FileNotFoundError(f"partition: {folder} has no meta.json; write it with save_partitions()")
-    meta = json.loads(meta_path.read_text())
+    meta = _read_meta(folder)
     if not 0 <= rank < meta["num_parts"]:
         raise ValueError(f"partition: rank {rank} is outside the {meta['num_parts']} partitions in {folder}")
     state = torch.load(folder / f"part{rank}.pt", weights_only=True)
     return Partition(**state)
+
+
+def _read_meta(folder: Path) -> dict[str, Any]:
+    meta_path = folder / "meta.json"
+    if not meta_path.exists():
+        raise FileNotFoundError(f"partition: {folder} has no meta.json; write it with save_partitions()")
+    meta: dict[str, Any] = json.loads(meta_path.read_text())
+    return meta
+
+
+def recorded_inputs(folder: str | Path) -> dict[str, Any] | None:
+    """The inputs recorded in a complete partition folder, or None (no folder, no record, a part missing)."""
+    folder = Path(folder)
+    try:
+        meta = _read_meta(folder)
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        return None
+    num_parts = meta.get("num_parts")
+    if not isinstance(num_parts, int) or not all((folder / f"part{r}.pt").is_file() for r in range(num_parts)):
+        return None
+    inputs = meta.get("inputs")
+    return inputs if isinstance(inputs, dict) else None
+
+
+def _hash_tensor(h: Any, name: str, t: torch.Tensor) -> None:
+    t = t.detach().cpu().contiguous().reshape(-1)
+    h.update(f"|{name}|{t.dtype}|{t.numel()}|".encode())
+    h.update(t.view(torch.uint8).numpy().data)
+
+
+def graph_digest(src: torch.Tensor, dst: torch.Tensor, num_nodes: int, ndata: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 of the edges (as int64, in order), the node count and every node data tensor (name, dtype,
+    shape and bytes)."""
+    h = hashlib.sha256(f"nodes={num_nodes}".encode())
+    _hash_tensor(h, "src", src.long())
+    _hash_tensor(h, "dst", dst.long())
+    for k in sorted(ndata):
+        v = ndata[k]
+        h.update(f"|shape={tuple(v.shape)}".encode())
+        _hash_tensor(h, f"ndata/{k}", v)
+    return h.hexdigest()
+
+
+def partition_inputs(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    num_nodes: int,
+    ndata: Mapping[str, torch.Tensor],
+    method: str,
+    num_parts: int,
+    seed: int,
+) -> dict[str, Any]:
+    """What a partition is a function of: the graph's digest, the method, the number of parts and the seed."""
+    if not isinstance(method, str):
+        raise TypeError(f"partition: a recorded partition needs a method name from {METHODS}, got {type(method)}")
+    return {"graph": graph_digest(src, dst, num_nodes, ndata), "method": method, "num_parts": num_parts,
+            "seed": seed}  # fmt: skip
 
 
 def _edges_of(graph: Any, num_nodes: int | None) -> tuple[torch.Tensor, torch.Tensor, int, dict[str, torch.Tensor]]:
@@ -124,32 +247,39 @@ def assign_random(num_nodes: int, num_parts: int, seed: int = 0) -> torch.Tensor
     return assign
 
 
-def assign_metis(src: torch.Tensor, dst: torch.Tensor, num_nodes: int, num_parts: int) -> torch.Tensor:
-    """METIS (edge-cut minimizing) assignment: through DGL when it imports, else the pymetis wheel."""
+def assign_metis(src: torch.Tensor, dst: torch.Tensor, num_nodes: int, num_parts: int, seed: int = 0) -> torch.Tensor:
+    """METIS (edge-cut minimizing) assignment through pymetis, seeded.
+
+    Deterministic: METIS gets the symmetrized graph as a sorted CSR (row by row,
+    neighbours ascending) and ``seed`` for its random choices, so the same
+    inputs give the same parts in every process. DGL's METIS is not used: the
+    result must not depend on whether DGL is installed, and DGL's has been seen
+    to return different parts in different processes.
+    """
     if num_parts == 1:
         return torch.zeros(num_nodes, dtype=torch.int64)
-    s, d = symmetrize(src, dst, num_nodes)
-    if _deps.with_dgl():
-        dgl = _deps.import_dgl()
-        g = dgl.graph((s, d), num_nodes=num_nodes)
-        return canonical_labels(dgl.metis_partition_assignment(g, num_parts).long(), num_parts)
-    if not _deps.WITH_PYMETIS:
-        raise ImportError("partition: method='metis' requires 'dgl' or 'pymetis': pip install 'sylvie-comm[dgl]'")
+    _deps.require("pymetis")
     import numpy as np
     import pymetis
 
+    s, d = symmetrize(src, dst, num_nodes)  # unique (s, d) pairs in ascending order: a canonical CSR
     xadj = torch.zeros(num_nodes + 1, dtype=torch.int64)
     xadj[1:] = torch.bincount(s, minlength=num_nodes).cumsum(0)
-    _, membership = pymetis.part_graph(num_parts, xadj=xadj.numpy(), adjncy=d.numpy())
-    return canonical_labels(torch.from_numpy(np.asarray(membership, dtype=np.int64)), num_parts)
+    options = pymetis.Options(seed=seed)
+    if hasattr(pymetis, "CSRAdjacency"):  # pymetis >= 2025.2; older ones take xadj/adjncy
+        result = pymetis.part_graph(num_parts, pymetis.CSRAdjacency(xadj.numpy(), d.numpy()), options=options)
+    else:
+        result = pymetis.part_graph(num_parts, xadj=xadj.numpy(), adjncy=d.numpy(), options=options)
+    membership = np.asarray(result[1], dtype=np.int64)
+    return canonical_labels(torch.from_numpy(membership), num_parts)
 
 
 def canonical_labels(assign: torch.Tensor, num_parts: int) -> torch.Tensor:
     """Renumber parts by their smallest node id.
 
-    METIS through DGL returns the same parts under different labels from one
-    process to the next, so ranks partitioning on their own would disagree on
-    who owns what; canonical labels make every rank's call identical.
+    The same parts under different labels are then one assignment: rank r owns
+    the part that holds the r-th smallest "first node", whatever number the
+    partitioner gave it.
     """
     first = torch.full((num_parts,), assign.numel(), dtype=torch.int64)
     first.scatter_reduce_(0, assign, torch.arange(assign.numel()), reduce="amin")
@@ -173,12 +303,14 @@ def partition(
         graph: a DGLGraph (its ``ndata`` is carried along) or ``(src, dst)``
             integer edge tensors (edge ``src -> dst``: ``dst`` aggregates ``src``).
         num_parts: partitions (ranks), 1 <= num_parts <= number of nodes.
-        method: ``"metis"`` (DGL, else pymetis), ``"random"`` (balanced), or
+        method: ``"metis"`` (pymetis, seeded), ``"random"`` (balanced), or
             an explicit assignment tensor of one part id per node.
         num_nodes: node count for edge tensors (default: largest id + 1).
         ndata: node data (features, labels, masks: first dimension = nodes)
             to split with the nodes.
-        seed: for ``"random"``.
+        seed: in ``[0, 2**31)``, default 0: the random choices of ``"metis"``
+            and ``"random"``. The same graph, method, ``num_parts`` and seed
+            give the same partition in every process and on every run.
     """
     src, dst, n, graph_ndata = _edges_of(graph, num_nodes)
     data = {**graph_ndata, **(dict(ndata) if ndata else {})}
@@ -186,6 +318,8 @@ def partition(
         raise ValueError(f"partition: num_parts must be a positive integer, got {num_parts!r}")
     if num_parts > n:
         raise ValueError(f"partition: cannot split {n} nodes into {num_parts} non-empty partitions")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"partition: seed must be an integer in [0, {MAX_SEED}], got {seed!r}")
     if src.numel() and (min(src.min().item(), dst.min().item()) < 0 or max(src.max().item(), dst.max().item()) >= n):
         raise ValueError(f"partition: edge endpoints must lie in [0, {n}), got ids outside it")
     for k, v in data.items():
@@ -199,7 +333,7 @@ def partition(
     elif method == "random":
         assign = assign_random(n, num_parts, seed)
     elif method == "metis":
-        assign = assign_metis(src, dst, n, num_parts)
+        assign = assign_metis(src, dst, n, num_parts, seed)
     else:
         raise ValueError(f"partition: unknown method {method!r}; expected one of {METHODS} or an assignment tensor")
     sizes = torch.bincount(assign, minlength=num_parts)
@@ -265,20 +399,58 @@ def shared_partition(
     method: str = "metis",
     seed: int = 0,
 ) -> Partition:
-    """Partition once on rank 0, then every rank loads its own part (a collective: uses a barrier).
+    """Partition on rank 0 unless ``folder`` already holds this partition; every rank loads its own part.
 
-    ``make_graph()`` returns a :class:`~sylvie_comm.gnn.data.GraphData` (or
-    anything with ``src``, ``dst``, ``num_nodes`` and ``ndata``); only rank 0
-    calls it. Partitioning on every rank separately is fragile: METIS through
-    DGL does not always return the same parts in different processes.
+    A collective when a default process group is initialized (``rank`` must be
+    the process's rank in it): rank 0 builds the graph with ``make_graph()``
+    (a :class:`~sylvie_comm.gnn.data.GraphData`, or anything with ``src``,
+    ``dst``, ``num_nodes`` and ``ndata``; no other rank calls it), computes
+    :func:`partition_inputs` and compares them with those recorded in
+    ``folder``. Equal: the folder is reused as it is. Different or missing: it
+    partitions and replaces the folder (atomically, see :func:`save_partitions`).
+    If that fails, every rank raises. Otherwise rank 0 broadcasts the inputs
+    and every rank loads its part and checks that the folder still records them
+    (another run writing the same folder with other inputs raises instead of
+    mixing partitions).
+
+    Args:
+        make_graph: builds the graph (rank 0 only).
+        rank, num_parts: this process's part and the number of parts (= ranks).
+        folder: where the parts live between runs.
+        method: ``"metis"`` or ``"random"``.
+        seed: the partitioner's seed (see :func:`partition`).
     """
     import torch.distributed as dist
 
     folder = Path(folder)
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed and dist.get_rank() != rank:
+        raise ValueError(f"shared_partition: rank {rank} is not this process's rank {dist.get_rank()}")
+    inputs: dict[str, Any] | None = None
+    failure: BaseException | None = None
     if rank == 0:
-        g = make_graph()
-        parts = partition((g.src, g.dst), num_parts, method, num_nodes=g.num_nodes, ndata=g.ndata, seed=seed)
-        save_partitions(parts, folder)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-    return load_partition(folder, rank)
+        try:
+            g = make_graph()
+            inputs = partition_inputs(g.src, g.dst, g.num_nodes, g.ndata, method, num_parts, seed)
+            if recorded_inputs(folder) != inputs:
+                parts = partition((g.src, g.dst), num_parts, method, num_nodes=g.num_nodes, ndata=g.ndata, seed=seed)
+                save_partitions(parts, folder, inputs)
+                del parts
+            del g
+        except Exception as exc:  # tell the other ranks instead of leaving them waiting
+            failure = exc
+    if distributed:
+        box: list[Any] = [inputs if failure is None else f"{type(failure).__name__}: {failure}"]
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], str) and rank != 0:
+            raise RuntimeError(f"shared_partition: rank 0 could not make the partition ({box[0]})")
+        inputs = box[0]
+    if failure is not None:
+        raise failure
+    part = load_partition(folder, rank)
+    if inputs is not None and recorded_inputs(folder) != inputs:
+        raise RuntimeError(
+            f"shared_partition: {folder} was replaced with a partition of other inputs while rank {rank} "
+            "loaded it; give concurrent runs with different inputs different folders"
+        )
+    return part

@@ -6,15 +6,18 @@ bounded-staleness pipeline, the model on the local block, and the weight
 gradient all-reduce (DDP, optionally with a sylvie_comm gradient hook). The
 loss is the global mean over training nodes, so with staleness 0 and fp32
 exchange the gradients equal single-process full-graph training's.
+``Trainer.state_dict()`` / ``load_state_dict()`` checkpoint all of it, so a
+restarted run continues exactly where it stopped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +26,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from sylvie_comm.collectives import ProcessGroupTransport, agree, wire_bytes
-from sylvie_comm.gnn.halo import HaloExchanger, HaloPipeline, parse_precision
+from sylvie_comm.gnn.halo import (
+    HaloExchanger,
+    HaloPipeline,
+    check_settings,
+    check_state,
+    parse_precision,
+    partition_signature,
+)
 from sylvie_comm.gnn.models import FullGraphGNN, LocalGraph
 from sylvie_comm.gnn.partition import Partition
 
@@ -59,11 +69,24 @@ def peak_rss_mb() -> float:
 
 
 class Trainer:
-    """Full-graph training of one rank's partition (a collective constructor: every rank builds one)."""
+    """Full-graph training of one rank's partition (a collective constructor: every rank builds one).
+
+    Args:
+        part: this rank's partition (partition ``r`` on the rank ``r`` of ``process_group``).
+        config: the training configuration; every rank must pass the same.
+        process_group: the ranks that train together (default: the default group). Every collective
+            of the trainer (halo exchange, gradient all-reduce, loss and accuracy sums) stays in it.
+    """
 
     def __init__(self, part: Partition, config: TrainConfig, process_group: dist.ProcessGroup | None = None) -> None:
         self.part = part
+        self.process_group = process_group
         distributed = dist.is_available() and dist.is_initialized()
+        if distributed and process_group is not None and dist.get_rank(process_group) < 0:
+            raise ValueError(
+                f"gnn: this process (global rank {dist.get_rank()}) is not a member of the process_group it "
+                "was given; only the group's ranks build a Trainer on it"
+            )
         self.world = dist.get_world_size(process_group) if distributed else 1
         self.transport = ProcessGroupTransport(process_group) if distributed else None
         feat = part.ndata.get("feat")
@@ -119,13 +142,13 @@ class Trainer:
 
     def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
-            dist.all_reduce(t)
+            dist.all_reduce(t, group=self.process_group)
         return t
 
     def _all_reduce_max(self, v: int) -> int:
         t = torch.tensor([v])
         if self.world > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
         return int(t.item())
 
     def forward(self) -> torch.Tensor:
@@ -202,6 +225,93 @@ class Trainer:
             loss = F.cross_entropy(logits[m], self.y[m], reduction="sum") / self.train_count
             return self._accuracies(logits, loss)
 
+    def settings(self) -> dict[str, Any]:
+        """What a checkpoint of this trainer is only valid for: configuration, world size, partition."""
+        return {"world_size": self.world, "config": dataclasses.asdict(self.config),
+                "partition": partition_signature(self.part)}  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """A snapshot of everything this rank needs to continue training exactly (call it between epochs).
+
+        Holds the epoch counter, the model and optimizer state, the CPU random generator (dropout),
+        the halo pipeline's state (the stale halo rows and gradients still queued for later epochs,
+        error-feedback residuals, q-bit noise offsets; see :meth:`HaloPipeline.state_dict`) and the
+        gradient hook's state. Local (no collectives): every rank saves its own, and it loads with
+        ``torch.load(path)`` (``weights_only``). Training on does not change it.
+
+        With 2 ranks the resumed run is bit-identical to an uninterrupted one. With more, the first
+        resumed step's gradient sum can differ in the last bits: a fresh DDP all-reduces its first step
+        in its initial bucket layout and only then rebuilds the buckets in gradient order, and a sum of
+        three or more terms depends on where each element sits.
+
+        Example::
+
+            torch.save(trainer.state_dict(), f"ckpt/rank{rank}.pt")
+            ...  # after a restart, on every rank:
+            trainer = Trainer(part, config)
+            trainer.load_state_dict(torch.load(f"ckpt/rank{rank}.pt"))
+        """
+        return {
+            "settings": self.settings(),
+            "epoch": self.epoch,
+            "model": copy.deepcopy(self.model.state_dict()),
+            "optimizer": copy.deepcopy(self.opt.state_dict()),
+            "rng": torch.get_rng_state(),
+            "halo": self.pipeline.state_dict() if self.pipeline is not None else None,
+            "grad_hook": self.hook_state.state_dict() if self.hook_state is not None else None,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output into a freshly built trainer, before its first epoch.
+
+        A collective call: every rank loads the checkpoint it wrote. A checkpoint written with another
+        configuration, world size or partition raises ValueError naming the field (``'config.hidden'``,
+        ``'world_size'``, ``'partition.rank'``, ...); so do ranks that load checkpoints of different
+        epochs and a trainer that has trained already. Whatever fails on one rank fails on every rank.
+        """
+        what = "gnn: Trainer.load_state_dict"
+
+        def load() -> dict[str, Any]:
+            if self.epoch != -1:
+                raise ValueError(f"{what}: load a checkpoint into a freshly built trainer, before its first "
+                                 f"epoch (this one is at epoch {self.epoch})")  # fmt: skip
+            keys = {"settings", "epoch", "model", "optimizer", "rng", "halo", "grad_hook"}
+            st = check_state(what, state, keys)
+            check_settings(what, self.settings(), st["settings"])
+            epoch = st["epoch"]
+            if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < -1:
+                raise ValueError(f"{what}: 'epoch' must be an integer >= -1, got {epoch!r}")
+            for field, mine in (("halo", self.pipeline), ("grad_hook", self.hook_state)):
+                if (st[field] is None) != (mine is None):
+                    holds = f"no '{field}' state" if st[field] is None else f"'{field}' state"
+                    raise ValueError(f"{what}: the checkpoint holds {holds} but this trainer has "
+                                     f"{'one' if mine is not None else 'none'}")  # fmt: skip
+            rng = st["rng"]
+            if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8 or rng.dim() != 1:
+                raise ValueError(f"{what}: 'rng' must be a 1-D uint8 tensor (torch.get_rng_state())")
+            if self.pipeline is not None:
+                halo_epoch = st["halo"].get("epoch") if isinstance(st["halo"], Mapping) else None
+                if halo_epoch != epoch:
+                    raise ValueError(f"{what}: the checkpoint is at epoch {epoch} but its halo state at epoch "
+                                     f"{halo_epoch!r}; it was not written by Trainer.state_dict()")  # fmt: skip
+                self.pipeline.load_state_dict(st["halo"])
+            try:
+                if self.hook_state is not None:
+                    self.hook_state.load_state_dict(st["grad_hook"])
+                self.model.load_state_dict(st["model"])
+                self.opt.load_state_dict(st["optimizer"])
+            except (RuntimeError, KeyError) as exc:  # as ValueError, so that every rank learns of it
+                raise ValueError(f"{what}: the checkpoint's gradient hook, model or optimizer state does not "
+                                 f"fit this trainer: {exc!r}") from exc  # fmt: skip
+            torch.set_rng_state(rng)
+            self.epoch = epoch
+            return {"epoch": epoch}
+
+        if self.transport is None:
+            load()
+        else:
+            agree(self.transport, load, lambda info: info, what)
+
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"peak_rss_mb": peak_rss_mb()}
         if self.pipeline is not None:
@@ -209,7 +319,10 @@ class Trainer:
         return out
 
     def close(self) -> None:
+        """Stop the halo thread, release the hook's and the halo exchange's own process groups."""
         if self.pipeline is not None:
             self.pipeline.close()
         if self.hook_state is not None:
             self.hook_state.close()
+        if self.transport is not None:
+            self.transport.close()

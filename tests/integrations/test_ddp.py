@@ -92,6 +92,36 @@ def test_unused_parameters_no_sync_and_bf16():
     assert res["onebit_unused"]["steps"] == 4
 
 
+def _residual_worker(rank: int, world: int) -> list[tuple[float, float]]:
+    """After each PowerSGD step, per weight: ||P^T E|| and ||E|| (the ranks train on different batches)."""
+    import sylvie_comm
+
+    model = wl.square_mlp()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=wl.TINY_BUCKET_MB)
+    state = sylvie_comm.ddp.register(ddp, "powersgd", rank=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    out = []
+    for step in range(10):
+        x, y = wl.batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        for name, res in state._residuals.items():
+            p, _ = state._factors[name]  # orthonormal until the next step's P <- (M + E) Q
+            out.append((float((p.T @ res).norm()), float(res.norm())))
+    state.close()
+    return out
+
+
+def test_powersgd_residual_lies_outside_the_span_of_p():
+    """E <- M + E - P Q^T with this rank's Q: what is left is orthogonal to P, so ||E|| <= ||M + E||.
+    With the averaged Q, E would also hold this rank's share of the ranks' disagreement, P (Q_i - Q)^T."""
+    for per_rank in run_distributed(_residual_worker, 2):
+        assert len(per_rank) >= 4 * 6, "every weight on every compressed step"
+        for along_p, norm in per_rank:
+            assert norm > 0 and along_p <= 1e-4 * norm, (along_p, norm)
+
+
 STATEFUL = [
     ("acpsgd", {"rank": 2}),
     ("powersgd", {"rank": 2}),
@@ -195,24 +225,53 @@ def test_invalid_options_raise_at_registration():
     assert "unknown option(s) ratio" in res["option"]
 
 
+FEEDBACK_HOOKS = ("onebit", "sign", "topk", "acpsgd", "powersgd")
+SEEDS = (0, 1, 2)
+
+
 def _convergence_worker(rank: int, world: int) -> dict[str, Any]:
-    return {
-        "none": wl.train_digits(rank, world, "none", {}),
-        "acpsgd": wl.train_digits(rank, world, "acpsgd", {"rank": 4}),
-        "powersgd": wl.train_digits(rank, world, "powersgd", {"rank": 4}),
-        "onebit": wl.train_digits(rank, world, "onebit", {}),
-        "torch_powersgd": wl.train_digits(rank, world, None, {}, torch_powersgd_rank=4, bucket_mb=100.0),
-        "ours_one_bucket": wl.train_digits(rank, world, "powersgd", {"rank": 4}, bucket_mb=100.0),
-    }
+    """Every error-feedback hook with its default options, and plain DDP, under each optimizer and seed."""
+    out: dict[str, Any] = {}
+    for optimizer in wl.OPTIMIZERS:
+        for name in ("none", *FEEDBACK_HOOKS):
+            out[f"{optimizer}/{name}"] = [wl.train_digits(rank, world, name, {}, optimizer, seed=s) for s in SEEDS]
+    out["torch_powersgd"] = wl.train_digits(rank, world, None, {}, torch_powersgd_rank=4, bucket_mb=100.0)
+    out["ours_one_bucket"] = wl.train_digits(rank, world, "powersgd", {"rank": 4}, bucket_mb=100.0)
+    return out
 
 
 @pytest.mark.slow
-def test_convergence_on_digits_and_against_torch_powersgd():
-    res = run_distributed(_convergence_worker, 2, timeout=600)[0]
-    base = res["none"]["accuracy"]
-    assert base > 90
-    for name in ("acpsgd", "powersgd", "onebit"):
-        assert res[name]["accuracy"] >= base - 0.5, (name, res[name]["accuracy"], base)
-        assert res[name]["stats"]["last_step"]["compression_ratio"] > 2
+def test_error_feedback_hooks_train_as_well_as_plain_ddp():
+    """Digits, MLP 64-256-256-10, 300 steps: SGD momentum 0.9, plain SGD and Adam, default hook options.
+
+    The mean test accuracy over three seeds of every error-feedback hook is within one point of plain
+    DDP's; one-bit stays over 20x smaller than fp32 on the wire. Also: PowerSGD in one bucket against
+    PyTorch's hook (same accuracy, fewer collectives per step).
+    """
+    res = run_distributed(_convergence_worker, 2, timeout=900)[0]
+
+    def mean(runs: list[dict[str, Any]]) -> float:
+        return sum(r["accuracy"] for r in runs) / len(runs)
+
+    gaps = {}
+    print(f"\n{'test accuracy %':16s}" + "".join(f"{n:>10s}" for n in ("none", *FEEDBACK_HOOKS)))
+    for optimizer in wl.OPTIMIZERS:
+        base = mean(res[f"{optimizer}/none"])
+        print(f"{optimizer:16s}" + "".join(f"{mean(res[f'{optimizer}/{n}']):10.2f}" for n in ("none", *FEEDBACK_HOOKS)))
+        assert base > 96, (optimizer, base)
+        for name in FEEDBACK_HOOKS:
+            gaps[f"{optimizer}/{name}"] = round(mean(res[f"{optimizer}/{name}"]) - base, 2)
+    ratios = {n: res[f"sgd_momentum/{n}"][0]["stats"] for n in FEEDBACK_HOOKS}
+    print(f"{'wire vs fp32':16s}{'':10s}" + "".join(f"{r['compression_ratio']:9.1f}x" for r in ratios.values()))
+    print(
+        f"{'  (last step)':16s}{'':10s}"
+        + "".join(f"{r['last_step']['compression_ratio']:9.1f}x" for r in ratios.values())
+    )
+    assert all(gap >= -1.0 for gap in gaps.values()), gaps
+    for optimizer in wl.OPTIMIZERS:
+        for name in FEEDBACK_HOOKS:
+            stats = res[f"{optimizer}/{name}"][0]["stats"]
+            assert stats["last_step"]["compression_ratio"] > 2, (optimizer, name)
+        assert res[f"{optimizer}/onebit"][0]["stats"]["compression_ratio"] >= 20  # warm-up steps included
     assert abs(res["ours_one_bucket"]["accuracy"] - res["torch_powersgd"]["accuracy"]) <= 1.0
     assert res["ours_one_bucket"]["collectives_per_step"] < res["torch_powersgd"]["collectives_per_step"]

@@ -1,0 +1,78 @@
+"""Start the demo's workloads: torchrun on the launching side, the process group on the worker side.
+
+Nothing here imports torch at module level: the launching process only starts
+``torch.distributed.run`` and reads the JSON that rank 0 wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun(module: str, nproc: int, args: Sequence[str], timeout: float | None = None) -> dict[str, Any]:
+    """Run ``python -m module *args`` on ``nproc`` processes under torchrun; return rank 0's JSON results.
+
+    The module must accept ``--no-progress`` and ``--json-out PATH``. Each
+    process runs one intra-op thread (the processes share the machine's cores).
+    A failure raises RuntimeError with the end of the processes' output.
+    """
+    with tempfile.TemporaryDirectory(prefix="sylvie-comm-") as tmp:
+        out = Path(tmp) / "result.json"
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+        cmd = [*launcher, f"--master_port={free_port()}", "-m", module, *args, "--no-progress", "--json-out", str(out)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise RuntimeError(f"{' '.join(cmd)} did not finish within {timeout} s") from exc
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(
+                f"{' '.join(cmd)} failed (exit status {proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}"
+            )
+        result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+@contextlib.contextmanager
+def process_group() -> Iterator[None]:
+    """The default gloo process group for a worker, destroyed on exit.
+
+    Under torchrun it joins from the environment torchrun sets; without it, it
+    is a group of one process. A group that is already initialized is used as
+    it is and left alone.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def write_json(result: dict[str, Any], path: str | None) -> None:
+    """Write ``result`` to ``path`` (no-op without a path)."""
+    if path:
+        Path(path).write_text(json.dumps(result))

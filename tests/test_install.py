@@ -1,0 +1,193 @@
+"""The installed package works on its own: a wheel built from the sources, installed outside the checkout.
+
+One fixture builds an sdist from a copy of the sources (so MANIFEST.in must
+carry the C++ sources), builds a wheel from that sdist against the installed
+torch (``--no-build-isolation``, as the README says) and installs it with
+``--no-deps`` into a fresh virtual environment. That environment sees the
+project environment's site-packages for torch and the other dependencies, but
+not the checkout or its editable install. The commands then run from a
+temporary directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+import tarfile
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sylvie_comm.demo import DDP_RUNS, GNN_RUNS, ddp_table, gnn_table
+
+pytestmark = pytest.mark.slow  # builds the extension (about a minute), then trains on several processes
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ("setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "csrc", "sylvie_comm")
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float, **env: str) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    full_env.update(OMP_NUM_THREADS="1", **env)
+    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    tail = f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{tail}"
+    return proc
+
+
+def _extension_key() -> str:
+    """A digest of everything the compiled extension depends on: its sources, the build files, torch, Python."""
+    import torch
+
+    h = hashlib.sha256(f"{torch.__version__} {sys.version} {sys.platform}".encode())
+    files = [ROOT / "setup.py", ROOT / "pyproject.toml", *(p for p in (ROOT / "csrc").rglob("*") if p.is_file())]
+    for path in sorted(files):
+        h.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _unpack_sdist(sdist: Path, dest: Path) -> Path:
+    with tarfile.open(sdist) as tar:
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(dest, filter="data")
+        else:  # Python without extraction filters; the archive is the one built above
+            tar.extractall(dest)
+    (tree,) = dest.iterdir()
+    return tree
+
+
+@pytest.fixture(scope="module")
+def wheel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel built by pip from an sdist of a copy of the sources.
+
+    The sdist is new every time. Compiling the extension takes minutes on a
+    small machine, so the build tree lives in pytest's cache under a digest of
+    the extension's inputs (C++ sources and headers, setup.py, pyproject.toml,
+    torch and Python versions): with the same digest ninja finds the objects
+    up to date, and the wheel packs the fresh Python sources around the
+    extension; any change to those inputs starts a new tree and a full compile.
+    """
+    tmp = tmp_path_factory.mktemp("build")
+    src = tmp / "src"
+    src.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.egg-info")
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=ignore)
+        else:
+            shutil.copy2(ROOT / name, src / name)
+    build_sdist = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+    _run([sys.executable, "-c", build_sdist, str(tmp / "sdist")], cwd=src, timeout=300)
+    (sdist,) = (tmp / "sdist").glob("*.tar.gz")
+
+    pytest_cache = getattr(request.config, "cache", None)  # absent with -p no:cacheprovider
+    cache = pytest_cache.mkdir("sylvie-comm-wheel") if pytest_cache else tmp / "cache"
+    cache.mkdir(exist_ok=True)
+    key = _extension_key()
+    with _locked(cache / "lock"):
+        for old in cache.iterdir():
+            if old.is_dir() and old.name != key:
+                shutil.rmtree(old)
+        # The tree keeps its path: ninja's build log records the absolute paths of the sources.
+        tree = cache / key / "tree"
+        tree.mkdir(parents=True, exist_ok=True)
+        for entry in tree.iterdir():
+            if entry.is_dir() and entry.name != "build":
+                shutil.rmtree(entry)
+            elif entry.is_file():
+                entry.unlink()
+        # Keep the compiled objects; drop every packaged file so that only the fresh sources get packed.
+        for f in tree.glob("build/lib.*/**/*"):
+            if f.is_file() and f.suffix != ".so":
+                f.unlink()
+        for bdist in tree.glob("build/bdist.*"):
+            shutil.rmtree(bdist)
+        unpacked = _unpack_sdist(sdist, tmp / "unpacked")
+        for entry in unpacked.iterdir():
+            shutil.move(entry, tree / entry.name)
+        pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index"]
+        _run([*pip_wheel, "-w", str(tmp / "dist"), str(tree)], cwd=tmp, timeout=900,
+             MAX_JOBS=os.environ.get("MAX_JOBS", "2"))  # fmt: skip
+    (whl,) = (tmp / "dist").glob("*.whl")
+    return whl
+
+
+@pytest.fixture(scope="module")
+def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh virtual environment holding the wheel; dependencies come from this environment's site-packages."""
+    root = tmp_path_factory.mktemp("venv") / "env"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(root)], cwd=root.parent, timeout=120)
+    python = root / "bin" / "python"
+    purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root,
+                   timeout=60).stdout.strip()  # fmt: skip
+    # A path line in a .pth file only extends sys.path: the .pth files over there (the editable install's
+    # finder among them) are not run, so `sylvie_comm` can come only from this environment's own copy.
+    deps = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    (Path(purelib) / "project-dependencies.pth").write_text("".join(f"{p}\n" for p in deps))
+    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
+         cwd=root, timeout=300)  # fmt: skip
+    return root
+
+
+@pytest.fixture()
+def outside(tmp_path: Path) -> Path:
+    """A working directory outside the checkout."""
+    assert not tmp_path.resolve().is_relative_to(ROOT)
+    return tmp_path
+
+
+def test_wheel_carries_the_demo_and_the_extension(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for module in ("cli", "demo/__init__", "demo/launch", "demo/ddp_train", "demo/gnn_full_graph", "bench/kernels"):
+        assert f"sylvie_comm/{module}.py" in names
+    assert any(n.startswith("sylvie_comm/_C.") and n.endswith(".so") for n in names), sorted(names)
+    assert not any(n.startswith(("examples/", "tests/")) for n in names)
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "sylvie-comm = sylvie_comm.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_installed_package_imports_its_own_copy(venv: Path, outside: Path) -> None:
+    code = "import sylvie_comm, sylvie_comm.demo; print(sylvie_comm.__file__); print(sylvie_comm.HAS_EXTENSION)"
+    where, has_extension = _run([str(venv / "bin" / "python"), "-c", code], cwd=outside, timeout=120).stdout.split()
+    assert Path(where).resolve().is_relative_to(venv.resolve())
+    assert has_extension == "True"
+
+
+def test_demo_runs_from_the_installed_package(venv: Path, outside: Path) -> None:
+    cmd = [str(venv / "bin" / "sylvie-comm"), "demo", "--steps", "20", "--epochs", "3", "--gnn-nproc", "2",
+           "--out", "demo.json"]  # fmt: skip
+    proc = _run(cmd, cwd=outside, timeout=900)
+    res = json.loads((outside / "demo.json").read_text())
+
+    assert [r["codec"] for r in res["ddp"]] == [codec for codec, _ in DDP_RUNS]
+    assert all(r["world_size"] == 2 and r["steps"] == 20 for r in res["ddp"])
+    plain = res["ddp"][0]["bytes_sent"]
+    assert all(0 < r["bytes_sent"] < plain for r in res["ddp"][1:])  # the hooks compress
+    assert [r["label"] for r in res["gnn"]] == [label for label, _ in GNN_RUNS]
+    assert all(r["world_size"] == 2 and r["epochs"] == 3 for r in res["gnn"])
+    assert 0 < res["gnn"][1]["halo_bytes_per_epoch"] < res["gnn"][0]["halo_bytes_per_epoch"]  # 1-bit halos
+
+    # The tables it printed are those of the results it wrote.
+    assert ddp_table(res["ddp"]) in proc.stdout
+    assert gnn_table(res["gnn"]) in proc.stdout
+    assert proc.stdout.startswith("1) data-parallel training: 2 processes")
+    assert proc.stdout.rstrip().endswith("wrote demo.json")
