@@ -15,7 +15,6 @@ plain fp32 all-reduce of the same gradients would have sent, and with
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from typing import Any
 
@@ -28,7 +27,7 @@ from tqdm import tqdm
 
 import sylvie_comm
 import sylvie_comm.ddp
-from sylvie_comm.demo.launch import process_group, write_json
+from sylvie_comm.demo.launch import run_worker
 
 Split = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -131,14 +130,7 @@ def report(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Parse ``argv`` and train (in a new process group unless one is initialized); rank 0 reports."""
-    args = parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    with process_group():
-        result = train(args)
-        if dist.get_rank() == 0:
-            print(report(result))
-            write_json(result, args.json_out)
-    return result
+    return run_worker(argv, parse_args, train, report)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,10 @@ import os
 import tempfile
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from sylvie_comm.demo.launch import process_group, write_json
+from sylvie_comm.demo.launch import run_worker
 from sylvie_comm.gnn import data as gdata
 from sylvie_comm.gnn.partition import shared_partition
 from sylvie_comm.gnn.train import TrainConfig, Trainer
@@ -132,14 +131,7 @@ def report(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Parse ``argv`` and train (in a new process group unless one is initialized); rank 0 reports."""
-    args = parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    with process_group():
-        result = train(args)
-        if dist.get_rank() == 0:
-            print(report(result))
-            write_json(result, args.json_out)
-    return result
+    return run_worker(argv, parse_args, train, report)
 
 
 if __name__ == "__main__":

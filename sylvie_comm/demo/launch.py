@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +76,24 @@ def write_json(result: dict[str, Any], path: str | None) -> None:
     """Write ``result`` to ``path`` (no-op without a path)."""
     if path:
         Path(path).write_text(json.dumps(result))
+
+
+def run_worker(
+    argv: list[str] | None,
+    parse_args: Callable[[list[str] | None], Any],
+    train: Callable[[Any], dict[str, Any]],
+    report: Callable[[dict[str, Any]], str],
+) -> dict[str, Any]:
+    """A demo worker's ``main``: parse ``argv``, train in a process group (a new one unless one is
+    initialized) with ``OMP_NUM_THREADS`` threads; rank 0 prints its report and writes the JSON."""
+    import torch
+    import torch.distributed as dist
+
+    args = parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    with process_group():
+        result = train(args)
+        if dist.get_rank() == 0:
+            print(report(result))
+            write_json(result, args.json_out)
+    return result
