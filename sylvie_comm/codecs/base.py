@@ -57,6 +57,34 @@ def check_tensor(tensor: Any, who: str) -> torch.Tensor:
     return tensor
 
 
+def check_rows(who: str, wire: Any, row_bytes: int) -> torch.Tensor:
+    """``wire`` as a 2-D uint8 tensor of ``row_bytes`` columns, or a ValueError saying what it is."""
+    if not isinstance(wire, torch.Tensor) or wire.dtype != torch.uint8 or wire.dim() != 2:
+        got = f"{wire.dtype} tensor of shape {tuple(wire.shape)}" if isinstance(wire, torch.Tensor) else type(wire)
+        raise ValueError(f"{who}: expected a 2-D uint8 tensor of rows, got {got}")
+    if wire.shape[1] != row_bytes:
+        raise ValueError(f"{who}: expected rows of {row_bytes} bytes, got {wire.shape[1]}")
+    return wire
+
+
+def rows_out(who: str, out: torch.Tensor | None, rows: int, row_bytes: int, device: torch.device) -> torch.Tensor:
+    """``out`` checked to be a ``(rows, row_bytes)`` uint8 tensor, or a new one."""
+    if out is None:
+        return torch.empty(rows, row_bytes, dtype=torch.uint8, device=device)
+    check_rows(who, out, row_bytes)
+    if out.shape[0] != rows:
+        raise ValueError(f"{who}: out has {out.shape[0]} rows, expected {rows}")
+    return out
+
+
+def two_dim(who: str, encoded: Encoded) -> tuple[int, int]:
+    """``(rows, features)`` of an encoded 2-D tensor, or a ValueError."""
+    shape = encoded.ctx.shape
+    if len(shape) != 2:
+        raise ValueError(f"{who}: expected an encoded 2-D (rows, features) tensor, got shape {tuple(shape)}")
+    return int(shape[0]), int(shape[1])
+
+
 def meta_of(tensor: torch.Tensor) -> TensorMeta:
     return TensorMeta(tensor.shape, tensor.dtype, tensor.device)
 
@@ -90,6 +118,23 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def wire_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
         """Exact payload bytes for a tensor of this shape and dtype, without encoding it."""
+
+    def row_bytes(self, features: int, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes per row when ``(rows, features)`` tensors travel as uint8 rows (see :meth:`to_rows`)."""
+        raise ValueError(f"{self.name}: this codec has no fixed per-row wire layout; use a cast or qbit codec")
+
+    def to_rows(self, encoded: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The payload of an encoded ``(rows, features)`` tensor as ``(rows, row_bytes)`` uint8 rows.
+
+        Row ``i`` holds everything needed to decode row ``i``, so rows can be
+        picked, sent to different peers and decoded apart. With ``out`` (a
+        preallocated ``(rows, row_bytes)`` uint8 tensor) the bytes are written there.
+        """
+        raise ValueError(f"{self.name}: this codec has no fixed per-row wire layout; use a cast or qbit codec")
+
+    def from_rows(self, wire: torch.Tensor, features: int, dtype: torch.dtype = torch.float32) -> Encoded:
+        """Inverse of :meth:`to_rows`: an :class:`Encoded` that :meth:`decode` turns into ``(rows, features)``."""
+        raise ValueError(f"{self.name}: this codec has no fixed per-row wire layout; use a cast or qbit codec")
 
     def options(self) -> dict[str, Any]:
         """The options this codec was built with (plain values, for configs and digests)."""

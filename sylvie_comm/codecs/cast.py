@@ -2,19 +2,48 @@
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Any, ClassVar
 
 import torch
 
-from sylvie_comm.codecs.base import Codec, Encoded, finish, meta_of
+from sylvie_comm.codecs.base import Codec, Encoded, TensorMeta, check_rows, finish, meta_of, rows_out, two_dim
 
 
-class IdentityCodec(Codec):
+class _RowCast(Codec):
+    """Row layout of the single-payload codecs: each row is its values in the wire dtype."""
+
+    @abc.abstractmethod
+    def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the payload of a tensor of ``dtype``."""
+
+    def row_bytes(self, features: int, dtype: torch.dtype = torch.float32) -> int:
+        return features * torch.empty((), dtype=self._wire_dtype(dtype)).element_size()
+
+    def to_rows(self, encoded: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
+        rows, features = two_dim(f"{self.name}.to_rows", encoded)
+        (wire,) = encoded.payload
+        as_bytes = wire.reshape(-1).view(torch.uint8).view(rows, self.row_bytes(features, encoded.ctx.dtype))
+        if out is None:
+            return as_bytes
+        return rows_out(f"{self.name}.to_rows", out, rows, as_bytes.shape[1], wire.device).copy_(as_bytes)
+
+    def from_rows(self, wire: torch.Tensor, features: int, dtype: torch.dtype = torch.float32) -> Encoded:
+        check_rows(f"{self.name}.from_rows", wire, self.row_bytes(features, dtype))
+        rows = wire.shape[0]
+        values = wire.reshape(-1).view(self._wire_dtype(dtype)).view(rows, features)
+        return Encoded((values,), TensorMeta(torch.Size((rows, features)), dtype, wire.device))
+
+
+class IdentityCodec(_RowCast):
     """Send the tensor unchanged (the uncompressed baseline)."""
 
     name: ClassVar[str] = "none"
     allreduce_compatible: ClassVar[bool] = True
+
+    def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype
 
     def _encode(self, tensor: torch.Tensor) -> Encoded:
         return Encoded((tensor.contiguous(),), meta_of(tensor))
@@ -27,7 +56,7 @@ class IdentityCodec(Codec):
         return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
-class CastCodec(Codec):
+class CastCodec(_RowCast):
     """Cast to a 16-bit float on the wire.
 
     Args:
@@ -46,6 +75,9 @@ class CastCodec(Codec):
 
     def options(self) -> dict[str, Any]:
         return {"divide_by": self.divide_by}
+
+    def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return self.wire_dtype
 
     def _encode(self, tensor: torch.Tensor) -> Encoded:
         if self.divide_by == 1.0:

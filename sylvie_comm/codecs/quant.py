@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 
 from sylvie_comm import kernels
-from sylvie_comm.codecs.base import Codec, Encoded, TensorMeta, finish, meta_of
+from sylvie_comm.codecs.base import Codec, Encoded, TensorMeta, check_rows, finish, meta_of, rows_out, two_dim
 from sylvie_comm.kernels.reference import SUPPORTED_BITS, packed_cols
 
 META_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -26,7 +26,7 @@ def row_layout(shape: torch.Size | tuple[int, ...], row_size: int | None) -> lis
     n = math.prod(shape)
     if row_size is None:
         if len(shape) >= 2:
-            return [(shape[0], n // shape[0] if shape[0] else 0)]
+            return [(shape[0], math.prod(shape[1:]))]
         return [(1, n)]
     full, rest = divmod(n, row_size)
     blocks = [(full, row_size)] if full else []
@@ -117,6 +117,35 @@ class QBitCodec(Codec):
             return out
         flat = parts[0].reshape(-1) if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])
         return finish(flat, meta, out)
+
+    def _row_layout(self, who: str) -> int:
+        if self.row_size is not None:
+            raise ValueError(f"qbit.{who}: rows travel one per tensor row; build the codec with row_size=None, "
+                             f"not {self.row_size}")  # fmt: skip
+        return 4 if self.meta_dtype == "fp32" else 2
+
+    def row_bytes(self, features: int, dtype: torch.dtype = torch.float32) -> int:
+        """``scale`` and ``min`` (``meta_dtype``) then ``ceil(features * bits / 8)`` packed bytes."""
+        return 2 * self._row_layout("row_bytes") + packed_cols(features, self.bits)
+
+    def to_rows(self, encoded: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row as ``[scale | min | packed values]`` (the layout of :meth:`row_bytes`)."""
+        mb = self._row_layout("to_rows")
+        rows, features = two_dim("qbit.to_rows", encoded)
+        packed, scale, minimum = encoded.payload
+        wire = rows_out("qbit.to_rows", out, rows, self.row_bytes(features), packed.device)
+        wire[:, :mb] = scale.view(torch.uint8).view(rows, mb)
+        wire[:, mb : 2 * mb] = minimum.view(torch.uint8).view(rows, mb)
+        wire[:, 2 * mb :] = packed
+        return wire
+
+    def from_rows(self, wire: torch.Tensor, features: int, dtype: torch.dtype = torch.float32) -> Encoded:
+        mb = self._row_layout("from_rows")
+        check_rows("qbit.from_rows", wire, self.row_bytes(features))
+        rows = wire.shape[0]
+        meta = wire[:, : 2 * mb].reshape(-1).view(META_DTYPES[self.meta_dtype]).view(rows, 2)
+        payload = (wire[:, 2 * mb :].contiguous(), meta[:, 0].contiguous(), meta[:, 1].contiguous())
+        return Encoded(payload, TensorMeta(torch.Size((rows, features)), dtype, wire.device))
 
     def wire_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
         meta_bytes = 4 if self.meta_dtype == "fp32" else 2

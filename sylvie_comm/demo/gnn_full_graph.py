@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from sylvie_comm.demo.launch import run_worker
 from sylvie_comm.gnn import data as gdata
+from sylvie_comm.gnn.models import LAYERS
 from sylvie_comm.gnn.partition import shared_partition
 from sylvie_comm.gnn.train import TrainConfig, Trainer
 
@@ -36,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--root", default=None, help="OGB data root (the folder holding e.g. ogbn_arxiv/)")
     p.add_argument("--nodes", type=int, default=4000, help="csbm: number of nodes")
     p.add_argument("--features", type=int, default=64, help="csbm: feature width")
-    p.add_argument("--model", default="sage", choices=["sage", "gcn"])
+    p.add_argument("--model", default="sage", choices=sorted(LAYERS))
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--dropout", type=float, default=0.5)

@@ -25,16 +25,13 @@ from typing import Any, Protocol
 
 import torch
 
-from sylvie_comm.codecs import ErrorFeedback
-from sylvie_comm.codecs.base import Encoded, TensorMeta
-from sylvie_comm.codecs.feedback import clamp_rows
-from sylvie_comm.codecs.quant import QBitCodec
+from sylvie_comm.codecs import Bf16Codec, Codec, ErrorFeedback, Fp16Codec, IdentityCodec, QBitCodec
 from sylvie_comm.collectives import SerialExecutor
 from sylvie_comm.gnn.partition import Partition
 
 PRECISIONS = ("fp32", "bf16", "fp16", "q1", "q2", "q4", "q8")
 _ALIASES = {32: "fp32", 16: "bf16", 8: "q8", 4: "q4", 2: "q2", 1: "q1", "32": "fp32", "16": "bf16"}
-_CASTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_CAST_CODECS: dict[str, type[Codec]] = {"fp32": IdentityCodec, "bf16": Bf16Codec, "fp16": Fp16Codec}
 
 
 def parse_precision(value: str | int) -> str:
@@ -59,43 +56,45 @@ class Transport(Protocol):
 
 
 class RowFormat:
-    """How rows of ``features`` values travel: a fixed number of bytes per row."""
+    """How rows of ``features`` values travel: a fixed number of bytes per row, laid out by a codec.
+
+    q-bit rows use :class:`~sylvie_comm.codecs.QBitCodec` (per-row scale and
+    minimum, then the packed values), ``bf16``/``fp16`` the cast codecs, ``fp32``
+    the identity codec; :meth:`Codec.to_rows <sylvie_comm.codecs.base.Codec.to_rows>`
+    gives each encoded row its own bytes, so rows can be picked per peer.
+    """
 
     def __init__(self, precision: str, features: int, meta_dtype: str = "fp32", seed: int = 0) -> None:
         self.precision = precision
         self.features = features
-        self.codec: QBitCodec | None = None
+        self.codec: Codec
         if precision.startswith("q"):
             self.codec = QBitCodec(bits=int(precision[1:]), seed=seed, meta_dtype=meta_dtype)
-            self.meta_dtype = torch.float32 if meta_dtype == "fp32" else torch.bfloat16
-            self.meta_bytes = 4 if meta_dtype == "fp32" else 2
-            self.row_bytes = self.codec.wire_bytes((1, features))  # packed values + scale + minimum
         else:
-            self.cast = _CASTS[precision]
-            self.row_bytes = features * torch.empty((), dtype=self.cast).element_size()
+            self.codec = _CAST_CODECS[precision]()
+        self.row_bytes = self.codec.row_bytes(features)
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 rows -> uint8 rows of ``row_bytes``."""
-        rows = x.shape[0]
-        if self.codec is None:
-            return x.to(self.cast).contiguous().view(torch.uint8).view(rows, self.row_bytes)
-        packed, scale, minimum = self.codec.encode(x).payload
-        meta = torch.stack([scale, minimum], 1).view(torch.uint8).view(rows, 2 * self.meta_bytes)
-        return torch.cat([meta, packed], 1)
+    @property
+    def stateful(self) -> bool:
+        """Whether the codec has state to checkpoint (the noise offset of q-bit rows)."""
+        return isinstance(self.codec, QBitCodec)
+
+    def encode(self, x: torch.Tensor, feedback: ErrorFeedback | None = None, name: str = "") -> torch.Tensor:
+        """fp32 rows -> uint8 rows of ``row_bytes``.
+
+        With ``feedback`` (q-bit only) the rows are encoded with range-bounded error feedback under ``name``:
+        the compensated rows are clamped into each row's own [min, max] before quantizing, so the quantizer
+        range never grows with the residual. Plain error feedback diverges with 1-bit stochastic rounding (its
+        error can reach the whole range, which then widens the next range); bounded, it behaves like a
+        first-order sigma-delta modulator and the residual stays within a few quantization steps.
+        """
+        if feedback is not None and self.stateful:
+            return self.codec.to_rows(feedback.encode(self.codec, name, x, bound_rows=True))
+        return self.codec.to_rows(self.codec.encode(x))
 
     def decode(self, wire: torch.Tensor) -> torch.Tensor:
         """uint8 rows -> fp32 rows."""
-        rows = wire.shape[0]
-        if rows == 0:
-            return torch.zeros(0, self.features)
-        if self.codec is None:
-            return wire.contiguous().view(self.cast).view(rows, self.features).float()
-        mb = self.meta_bytes
-        meta = wire[:, : 2 * mb].contiguous().view(self.meta_dtype).view(rows, 2)
-        packed = wire[:, 2 * mb :].contiguous()
-        enc = Encoded((packed, meta[:, 0].contiguous(), meta[:, 1].contiguous()),
-                      TensorMeta(torch.Size((rows, self.features)), torch.float32, wire.device))  # fmt: skip
-        return self.codec.decode(enc)
+        return self.codec.decode(self.codec.from_rows(wire, self.features))
 
 
 def check_partitions(part: Partition, transport: Any) -> None:
@@ -227,17 +226,7 @@ class HaloExchanger:
         return RowFormat(precision, features, self.meta_dtype, seed)
 
     def _encode(self, fmt: RowFormat, rows: torch.Tensor, ef_key: str) -> torch.Tensor:
-        if self.error_feedback and fmt.codec is not None:
-            # Range-bounded error feedback: the compensated rows are clamped into each row's own
-            # [min, max] before quantizing, so the quantizer range never grows with the residual.
-            # Plain error feedback diverges with 1-bit stochastic rounding (its error can reach the
-            # whole range, which then widens the next range); bounded, it behaves like a first-order
-            # sigma-delta modulator and the residual stays within a few quantization steps.
-            comp = self.feedback.compensate(ef_key, rows)
-            wire = fmt.encode(clamp_rows(comp, rows))
-            self.feedback.update(ef_key, comp, fmt.decode(wire))
-            return wire
-        return fmt.encode(rows)
+        return fmt.encode(rows, self.feedback if self.error_feedback else None, ef_key)
 
     def features_job(
         self, inner: torch.Tensor, key: str, feedback: bool = True, precision: str | None = None
@@ -294,7 +283,7 @@ class HaloExchanger:
         """Error-feedback residuals, the noise offset of every q-bit codec (by direction, layer key and
         width) and the byte counters. Local: no collectives."""
         codecs = [{"direction": d, "key": k, "features": f, "codec": fmt.codec.state_dict()}
-                  for (d, f, k), fmt in self._formats.items() if fmt.codec is not None]  # fmt: skip
+                  for (d, f, k), fmt in self._formats.items() if fmt.stateful]  # fmt: skip
         return {"settings": self.settings(), "feedback": self.feedback.state_dict(), "codecs": codecs,
                 "bytes_sent": dict(self.bytes_sent)}  # fmt: skip
 
@@ -317,7 +306,7 @@ class HaloExchanger:
             if isinstance(features, bool) or not isinstance(features, int) or features < 0:
                 raise ValueError(f"{what}: codecs[{i}] has features {features!r}; expected an integer >= 0")
             fmt = formats[(direction, features, key)] = self._new_format(direction, features, key)
-            if fmt.codec is None:
+            if not fmt.stateful:
                 raise ValueError(f"{what}: codecs[{i}] holds q-bit state for {direction} halos, which this "
                                  f"exchanger sends as {fmt.precision}")  # fmt: skip
             fmt.codec.load_state_dict(rec["codec"])

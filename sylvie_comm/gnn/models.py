@@ -1,4 +1,4 @@
-"""Full-graph GraphSAGE (mean) and GCN on a partition's local block.
+"""Full-graph GraphSAGE (mean), GCN and GAT on a partition's local block.
 
 Each layer first completes its input with the halo rows (``[inner; halo]``,
 through :func:`~sylvie_comm.gnn.halo.halo_exchange`) and then aggregates over
@@ -13,9 +13,10 @@ needed) or ``"dgl"`` (DGL's fused sparse-dense kernel on a block). With the
 same seed both backends start from the same weights and, step after step, give
 the same logits up to float rounding (tested).
 
-Initialization (one, for both backends): every weight matrix and the SAGE bias
+Initialization (one, for both backends): SAGE and GCN weight matrices and the SAGE bias
 as ``torch.nn.Linear`` initializes them (Kaiming-uniform with ``a=sqrt(5)``,
-i.e. ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``), the GCN bias zero. DGL's own
+i.e. ``U(-1/sqrt(fan_in), 1/sqrt(fan_in))``), the GCN bias zero; GAT as DGL's
+``GATConv`` (see :class:`GATLayer`). DGL's own
 ``SAGEConv`` uses Xavier-uniform with gain ``sqrt(2)`` instead, which trains a
 different (and on our generated graphs much worse) model under Adam; that is why
 DGL is used for the aggregation only.
@@ -36,7 +37,6 @@ from sylvie_comm import _deps
 from sylvie_comm.gnn.halo import HaloPipeline, halo_exchange
 from sylvie_comm.gnn.partition import Partition
 
-MODELS = ("sage", "gcn")
 BACKENDS = ("auto", "dgl", "torch")
 
 
@@ -106,9 +106,12 @@ class LocalGraph:
 
     def first_aggregate(self, model: str, x_full: torch.Tensor, backend: str = "torch") -> torch.Tensor:
         """The neighbour aggregate of the (fixed) input features, computed once: the first layer then
-        needs no halo exchange at all. SAGE: the neighbour mean; GCN: ``D_in^-1/2 A D_out^-1/2 X``."""
+        needs no halo exchange at all. SAGE: the neighbour mean; GCN: ``D_in^-1/2 A D_out^-1/2 X``; GAT: the
+        rows ``[inner; halo]`` themselves (its attention depends on the weights: only the exchange is saved)."""
         if model == "sage":
             return self.mean_neighbors(x_full, backend)
+        if model == "gat":
+            return x_full
         return self.sum_neighbors(x_full * self.out_norm[:, None], backend) * self.in_norm[:, None]
 
     def block(self) -> Any:
@@ -129,7 +132,9 @@ class SAGELayer(nn.Module):
     parameters.
     """
 
-    def __init__(self, in_dim: int, out_dim: int, backend: str) -> None:
+    # ``last`` (every layer class takes it, see LAYERS) changes nothing here: one output per node either way.
+
+    def __init__(self, in_dim: int, out_dim: int, backend: str, last: bool = False) -> None:
         super().__init__()
         self.backend = backend
         self.fc_self = nn.Linear(in_dim, out_dim, bias=True)
@@ -146,7 +151,9 @@ class SAGELayer(nn.Module):
 class GCNLayer(nn.Module):
     """``D_in^-1/2 A D_out^-1/2 H W + b`` with global degrees (Kipf & Welling)."""
 
-    def __init__(self, in_dim: int, out_dim: int, backend: str) -> None:
+    # ``last`` (every layer class takes it, see LAYERS) changes nothing here: one output per node either way.
+
+    def __init__(self, in_dim: int, out_dim: int, backend: str, last: bool = False) -> None:
         super().__init__()
         self.backend = backend
         self.weight = nn.Linear(in_dim, out_dim, bias=False)
@@ -160,6 +167,101 @@ class GCNLayer(nn.Module):
         # Transform, then aggregate: the (usually narrower) output is what travels over the edges.
         hs = h_full * g.out_norm[:, None]
         return g.sum_neighbors(self.weight(hs), self.backend) * g.in_norm[:, None] + self.bias
+
+
+class GATLayer(nn.Module):
+    """Multi-head graph attention over ``[inner; halo]`` rows (Veličković et al. 2018, as DGL's ``GATConv``).
+
+    Per head ``k``: ``z = W_k h``, logits ``e_uv = LeakyReLU_0.2(a_l . z_u + a_r . z_v)`` on every edge
+    ``u -> v`` and a self-loop ``v -> v`` for every inner node that has none (so a node attends to itself),
+    ``alpha_uv`` the softmax of ``e_uv`` over the in-edges of ``v``, and ``out_v = sum_u alpha_uv z_u + b_k``.
+    Hidden layers concatenate the heads (``out_dim / heads`` features each, so the width stays ``out_dim``);
+    the last layer averages them (``out_dim`` features each). Initialization as DGL's ``GATConv``:
+    Xavier-normal with the ReLU gain for ``W`` and the attention vectors, zero bias.
+
+    Backends: ``"torch"`` computes a segment softmax over the local edges with index operations (per-edge
+    tensors of ``edges x heads x features``); ``"dgl"`` uses ``dgl.ops`` (``u_add_v``, ``edge_softmax``,
+    ``u_mul_e_sum``) on the block with the same edges. Attention depends on the parameters, so the first
+    layer's precomputed "aggregate" is the input rows ``[inner; halo]`` themselves, exchanged once exactly.
+
+    Args:
+        in_dim, out_dim: feature widths (``out_dim`` divisible by ``heads`` unless ``last``).
+        backend: ``"torch"`` or ``"dgl"``.
+        last: average the heads instead of concatenating them (the output layer).
+        heads: attention heads (default 4).
+    """
+
+    def __init__(self, in_dim: int, out_dim: int, backend: str, last: bool = False, heads: int = 4) -> None:
+        super().__init__()
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+            raise ValueError(f"gat: heads must be an integer >= 1, got {heads!r}")
+        if not last and out_dim % heads:
+            raise ValueError(f"gat: a hidden width of {out_dim} does not split into {heads} heads; use a multiple")
+        self.backend, self.last, self.heads = backend, last, heads
+        self.head_dim = out_dim if last else out_dim // heads
+        self.fc = nn.Linear(in_dim, heads * self.head_dim, bias=False)
+        self.attn_l = nn.Parameter(torch.empty(1, heads, self.head_dim))
+        self.attn_r = nn.Parameter(torch.empty(1, heads, self.head_dim))
+        self.bias = nn.Parameter(torch.zeros(heads * self.head_dim))
+        gain = nn.init.calculate_gain("relu")
+        for w in (self.fc.weight, self.attn_l, self.attn_r):
+            nn.init.xavier_normal_(w, gain=gain)
+        self._graph: LocalGraph | None = None  # the graph the cached edges and block belong to
+        self._cache: dict[str, Any] = {}
+
+    def edges(self, g: LocalGraph) -> tuple[torch.Tensor, torch.Tensor]:
+        """The local edges plus a self-loop for every inner node without one (sources, destinations)."""
+        if self._graph is not g:
+            has_loop = torch.zeros(g.n_inner, dtype=torch.bool)
+            has_loop[g.dst[g.src == g.dst]] = True
+            loops = torch.nonzero(~has_loop).view(-1).to(g.src.dtype)
+            self._graph = g
+            self._cache = {"src": torch.cat([g.src, loops]), "dst": torch.cat([g.dst, loops])}
+        return self._cache["src"], self._cache["dst"]
+
+    def _block(self, g: LocalGraph, device: torch.device) -> Any:
+        src, dst = self.edges(g)
+        block = self._cache.get("block")
+        if block is None or block.device != device:
+            block = _deps.import_dgl().create_block((src, dst), num_src_nodes=g.n_inner + g.n_halo,
+                                                    num_dst_nodes=g.n_inner).to(device)  # fmt: skip
+            self._cache["block"] = block
+        return block
+
+    def forward_first(self, g: LocalGraph, x: torch.Tensor, x_full: torch.Tensor) -> torch.Tensor:
+        """The same layer from the input rows ``[inner; halo]`` exchanged once (:meth:`LocalGraph.first_aggregate`)."""
+        return self.forward(g, x_full)
+
+    def forward(self, g: LocalGraph, h_full: torch.Tensor) -> torch.Tensor:
+        n, heads = g.n_inner, self.heads
+        z = self.fc(h_full).view(-1, heads, self.head_dim)
+        el = (z * self.attn_l).sum(-1)  # source term of every row, (n_inner + n_halo, heads)
+        er = (z[:n] * self.attn_r).sum(-1)  # destination term of the inner rows
+        out: torch.Tensor
+        if self.backend == "dgl":
+            ops = _deps.import_dgl().ops
+            block = self._block(g, h_full.device)
+            alpha = ops.edge_softmax(block, F.leaky_relu(ops.u_add_v(block, el, er), 0.2))
+            out = ops.u_mul_e_sum(block, z, alpha.unsqueeze(-1))
+        else:
+            src, dst = (t.to(h_full.device) for t in self.edges(g))
+            logits = F.leaky_relu(el[src] + er[dst], 0.2)
+            # Segment softmax; the per-destination maximum only keeps exp() finite (constant: no gradient).
+            peak = torch.full((n, heads), float("-inf"), dtype=logits.dtype, device=logits.device)
+            peak = peak.scatter_reduce(0, dst[:, None].expand(-1, heads), logits.detach(), "amax")
+            weight = (logits - peak[dst]).exp()
+            total = torch.zeros(n, heads, dtype=weight.dtype, device=weight.device).index_add(0, dst, weight)
+            alpha = weight / total[dst]
+            out = torch.zeros(n, heads, self.head_dim, dtype=z.dtype, device=z.device)
+            out = out.index_add(0, dst, alpha.unsqueeze(-1) * z[src])
+        out = out + self.bias.view(heads, self.head_dim)
+        return out.mean(1) if self.last else out.reshape(n, heads * self.head_dim)
+
+
+# Layer classes by model name: (in_dim, out_dim, backend, last) -> a module with forward(g, h_full),
+# and forward_first(g, x, LocalGraph.first_aggregate(name, ...)).
+LAYERS: dict[str, type[SAGELayer | GCNLayer | GATLayer]] = {"sage": SAGELayer, "gcn": GCNLayer, "gat": GATLayer}
+MODELS = tuple(LAYERS)
 
 
 def resolve_backend(backend: str) -> str:
@@ -182,7 +284,7 @@ class FullGraphGNN(nn.Module):
     between backends unchanged.
 
     Args:
-        model: ``"sage"`` or ``"gcn"``.
+        model: a name in :data:`LAYERS` (``"sage"``, ``"gcn"`` or ``"gat"``).
         in_dim, hidden, out_dim: feature widths.
         num_layers: layers (>= 1); every layer exchanges halo rows.
         dropout: between layers.
@@ -200,14 +302,16 @@ class FullGraphGNN(nn.Module):
         backend: str = "auto",
     ) -> None:
         super().__init__()
-        if model not in MODELS:
-            raise ValueError(f"gnn: model must be one of {MODELS}, got {model!r}")
+        if model not in LAYERS:
+            raise ValueError(f"gnn: model must be one of {sorted(LAYERS)}, got {model!r}")
         if num_layers < 1:
             raise ValueError(f"gnn: num_layers must be >= 1, got {num_layers}")
         self.backend = resolve_backend(backend)
-        layer_cls = SAGELayer if model == "sage" else GCNLayer
+        layer_cls = LAYERS[model]
         dims = [in_dim] + [hidden] * (num_layers - 1) + [out_dim]
-        self.layers = nn.ModuleList(layer_cls(a, b, self.backend) for a, b in itertools.pairwise(dims))
+        self.layers = nn.ModuleList(
+            layer_cls(a, b, self.backend, last=i == num_layers - 1) for i, (a, b) in enumerate(itertools.pairwise(dims))
+        )
         self.dropout = dropout
 
     def forward(self, g: LocalGraph, x: torch.Tensor, first_aggregate: torch.Tensor | None = None) -> torch.Tensor:

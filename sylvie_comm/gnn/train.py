@@ -42,7 +42,7 @@ from sylvie_comm.gnn.partition import Partition
 class TrainConfig:
     """Everything every rank must agree on."""
 
-    model: str = "sage"  # "sage" (mean) or "gcn"
+    model: str = "sage"  # "sage" (mean), "gcn" or "gat" (sylvie_comm.gnn.models.LAYERS)
     hidden: int = 64
     layers: int = 2
     dropout: float = 0.0
@@ -57,6 +57,7 @@ class TrainConfig:
     backend: str = "auto"  # layers: auto | dgl | torch
     grad_hook: str | None = None  # a sylvie_comm.ddp hook for the weight gradients (None: fp32 all-reduce)
     precompute_first: bool = True  # aggregate the fixed input features once (fp32): no first-layer exchange
+    # (GAT: its attention depends on the weights, so it keeps the input's halo rows, exchanged once)
     seed: int = 0
 
     def validated(self) -> TrainConfig:

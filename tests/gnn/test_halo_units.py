@@ -66,3 +66,22 @@ def test_dgl_compat_import_warns_once_in_a_fresh_process():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("precision", ["q1", "q4"])
+def test_row_format_feedback_is_the_codecs_bounded_feedback(precision):
+    """Halo rows with error feedback are the codec's rows of ErrorFeedback.encode(bound_rows=True)."""
+    from sylvie_comm.codecs import ErrorFeedback, QBitCodec
+
+    x = torch.randn(30, 17)
+    fmt = RowFormat(precision, 17, seed=9)
+    codec = QBitCodec(bits=int(precision[1:]), seed=9)
+    mine, ref = ErrorFeedback(), ErrorFeedback()
+    for step in range(4):
+        wire = fmt.encode(x + step, mine, "k")
+        assert torch.equal(wire, codec.to_rows(ref.encode(codec, "k", x + step, bound_rows=True)))
+        assert torch.equal(mine.residual("k"), ref.residual("k"))
+    # Cast rows carry no residual.
+    fp16 = RowFormat("fp16", 17)
+    fp16.encode(x, mine, "cast")
+    assert "cast" not in mine

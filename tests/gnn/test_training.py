@@ -31,15 +31,22 @@ def assert_matches_single_process(config: dict[str, Any], world: int, epochs: in
             torch.testing.assert_close(g, h, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("model", ["sage", "gcn"])
+@pytest.mark.parametrize("model", ["sage", "gcn", "gat"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_synchronous_fp32_reproduces_single_process(model, world):
     """Staleness 0 + fp32 halos: logits, loss and weight gradients equal full-graph training after 3 epochs."""
     assert_matches_single_process({"model": model, "hidden": 16, "layers": 3, "backend": "torch"}, world)
 
 
+@pytest.mark.parametrize("model", ["sage", "gat"])
+def test_synchronous_fp32_reproduces_single_process_with_an_exchanging_first_layer(model):
+    """Without the precomputed first layer the input's halo rows travel every epoch, also exactly in fp32."""
+    config = {"model": model, "hidden": 16, "layers": 2, "backend": "torch", "precompute_first": False}
+    assert_matches_single_process(config, 2)
+
+
 @pytest.mark.skipif(not _deps.with_dgl(), reason="DGL does not import")
-@pytest.mark.parametrize("model", ["sage", "gcn"])
+@pytest.mark.parametrize("model", ["sage", "gcn", "gat"])
 def test_synchronous_fp32_reproduces_single_process_with_dgl_layers(model):
     assert_matches_single_process({"model": model, "hidden": 16, "layers": 2, "backend": "dgl"}, 2)
 
