@@ -447,10 +447,26 @@ def shared_partition(
         inputs = box[0]
     if failure is not None:
         raise failure
-    part = load_partition(folder, rank)
-    if inputs is not None and recorded_inputs(folder) != inputs:
-        raise RuntimeError(
-            f"shared_partition: {folder} was replaced with a partition of other inputs while rank {rank} "
-            "loaded it; give concurrent runs with different inputs different folders"
-        )
+    part: Partition | None = None
+    error: BaseException | None = None
+    try:
+        part = load_partition(folder, rank)
+        if inputs is not None and recorded_inputs(folder) != inputs:
+            raise RuntimeError(
+                f"shared_partition: {folder} was replaced with a partition of other inputs while rank {rank} "
+                "loaded it; give concurrent runs with different inputs different folders"
+            )
+    except Exception as exc:
+        error = exc
+    if distributed:
+        # Every rank has loaded its part before any returns: rank 0's next call may rewrite the folder.
+        statuses: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(statuses, None if error is None else f"{type(error).__name__}: {error}")
+        failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+        if error is None and failed:
+            r, s = failed[0]
+            raise RuntimeError(f"shared_partition: rank {r} could not load its part ({s})")
+    if error is not None:
+        raise error
+    assert part is not None
     return part

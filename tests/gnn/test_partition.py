@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -301,6 +302,14 @@ def _shared_worker(rank, world, folder):
 
     counting = CountingPartition()
     pm.partition = counting
+    if rank == 1:  # a slow reader: rank 0's next call must not rewrite the folder before it has loaded
+        load = pm.load_partition
+
+        def slow_load(*args, **kwargs):
+            time.sleep(1.0)
+            return load(*args, **kwargs)
+
+        pm.load_partition = slow_load
     out = []
     for seed in (0, 0, 2):  # a run, the same run again, a run with another seed
         before = counting.calls
