@@ -39,18 +39,29 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` processes; returns the results by rank.
-
-    A worker that raises fails the caller with its traceback; workers that do not
-    finish within ``timeout`` seconds are killed and the caller fails (no hang).
-    """
+def _start(fn: Callable[..., Any], world: int, args: tuple[Any, ...]) -> tuple[Any, list[Any]]:
+    """Spawn ``world`` workers joined on a free port; return the queue they report on and the processes."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, r, world, port, queue, args), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
+    return queue, procs
+
+
+def _raise_errors(errors: dict[int, str]) -> None:
+    if errors:
+        raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+
+
+def run_distributed(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` processes; returns the results by rank.
+
+    A worker that raises fails the caller with its traceback; workers that do not
+    finish within ``timeout`` seconds are killed and the caller fails (no hang).
+    """
+    queue, procs = _start(fn, world, args)
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout
@@ -76,8 +87,7 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, timeout: flo
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    if errors:
-        raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+    _raise_errors(errors)
     return [results[r] for r in range(world)]
 
 
@@ -92,12 +102,7 @@ def run_distributed_losing(
     """
     if not lost or any(not 0 <= r < world for r in lost) or len(set(lost)) == world:
         raise ValueError(f"lost must name some but not all of the ranks 0..{world - 1}, got {lost}")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, queue, args), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
+    queue, procs = _start(fn, world, args)
     survivors = [r for r in range(world) if r not in lost]
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
@@ -130,6 +135,5 @@ def run_distributed_losing(
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    if errors:
-        raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+    _raise_errors(errors)
     return results
