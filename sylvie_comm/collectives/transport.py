@@ -1,9 +1,11 @@
 """The transport seam: torch.distributed process groups behind one small interface.
 
-Every collective the integrations issue goes through a transport; callers count
-what they send with :func:`wire_bytes`. Multi-phase algorithms (PowerSGD's P then
-Q, the one-bit all-to-all then all-gather) run on a :class:`SerialExecutor`: one
-thread per transport that issues collectives in submission order, so every rank
+Every collective the algorithms issue goes through a :class:`Transport`: the
+process-group transport here, the in-process one (:mod:`.local`) in tests; callers
+count what they send with :func:`~sylvie_comm.collectives.accounting.wire_bytes`.
+Multi-phase algorithms (PowerSGD's P then Q, the one-bit all-to-all then
+all-gather) run on a :class:`SerialExecutor`: one
+thread per algorithm that issues collectives in submission order, so every rank
 issues the same collectives in the same order (launching the second phase from
 future callbacks, as PyTorch's ``powerSGD_hook`` does, lets different ranks
 interleave buckets differently and gloo aborts with a size mismatch).
@@ -22,7 +24,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -33,23 +35,39 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 Future = torch.futures.Future
 
 
-def wire_bytes(kind: str, nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends for a collective on ``nbytes`` of input (bandwidth-optimal algorithms).
+@runtime_checkable
+class Transport(Protocol):
+    """What an algorithm needs from the ranks it talks to; every collective is asynchronous.
 
-    all-reduce (ring: reduce-scatter + all-gather) sends ``2 (w - 1) / w`` of the
-    buffer; all-gather sends its ``nbytes`` to ``w - 1`` peers; all-to-all sends
-    all but its own ``1 / w`` share. One rank alone sends nothing.
+    A collective returns a future that completes once the output is written
+    (``wait()`` and ``value()`` raise if the collective failed). Every rank must
+    issue the same collectives in the same order, on tensors of the same size.
     """
-    w = world_size
-    if w <= 1:
-        return 0
-    if kind == "all_reduce":
-        return 2 * (w - 1) * nbytes // w
-    if kind == "all_gather":
-        return (w - 1) * nbytes
-    if kind == "all_to_all":
-        return (w - 1) * nbytes // w
-    raise ValueError(f"unknown collective kind {kind!r}; expected all_reduce, all_gather or all_to_all")
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, t: torch.Tensor) -> Future[Any]:
+        """Sum ``t`` in place across ranks."""
+        ...
+
+    def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> Future[Any]:
+        """Gather every rank's ``t`` into ``out`` (``world_size * t.numel()`` elements, rank-major)."""
+        ...
+
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> Future[Any]:
+        """Equal-split all-to-all along the first dimension."""
+        ...
+
+    def all_to_all_v(
+        self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> Future[Any]:
+        """All-to-all with per-peer row counts: rows ``in_splits[j]`` of ``t`` go to rank ``j``."""
+        ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Blocking gather of a picklable object from every rank (set-up only)."""
+        ...
 
 
 # How long a collective on a transport's own group may wait for its peers. Long enough for a rank-0-only
@@ -238,9 +256,7 @@ def _destroy(group: dist.ProcessGroup) -> None:
 T = TypeVar("T")
 
 
-def agree(
-    transport: ProcessGroupTransport, build: Callable[[], T], describe: Callable[[T], dict[str, Any]], what: str
-) -> T:
+def agree(transport: Transport, build: Callable[[], T], describe: Callable[[T], dict[str, Any]], what: str) -> T:
     """Build something on every rank and fail on every rank if any rank failed or they disagree.
 
     ``build`` runs locally; its ValueError/TypeError/ImportError is caught so

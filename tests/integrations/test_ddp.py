@@ -225,7 +225,7 @@ def test_invalid_options_raise_at_registration():
     assert "unknown option(s) ratio" in res["option"]
 
 
-FEEDBACK_HOOKS = ("onebit", "sign", "topk", "acpsgd", "powersgd")
+FEEDBACK_HOOKS = ("onebit", "sign", "topk", "acpsgd", "powersgd", "qsgd")
 SEEDS = (0, 1, 2)
 
 

@@ -1,0 +1,224 @@
+"""What every gradient algorithm shares: named tensors in, a future out, per-name state.
+
+An algorithm is written once, free of any framework: it takes the named tensors
+of one fusion group (a DDP bucket, a Horovod fusion buffer, or any list of
+tensors), a step number and a :class:`~sylvie_comm.collectives.Transport`, and
+returns a future that completes once the averaged values are written back into
+the tensors, in place. Its per-name state (residuals, factors) is keyed by
+name, so it survives regrouping and checkpoints. Which tensors compress, and
+from which step, is policy (:mod:`sylvie_comm.algorithms.policy`), not here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import torch
+
+from sylvie_comm.collectives import Meter, SerialExecutor, Transport, fusion
+
+Future = torch.futures.Future
+T = TypeVar("T")
+
+
+@dataclass
+class Member:
+    """One named tensor of a group: the averaged values are written back into ``tensor`` (a view)."""
+
+    name: str
+    tensor: torch.Tensor
+    compress: bool = True  # False: travels raw (fp32) in the group's fused buffer
+    options: Mapping[str, Any] = field(default_factory=dict)  # the algorithm's options for this name
+
+
+@dataclass
+class Group:
+    """The named tensors that travel together.
+
+    ``key`` names the group between steps (a DDP bucket's index): buffers laid
+    out for a group are kept under it and rebuilt when its members change.
+    ``flat``, when given, is one buffer whose consecutive slices are the members,
+    in order; algorithms that send everything as it is use it directly. A group
+    may give only ``flat`` while its tensors are not yet named (a framework's
+    first steps): only plain averaging (:mod:`.none`, the policy's warm-up) runs then.
+    """
+
+    key: int
+    members: list[Member]
+    flat: torch.Tensor | None = None
+
+    @property
+    def signature(self) -> tuple[tuple[str, bool], ...]:
+        return tuple((m.name, m.compress) for m in self.members)
+
+    @property
+    def compressed(self) -> list[Member]:
+        return [m for m in self.members if m.compress]
+
+    @property
+    def raw(self) -> list[Member]:
+        return [m for m in self.members if not m.compress]
+
+
+def then(futs: Future[Any] | Sequence[Future[Any]], fn: Callable[[Future[Any]], T]) -> Future[T]:
+    """``fut.then(fn)`` (``collect_all(futs).then(fn)`` for a list) that runs ``fn`` only after success.
+
+    torch runs a ``then`` callback even when its future failed; this one first reads every value,
+    so a failed collective's error fails the returned future and its buffer is never decoded.
+    Every future an algorithm returns comes from here: DDP reads a future completed with
+    ``set_exception`` as a result, not as an error, and fails to cast it to a tensor.
+    """
+    # torch._C.Future (what a process group hands out) is not a torch.futures.Future: test for sequences.
+    group: list[Future[Any]] = list(futs) if isinstance(futs, (list, tuple)) else [futs]  # type: ignore[list-item]
+
+    def checked(f: Future[Any]) -> T:
+        if len(group) > 1:
+            # collect_all completes early when an input fails inside torch (a failed ``then``): the
+            # others may still be running, and reading them would trip torch's completed() assert.
+            f.value()
+        for g in group:
+            g.value()  # raises the collective's error
+        return fn(f)
+
+    return (group[0] if len(group) == 1 else torch.futures.collect_all(group)).then(checked)
+
+
+def _done(_: Future[Any]) -> None:
+    return None
+
+
+class Algorithm:
+    """Base of the gradient algorithms.
+
+    Subclasses set ``name`` and ``option_defaults`` and implement :meth:`_step`
+    (one group of one step) or, with ``serial = True`` (more than one dependent
+    collective per group), :meth:`_prepare` (local work, on the caller's thread)
+    and :meth:`_finish` (collectives and decoding, on one thread per algorithm
+    that runs groups in submission order, so every rank issues the collectives
+    in the same order; launching the second phase from future callbacks lets
+    ranks interleave groups differently and gloo aborts with a size mismatch).
+
+    Args:
+        transport: the ranks to average among.
+        options: algorithm options (see ``option_defaults``); unknown ones raise ValueError.
+        seed: agreed by every rank; seeds whatever must be random yet identical on every rank.
+    """
+
+    name: ClassVar[str]
+    serial: ClassVar[bool] = False
+    error_feedback: ClassVar[bool] = False
+    option_defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
+        self.options = self.validate_options(dict(options or {}))
+        self.transport = transport
+        self.world_size = transport.world_size
+        self.seed = seed
+        self._layouts: dict[int, tuple[tuple[tuple[str, bool], ...], Any]] = {}
+        self._executor: SerialExecutor | None = SerialExecutor(f"sylvie-comm-{self.name}") if self.serial else None
+
+    @classmethod
+    def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        """Defaults merged with ``options``; raise ValueError on an unknown or invalid one."""
+        unknown = sorted(set(options) - set(cls.option_defaults))
+        if unknown:
+            valid = ", ".join(sorted(cls.option_defaults)) or "none"
+            raise ValueError(f"{cls.name}: unknown option(s) {', '.join(unknown)}; valid: {valid}")
+        return {**cls.option_defaults, **options}
+
+    def compressible(self, shape: torch.Size | tuple[int, ...], options: Mapping[str, Any]) -> bool:
+        """Whether a tensor of this shape can be compressed at all (vectors cannot be factored)."""
+        return True
+
+    def compression_rate(self, shape: torch.Size | tuple[int, ...], options: Mapping[str, Any]) -> float:
+        """Uncompressed over compressed size of a tensor of this shape (policy skips those below its minimum).
+
+        Infinite where the algorithm compresses whatever it is given.
+        """
+        return math.inf
+
+    # ------------------------------------------------------------------ one group of one step
+
+    def __call__(self, group: Group, step: int, meter: Meter | None = None) -> Future[None]:
+        """Average ``group``'s tensors across ranks, in place; the future completes when they are written.
+
+        ``step`` counts the compressed steps (0 first); ``meter`` counts bytes and seconds.
+        """
+        meter = meter if meter is not None else Meter(self.world_size)
+        layout = self._layout(group)
+        if self._executor is not None:
+            prepared = meter.timed("encode", lambda: self._prepare(group, layout, step, meter))
+            job = self._executor.submit(lambda: self._finish(group, layout, step, meter, prepared))
+            return then(job, _done)
+        return self._step(group, layout, step, meter)
+
+    def _layout(self, group: Group) -> Any:
+        cached = self._layouts.get(group.key)
+        if cached is not None and cached[0] == group.signature:
+            return cached[1]
+        layout = self._build(group)
+        self._layouts[group.key] = (group.signature, layout)
+        return layout
+
+    def _build(self, group: Group) -> Any:
+        """Lay out a group's buffers (once per group and membership); subclasses override."""
+        return None
+
+    def _step(self, group: Group, layout: Any, step: int, meter: Meter) -> Future[None]:
+        raise NotImplementedError(f"{self.name}: non-serial algorithms implement _step")
+
+    def _prepare(self, group: Group, layout: Any, step: int, meter: Meter) -> Any:
+        raise NotImplementedError(f"{self.name}: serial algorithms implement _prepare")
+
+    def _finish(self, group: Group, layout: Any, step: int, meter: Meter, prepared: Any) -> None:
+        raise NotImplementedError(f"{self.name}: serial algorithms implement _finish")
+
+    # ------------------------------------------------------------------ collectives with accounting
+
+    def _all_reduce(self, t: torch.Tensor, meter: Meter) -> Future[Any]:
+        meter.collective("all_reduce", t)
+        return self.transport.all_reduce(t)
+
+    def _all_gather(self, out: torch.Tensor, t: torch.Tensor, meter: Meter) -> Future[Any]:
+        meter.collective("all_gather", t)
+        return self.transport.all_gather(out, t)
+
+    def _all_to_all(self, out: torch.Tensor, t: torch.Tensor, meter: Meter) -> Future[Any]:
+        meter.collective("all_to_all", t)
+        return self.transport.all_to_all(out, t)
+
+    def _raw_all_reduce(self, group: Group, meter: Meter) -> Future[Any] | None:
+        """The group's raw members: one fused fp32 all-reduce of their means (None if there are none)."""
+        raw = [m.tensor for m in group.raw]
+        if not raw:
+            return None
+        flat = torch.cat([t.reshape(-1).float() for t in raw]).div_(self.world_size)
+        return then(self._all_reduce(flat, meter), lambda _: fusion.unpack(flat, raw))
+
+    # ------------------------------------------------------------------ state
+
+    def persistent_tensors(self) -> list[torch.Tensor]:
+        """Tensors kept between steps (residuals, factors, buffers)."""
+        return []
+
+    def memory_bytes(self) -> int:
+        """Bytes of tensors kept between steps."""
+        return sum(t.numel() * t.element_size() for t in self.persistent_tensors())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-name state: ``{name: {key: tensor}}``."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace the per-name state by ``state`` (from :meth:`state_dict`, possibly of another grouping)."""
+        if state:
+            raise ValueError(f"{self.name}: this algorithm keeps no per-name state, got {len(state)} entries")
+
+    def close(self) -> None:
+        """Stop the communication thread once the groups already submitted are done (idempotent)."""
+        if self._executor is not None:
+            self._executor.close()
+            self._executor = None

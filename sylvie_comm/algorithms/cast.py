@@ -1,0 +1,51 @@
+"""fp16 / bf16 all-reduce: half the bytes of fp32, exact up to the format's precision."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from sylvie_comm.algorithms.base import Algorithm, Future, Group, then
+from sylvie_comm.codecs.cast import Bf16Codec, CastCodec, Fp16Codec
+from sylvie_comm.collectives import Meter, Transport, fusion
+
+
+class CastAlgorithm(Algorithm):
+    """Cast to a 16-bit float, sum, cast back; values are divided by the world size before the cast,
+    so the sum of ``w`` ranks cannot overflow where each rank's values fit."""
+
+    codec_cls: ClassVar[type[CastCodec]]
+
+    def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
+        super().__init__(transport, options, seed=seed)
+        self.codec = self.codec_cls(divide_by=float(self.world_size))
+
+    def _step(self, group: Group, layout: Any, step: int, meter: Meter) -> Future[None]:
+        tensors = [m.tensor for m in group.members]
+        buf = group.flat if group.flat is not None else fusion.pack(tensors)
+        enc = meter.timed("encode", lambda: self.codec.encode(buf))
+        (wire,) = enc.payload
+
+        def decode(_: Future[Any]) -> None:
+            # Each rank sent x / w, so the summed wire tensor already holds the mean: cast it back.
+            def run() -> None:
+                buf.copy_(wire)
+                if group.flat is None:
+                    fusion.unpack(buf, tensors)
+
+            meter.timed("decode", run)
+
+        return then(self._all_reduce(wire, meter), decode)
+
+
+class Fp16Algorithm(CastAlgorithm):
+    name = "fp16"
+    codec_cls = Fp16Codec
+
+
+class Bf16Algorithm(CastAlgorithm):
+    name = "bf16"
+    codec_cls = Bf16Codec
+
+
+__all__ = ["Bf16Algorithm", "CastAlgorithm", "Fp16Algorithm"]

@@ -1,0 +1,142 @@
+"""What ACP-SGD and PowerSGD share: per-name factors P, Q and residual E, fused per-group factor buffers."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from sylvie_comm.algorithms.base import Algorithm, Group, Member
+from sylvie_comm.codecs import lowrank
+from sylvie_comm.collectives import Transport, fusion
+
+
+@dataclass
+class Factors:
+    """One P buffer and one Q buffer per group: ``[factors..., raw values...]`` (one collective each)."""
+
+    pbuf: torch.Tensor
+    qbuf: torch.Tensor
+    raw_p: int  # where the raw values start in pbuf
+    raw_q: int  # and in qbuf
+
+
+class LowRankAlgorithm(Algorithm):
+    """Per-name P, Q factors and residual E; each group's factors are views into two fused buffers.
+
+    Args (options):
+        rank: the rank of the approximation, an integer >= 1 (default 4); capped per tensor by its shape.
+    """
+
+    error_feedback = True
+    option_defaults: ClassVar[dict[str, Any]] = {"rank": 4}
+    alternate: ClassVar[bool]  # one factor per step (ACP-SGD) or both (PowerSGD): changes the compression rate
+
+    def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
+        self._factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (P, Q), views into buffers
+        self._residuals: dict[str, torch.Tensor] = {}
+        self._loaded: dict[str, Mapping[str, torch.Tensor]] = {}
+        super().__init__(transport, options, seed=seed)
+
+    @classmethod
+    def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        out = super().validate_options(options)
+        rank = out["rank"]
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"{cls.name}: rank must be an integer >= 1, got {rank!r}")
+        return out
+
+    def compressible(self, shape: torch.Size | tuple[int, ...], options: Mapping[str, Any]) -> bool:
+        return len(shape) >= 2  # vectors cannot be factored: they travel raw in the fused buffer
+
+    def compression_rate(self, shape: torch.Size | tuple[int, ...], options: Mapping[str, Any]) -> float:
+        return lowrank.compression_rate(shape, options.get("rank", self.options["rank"]), alternate=self.alternate)
+
+    def _rank_of(self, m: Member) -> int:
+        return lowrank.effective_rank(m.tensor.shape, m.options.get("rank", self.options["rank"]))
+
+    def _init_factors(self, m: Member) -> tuple[torch.Tensor, torch.Tensor]:
+        n, k = lowrank.matrix_shape(m.tensor.shape)
+        r = self._rank_of(m)
+        # Seeded by the agreed seed and the tensor's name: identical on every rank, whatever the group.
+        gen = lowrank.seeded_generator(self.seed * 1_000_003 + zlib.crc32(m.name.encode()))
+        return lowrank.random_factor(n, r, gen), lowrank.random_factor(k, r, gen)
+
+    def _build(self, group: Group) -> Factors:
+        comp = group.compressed
+        shapes = [lowrank.matrix_shape(m.tensor.shape) for m in comp]
+        ranks = [self._rank_of(m) for m in comp]
+        sizes_p = [n * r for (n, _), r in zip(shapes, ranks, strict=True)]
+        sizes_q = [k * r for (_, k), r in zip(shapes, ranks, strict=True)]
+        raw = fusion.numel([m.tensor for m in group.raw])
+        pbuf = torch.zeros(sum(sizes_p) + raw)
+        qbuf = torch.zeros(sum(sizes_q) + raw)
+        op = oq = 0
+        for m, (n, k), r in zip(comp, shapes, ranks, strict=True):
+            p, q = pbuf[op : op + n * r].view(n, r), qbuf[oq : oq + k * r].view(k, r)
+            if m.name in self._factors:  # regrouped: carry the factors over
+                old_p, old_q = self._factors[m.name]
+                p.copy_(old_p)
+                q.copy_(old_q)
+            elif m.name in self._loaded:
+                p.copy_(self._loaded[m.name]["p"])
+                q.copy_(self._loaded[m.name]["q"])
+            else:
+                p0, q0 = self._init_factors(m)
+                p.copy_(p0)
+                q.copy_(q0)
+            self._factors[m.name] = (p, q)
+            if m.name not in self._residuals:
+                loaded = self._loaded.get(m.name)
+                self._residuals[m.name] = loaded["residual"].clone() if loaded else torch.zeros(n, k)
+            op += n * r
+            oq += k * r
+        return Factors(pbuf, qbuf, op, oq)
+
+    @staticmethod
+    def _matrix(m: Member) -> torch.Tensor:
+        return m.tensor.view(lowrank.matrix_shape(m.tensor.shape))
+
+    def _fill_raw(self, group: Group, buf: torch.Tensor, at: int) -> None:
+        fusion.pack([m.tensor for m in group.raw], out=buf, at=at)
+
+    def _read_raw(self, group: Group, buf: torch.Tensor, at: int) -> None:
+        fusion.unpack(buf, [m.tensor for m in group.raw], at=at, divide_by=self.world_size)
+
+    def _write_approx(self, m: Member, p: torch.Tensor, q: torch.Tensor, scale: float) -> None:
+        """tensor <- scale * P Q^T, in fp32, written straight into the tensor when it is fp32.
+
+        The scale multiplies the small factor, not the product: one pass over the gradient.
+        """
+        g = self._matrix(m)
+        scaled_q = q * scale if scale != 1.0 else q
+        if g.dtype == torch.float32:
+            lowrank.reconstruct(p, scaled_q, out=g)
+        else:
+            g.copy_(lowrank.reconstruct(p, scaled_q))
+
+    def persistent_tensors(self) -> list[torch.Tensor]:
+        bufs = [t for _, f in self._layouts.values() for t in (f.pbuf, f.qbuf)]
+        return bufs + list(self._residuals.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{name: {"p", "q", "residual"}}``, including state loaded but not yet placed in a group."""
+        out: dict[str, Any] = {n: {"p": p.clone(), "q": q.clone()} for n, (p, q) in self._factors.items()}
+        for n, r in self._residuals.items():
+            out.setdefault(n, {})["residual"] = r.clone()
+        for n, s in self._loaded.items():
+            out.setdefault(n, {k: v.clone() for k, v in s.items()})
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for n, s in state.items():
+            if not {"p", "q", "residual"} <= set(s):
+                raise ValueError(f"{self.name}: checkpoint entry '{n}' needs p, q and residual")
+        self._loaded = {n: dict(s) for n, s in state.items()}
+        # Rebuild the group buffers from the loaded state at the next step.
+        self._layouts.clear()
+        self._factors.clear()
+        self._residuals.clear()

@@ -1,0 +1,35 @@
+"""Uncompressed fp32 averaging: the baseline, and what every algorithm does during warm-up."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sylvie_comm.algorithms.base import Algorithm, Future, Group, then
+from sylvie_comm.collectives import Meter, fusion
+
+
+def plain_all_reduce(algorithm: Algorithm, group: Group, meter: Meter) -> Future[None]:
+    """Divide by the world size, then sum: the mean, in the group's own dtype (DDP's default hook).
+
+    A group with a ``flat`` buffer is reduced in place; otherwise its tensors are packed first.
+    """
+    w = algorithm.world_size
+    if group.flat is not None:
+        buf = group.flat
+        buf.div_(w)
+        return then(algorithm._all_reduce(buf, meter), lambda _: None)
+    tensors = [m.tensor for m in group.members]
+    packed = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+    packed.div_(w)
+    return then(algorithm._all_reduce(packed, meter), lambda _: fusion.unpack(packed, tensors))
+
+
+class NoneAlgorithm(Algorithm):
+    """Uncompressed fp32 all-reduce (the baseline; same as DDP's default)."""
+
+    name = "none"
+
+    def _step(self, group: Group, layout: Any, step: int, meter: Meter) -> Future[None]:
+        return plain_all_reduce(self, group, meter)

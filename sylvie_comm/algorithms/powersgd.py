@@ -1,0 +1,63 @@
+"""PowerSGD (Vogels et al. 2019, https://arxiv.org/abs/1905.13727): rank-r power iteration with warm start."""
+
+from __future__ import annotations
+
+from sylvie_comm.algorithms.base import Group
+from sylvie_comm.algorithms.lowrank import Factors, LowRankAlgorithm
+from sylvie_comm.codecs import lowrank
+from sylvie_comm.collectives import Meter
+
+
+class PowerSGDAlgorithm(LowRankAlgorithm):
+    """PowerSGD with error feedback and warm start, two ordered collectives per group.
+
+    ``P <- (M + E) Q``, all-reduce P (with the raw tensors), orthogonalize P
+    (batched over same-shape factors), ``Q <- (M + E)^T P``,
+    ``E <- M + E - P Q^T`` (this rank's Q), all-reduce Q, tensor
+    ``P Q^T / w``; the averaged Q is kept for the next step (warm start).
+
+    The residual is what this rank's ``M + E`` has outside the span of P, so
+    ``||E|| <= ||M + E||``. Taking it against the averaged Q instead (as the
+    paper and PyTorch's hook do) sums to the same over the ranks, hence gives
+    the same updates, but leaves each rank its share of the ranks'
+    disagreement, which grows without bound when the ranks' data differ (60x
+    the gradient after 300 steps on the digits MLP of the tests).
+    """
+
+    name = "powersgd"
+    serial = True
+    alternate = False
+
+    def _prepare(self, group: Group, layout: Factors, step: int, meter: Meter) -> None:
+        for m in group.compressed:
+            p, q = self._factors[m.name]
+            res = self._residuals[m.name]
+            res.add_(self._matrix(m))
+            lowrank.p_step(res, q, out=p)
+        self._fill_raw(group, layout.pbuf, layout.raw_p)
+
+    def _finish(self, group: Group, layout: Factors, step: int, meter: Meter, prepared: object) -> None:
+        comp = group.compressed
+        self._all_reduce(layout.pbuf, meter).wait()
+
+        def q_phase() -> None:
+            lowrank.orthogonalize_([self._factors[m.name][0] for m in comp])
+            for m in comp:
+                p, q = self._factors[m.name]
+                res = self._residuals[m.name]
+                lowrank.q_step(res, p, out=q)
+                res.addmm_(p, q.T, alpha=-1.0)  # E <- M + E - P Q^T, this rank's Q
+
+        meter.timed("encode", q_phase)
+        if comp:
+            # Only the factors: the raw values travelled with P (the tail of qbuf serves ACP-SGD's Q steps).
+            self._all_reduce(layout.qbuf[: layout.raw_q], meter).wait()
+
+        def decode() -> None:
+            for m in comp:
+                p, q = self._factors[m.name]
+                q.div_(self.world_size)  # the averaged Q: decoded tensor and next step's warm start
+                self._write_approx(m, p, q, 1.0)
+            self._read_raw(group, layout.pbuf, layout.raw_p)
+
+        meter.timed("decode", decode)

@@ -1,0 +1,167 @@
+"""QSGD-style stochastic q-bit gradients with error feedback (Alistarh et al. 2017, https://arxiv.org/abs/1610.02132)."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from sylvie_comm.algorithms.base import Future, Group, then
+from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
+from sylvie_comm.codecs.base import Encoded, TensorMeta
+from sylvie_comm.codecs.quant import QBitCodec
+from sylvie_comm.collectives import Meter, Transport
+from sylvie_comm.kernels.reference import packed_cols
+
+BITS = (2, 4, 8)
+
+
+@dataclass
+class _Part:
+    """One tensor in a rank's row: ``rows`` scales and minimums in the fp32 section, packed bytes after."""
+
+    rows: int
+    cols: int
+    packed_per_row: int  # bytes of one row's packed values
+    meta_at: int  # fp32 elements before this tensor's scales in the meta section
+    packed_at: int  # bytes before this tensor's packed values in the packed section
+
+    @property
+    def packed_bytes(self) -> int:
+        return self.rows * self.packed_per_row
+
+
+@dataclass
+class _Row:
+    """A rank's contribution to a group: the fp32 scales and minimums of every tensor, then their packed values."""
+
+    parts: list[_Part]
+    meta_bytes: int
+    row_bytes: int  # 4-byte aligned, so every rank's fp32 section can be viewed in the gathered buffer
+
+
+class QSGDAlgorithm(FeedbackAlgorithm):
+    """Stochastic q-bit quantization of each row, with error feedback, all-gathered.
+
+    Every row of a tensor (a weight's output rows; a vector is one row) is
+    quantized to ``2 ** bits`` levels between its minimum and maximum with
+    stochastic rounding, so the decode is unbiased (the
+    :class:`~sylvie_comm.codecs.quant.QBitCodec`); what rounding drops is kept
+    in the residual and added back the next step. Quantized values do not add
+    up across ranks, so a group's packed values, scales and minimums are
+    all-gathered and every rank decodes and averages all of them: a rank sends
+    about ``bits / 32`` of the fp32 bytes to each of its ``w - 1`` peers.
+
+    Each tensor draws its noise from its own counter-based stream (seeded by
+    the agreed seed, its name and the rank), so the noise, and a resumed run,
+    do not depend on how tensors are grouped.
+
+    Args (options):
+        bits: 2, 4 or 8 (default 4). One bit is refused: with one-bit stochastic rounding, error
+            feedback diverges (the residual grows with every step).
+    """
+
+    name = "qsgd"
+    option_defaults: ClassVar[dict[str, Any]] = {"bits": 4}
+
+    def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
+        super().__init__(transport, options, seed=seed)
+        self.bits: int = self.options["bits"]
+        self._codecs: dict[str, QBitCodec] = {}
+        self._offsets: dict[str, int] = {}  # loaded, not yet given to a codec
+
+    @classmethod
+    def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        out = super().validate_options(options)
+        bits = out["bits"]
+        if isinstance(bits, bool) or bits not in BITS:
+            raise ValueError(
+                f"qsgd: bits must be 2, 4 or 8, got {bits!r} (with 1-bit stochastic rounding error feedback diverges)"
+            )
+        return out
+
+    def _codec(self, name: str) -> QBitCodec:
+        codec = self._codecs.get(name)
+        if codec is None:
+            stream = (self.seed * 1_000_003 + zlib.crc32(name.encode()) * 131 + self.transport.rank) % 2**31
+            codec = self._codecs[name] = QBitCodec(bits=self.bits, seed=stream)
+            codec.offset = self._offsets.pop(name, 0)
+        return codec
+
+    def _build(self, group: Group) -> _Row:
+        parts, meta, packed = [], 0, 0
+        for m in group.compressed:
+            shape = m.tensor.shape
+            rows, cols = (shape[0], m.tensor[0].numel()) if len(shape) >= 2 else (1, m.tensor.numel())
+            part = _Part(rows, cols, packed_cols(cols, self.bits), meta, packed)
+            parts.append(part)
+            meta += 2 * rows
+            packed += part.packed_bytes
+        row = 4 * meta + packed
+        return _Row(parts, 4 * meta, row + (-row) % 4)
+
+    def _step(self, group: Group, layout: _Row, step: int, meter: Meter) -> Future[None]:
+        members, w = group.compressed, self.world_size
+
+        def encode() -> torch.Tensor:
+            send = torch.zeros(layout.row_bytes, dtype=torch.uint8)
+            metas = send[: layout.meta_bytes].view(torch.float32)
+            packed = send[layout.meta_bytes :]
+            for m, part in zip(members, layout.parts, strict=True):
+                enc = self.feedback.encode(self._codec(m.name), m.name, m.tensor)
+                values, scale, minimum = enc.payload
+                metas[part.meta_at : part.meta_at + part.rows] = scale.reshape(-1)
+                metas[part.meta_at + part.rows : part.meta_at + 2 * part.rows] = minimum.reshape(-1)
+                packed[part.packed_at : part.packed_at + part.packed_bytes] = values.reshape(-1)
+            return send
+
+        send = meter.timed("encode", encode)
+        gathered = torch.empty(w * layout.row_bytes, dtype=torch.uint8)
+        futs = [self._all_gather(gathered, send, meter)]
+        raw = self._raw_all_reduce(group, meter)
+        if raw is not None:
+            futs.append(raw)
+
+        def decode(_: Future[Any]) -> None:
+            def run() -> None:
+                rows = gathered.view(w, layout.row_bytes)
+                decoder = QBitCodec(bits=self.bits)
+                for m, part in zip(members, layout.parts, strict=True):
+                    total = torch.zeros(part.rows, part.cols)
+                    for r in range(w):
+                        metas = rows[r, : layout.meta_bytes].view(torch.float32)
+                        values = rows[r, layout.meta_bytes + part.packed_at :][: part.packed_bytes]
+                        enc = Encoded(
+                            (
+                                values.view(part.rows, part.packed_per_row),
+                                metas[part.meta_at : part.meta_at + part.rows],
+                                metas[part.meta_at + part.rows : part.meta_at + 2 * part.rows],
+                            ),
+                            TensorMeta(torch.Size((part.rows, part.cols)), torch.float32, values.device),
+                        )
+                        total += decoder.decode(enc)
+                    m.tensor.copy_(total.div_(w).view(m.tensor.shape))
+
+            meter.timed("decode", run)
+
+        return then(futs, decode)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{name: {"residual", "offset"}}``: the residual and where the tensor's noise stream stands."""
+        out = super().state_dict()
+        for name, codec in self._codecs.items():
+            out.setdefault(name, {})["offset"] = codec.offset
+        for name, offset in self._offsets.items():
+            out.setdefault(name, {})["offset"] = offset
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for n, s in state.items():
+            if not {"residual", "offset"} <= set(s):
+                raise ValueError(f"qsgd: checkpoint entry '{n}' needs residual and offset")
+        super().load_state_dict(state)
+        self._codecs.clear()
+        self._offsets = {n: int(s["offset"]) for n, s in state.items()}

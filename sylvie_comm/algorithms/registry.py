@@ -1,0 +1,47 @@
+"""One registry: a name means one algorithm, in every integration."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sylvie_comm.algorithms.acpsgd import ACPSGDAlgorithm
+from sylvie_comm.algorithms.base import Algorithm
+from sylvie_comm.algorithms.cast import Bf16Algorithm, Fp16Algorithm
+from sylvie_comm.algorithms.none import NoneAlgorithm
+from sylvie_comm.algorithms.onebit import OneBitAlgorithm
+from sylvie_comm.algorithms.powersgd import PowerSGDAlgorithm
+from sylvie_comm.algorithms.qsgd import QSGDAlgorithm
+from sylvie_comm.algorithms.sign import SignAlgorithm
+from sylvie_comm.algorithms.topk import TopKAlgorithm
+
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    cls.name: cls
+    for cls in (
+        NoneAlgorithm,
+        Fp16Algorithm,
+        Bf16Algorithm,
+        SignAlgorithm,
+        TopKAlgorithm,
+        OneBitAlgorithm,
+        ACPSGDAlgorithm,
+        PowerSGDAlgorithm,
+        QSGDAlgorithm,
+    )
+}
+
+
+def algorithm_class(name: str, what: str = "algorithm") -> type[Algorithm]:
+    """The class registered under ``name``; ValueError listing the valid names otherwise.
+
+    ``what`` is how the caller calls it in the message (an integration says "hook").
+    """
+    cls = ALGORITHMS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown {what} {name!r}; available: {', '.join(sorted(ALGORITHMS))}")
+    return cls
+
+
+def make_algorithm(name: str, transport: Any, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> Algorithm:
+    """Build the algorithm registered under ``name`` on ``transport``."""
+    return algorithm_class(name)(transport, options, seed=seed)

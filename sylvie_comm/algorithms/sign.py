@@ -1,0 +1,59 @@
+"""Sign-SGD with majority vote and error feedback."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from sylvie_comm.algorithms.base import Future, Group, then
+from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
+from sylvie_comm.codecs.base import Encoded
+from sylvie_comm.codecs.sign import SignCodec
+from sylvie_comm.collectives import Meter, Transport
+
+
+class SignAlgorithm(FeedbackAlgorithm):
+    """Sign-SGD with majority vote and error feedback: int8 votes and per-row scales, summed.
+
+    One scale per row of each weight (see :class:`~sylvie_comm.codecs.sign.SignCodec`): with one
+    scale per parameter, error feedback on the quiet rows overshoots (on the digits MLP of the tests,
+    5 points below plain DDP at SGD momentum 0.9).
+    """
+
+    name = "sign"
+
+    def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
+        super().__init__(transport, options, seed=seed)
+        if self.world_size > 127:
+            raise ValueError(f"sign: int8 votes hold world sizes up to 127, got {self.world_size}")
+        self.codec = SignCodec()
+
+    def _step(self, group: Group, layout: Any, step: int, meter: Meter) -> Future[None]:
+        members = group.compressed
+
+        def encode() -> tuple[list[Encoded], torch.Tensor, torch.Tensor]:
+            encs = [self.feedback.encode(self.codec, m.name, m.tensor) for m in members]
+            signs = torch.cat([enc.payload[0] for enc in encs]) if encs else torch.zeros(0, dtype=torch.int8)
+            scales = torch.cat([enc.payload[1] for enc in encs]) if encs else torch.zeros(0)
+            return encs, signs, scales
+
+        encs, signs, scales = meter.timed("encode", encode)
+        raw = self._raw_all_reduce(group, meter)
+        futs = [self._all_reduce(signs, meter), self._all_reduce(scales, meter)] + ([raw] if raw else [])
+
+        def decode(_: Future[Any]) -> None:
+            def run() -> None:
+                start = at = 0
+                scales.div_(self.world_size)
+                for m, enc in zip(members, encs, strict=True):
+                    n, k = m.tensor.numel(), enc.payload[1].numel()
+                    summed = Encoded((signs[start : start + n], scales[at : at + k]), enc.ctx)
+                    self.codec.decode(summed, out=m.tensor)
+                    start += n
+                    at += k
+
+            meter.timed("decode", run)
+
+        return then(futs, decode)

@@ -1,0 +1,69 @@
+"""Top-k sparsification with error feedback."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from sylvie_comm.algorithms.base import Future, Group, then
+from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
+from sylvie_comm.codecs.topk import TopKCodec, topk_count
+from sylvie_comm.collectives import Meter, Transport
+
+
+class TopKAlgorithm(FeedbackAlgorithm):
+    """Top-k of each tensor with error feedback; values and int32 indices of a group all-gathered at once.
+
+    Selection is per tensor (``ceil(ratio * numel)`` each), so what is sent
+    does not depend on how tensors are grouped.
+
+    Args (options):
+        ratio: fraction of each tensor's entries sent, in (0, 1] (default 0.1).
+    """
+
+    name = "topk"
+    option_defaults: ClassVar[dict[str, Any]] = {"ratio": 0.1}
+
+    def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
+        super().__init__(transport, options, seed=seed)
+        self.codec = TopKCodec(ratio=self.options["ratio"])
+
+    @classmethod
+    def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        out = super().validate_options(options)
+        TopKCodec(ratio=out["ratio"])  # raises on a ratio outside (0, 1]
+        return out
+
+    def _step(self, group: Group, layout: Any, step: int, meter: Meter) -> Future[None]:
+        members = group.compressed
+        counts = [topk_count(m.tensor.numel(), self.codec.ratio) for m in members]
+        k = sum(counts)
+
+        def encode() -> torch.Tensor:
+            encs = [self.feedback.encode(self.codec, m.name, m.tensor) for m in members]
+            values = [enc.payload[0].float().view(torch.int32) for enc in encs]
+            return torch.cat(values + [enc.payload[1] for enc in encs]) if encs else torch.zeros(0, dtype=torch.int32)
+
+        packed = meter.timed("encode", encode)
+        gathered = torch.empty(self.world_size * packed.numel(), dtype=torch.int32)
+        futs = [self._all_gather(gathered, packed, meter)]
+        raw = self._raw_all_reduce(group, meter)
+        if raw is not None:
+            futs.append(raw)
+
+        def decode(_: Future[Any]) -> None:
+            def run() -> None:
+                rows = gathered.view(self.world_size, 2 * k)
+                start = 0
+                for m, ki in zip(members, counts, strict=True):
+                    values = rows[:, start : start + ki].reshape(-1).view(torch.float32)
+                    idx = rows[:, k + start : k + start + ki].reshape(-1).long()
+                    dense = torch.zeros(m.tensor.numel(), dtype=torch.float32).index_add_(0, idx, values)
+                    m.tensor.copy_(dense.div_(self.world_size).view(m.tensor.shape))
+                    start += ki
+
+            meter.timed("decode", run)
+
+        return then(futs, decode)
