@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 try:
     import torch
@@ -72,4 +72,11 @@ def _extension():
     )
 
 
-setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExtension})
+# The framework adapters live in the top-level integrations/ folder and install as sylvie_comm.integrations
+# (so imports read sylvie_comm.integrations.ddp), with pip install . and pip install -e . alike.
+setup(
+    packages=[*find_packages(include=["sylvie_comm", "sylvie_comm.*"]), "sylvie_comm.integrations"],
+    package_dir={"sylvie_comm.integrations": "integrations"},
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension},
+)

@@ -20,7 +20,7 @@ stamp_of() { cat "$@" 2>/dev/null | sha256sum | cut -c1-16; }
 deps_stamp="$(stamp_of "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh")"
 if [ "$(cat "$VENV/.deps-stamp" 2>/dev/null)" != "$deps_stamp" ]; then
   echo "setup: installing dependencies"
-  python -m pip install --quiet --upgrade pip "setuptools>=70" wheel
+  python -m pip install --quiet --upgrade pip "setuptools>=77" wheel
   # The exact CPU build of torch first: a looser pin would pull a multi-GB CUDA build.
   python -m pip install --quiet "torch==2.13.0"
   python -m pip install --quiet "numpy>=1.24" "pyyaml>=6.0" "tqdm>=4.60" \
@@ -29,6 +29,10 @@ if [ "$(cat "$VENV/.deps-stamp" 2>/dev/null)" != "$deps_stamp" ]; then
   python -m pip install --quiet "dgl==2.1.0" "torchdata<0.10" packaging pandas pydantic "pymetis>=2023.1" "ogb==1.3.6"
   echo "$deps_stamp" > "$VENV/.deps-stamp"
 fi
+
+# Horovod 0.28.1 (PyTorch + gloo, CPU only): built from source once per torch
+# version and cached outside the checkout; returns at once when already installed.
+bash "$ROOT/scripts/horovod.sh"
 
 build_stamp="$(stamp_of "$ROOT/setup.py" $(find "$ROOT/csrc" -type f | sort))"
 if [ "$(cat "$VENV/.build-stamp" 2>/dev/null)" != "$build_stamp" ] || ! python -c "import sylvie_comm._C" 2>/dev/null; then

@@ -10,6 +10,6 @@ echo "== ruff"
 ruff check .
 ruff format --check .
 echo "== mypy"
-mypy sylvie_comm
+mypy sylvie_comm integrations
 echo "== pytest"
 exec python -m pytest "$@"

@@ -8,8 +8,9 @@ graph's.
 
 One model, two aggregation backends. The layers own their parameters
 (``nn.Linear``) and compute the same function in the same order whichever
-backend sums over the neighbours: ``"torch"`` (a sparse CSR product, no DGL
-needed) or ``"dgl"`` (DGL's fused sparse-dense kernel on a block). With the
+backend passes the messages (:mod:`sylvie_comm.gnn.graphops`): ``"torch"`` (a
+sparse CSR product, no DGL needed) or ``"dgl"`` (DGL's fused kernels on a block,
+:mod:`sylvie_comm.integrations.dgl`). With the
 same seed both backends start from the same weights and, step after step, give
 the same logits up to float rounding (tested).
 
@@ -25,19 +26,17 @@ DGL is used for the aggregation only.
 from __future__ import annotations
 
 import itertools
-import warnings
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sylvie_comm import _deps
+from sylvie_comm.gnn.graphops import GRAPH_BACKENDS, EdgeOps, edge_ops
 from sylvie_comm.gnn.halo import HaloPipeline, halo_exchange
 from sylvie_comm.gnn.partition import Partition
 
-BACKENDS = ("auto", "dgl", "torch")
+BACKENDS = ("auto", *sorted(GRAPH_BACKENDS))
 
 
 class LocalGraph:
@@ -53,12 +52,26 @@ class LocalGraph:
         self.in_degree = part.in_degree.clamp(min=1).float()
         self.in_norm = self.in_degree.pow(-0.5)
         self.out_norm = part.out_degree.clamp(min=1).float().pow(-0.5)
-        self._adjacency: torch.Tensor | None = None
-        self._block: Any = None
-        self._sums: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-            "torch": self._sum_torch,
-            "dgl": self._sum_dgl,
-        }
+        self._ops: dict[tuple[str, bool], EdgeOps] = {}
+        self._loops: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def ops(self, backend: str, self_loops: bool = False) -> EdgeOps:
+        """The backend's message passing over the local edges (``self_loops``: plus a self-loop for every
+        inner node that has none, as attention needs)."""
+        key = (backend, self_loops)
+        if key not in self._ops:
+            src, dst = self.edges_with_self_loops() if self_loops else (self.src, self.dst)
+            self._ops[key] = edge_ops(backend, src, dst, self.n_inner + self.n_halo, self.n_inner)
+        return self._ops[key]
+
+    def edges_with_self_loops(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The local edges plus a self-loop for every inner node without one (sources, destinations)."""
+        if self._loops is None:
+            has_loop = torch.zeros(self.n_inner, dtype=torch.bool)
+            has_loop[self.dst[self.src == self.dst]] = True
+            loops = torch.nonzero(~has_loop).view(-1).to(self.src.dtype)
+            self._loops = (torch.cat([self.src, loops]), torch.cat([self.dst, loops]))
+        return self._loops
 
     def exchange(self, layer: int, h_inner: torch.Tensor) -> torch.Tensor:
         if self.pipeline is None:
@@ -72,33 +85,11 @@ class LocalGraph:
             h_src: ``(n_inner + n_halo, F)``.
             backend: ``"torch"`` or ``"dgl"``; the two differ only in float rounding.
         """
-        if backend not in self._sums:
-            raise ValueError(f"LocalGraph: backend must be one of {sorted(self._sums)}, got {backend!r}")
         if h_src.shape[0] != self.n_inner + self.n_halo:
             raise ValueError(
                 f"LocalGraph: expected {self.n_inner + self.n_halo} source rows (inner + halo), got {h_src.shape[0]}"
             )
-        return self._sums[backend](h_src)
-
-    def _sum_torch(self, h_src: torch.Tensor) -> torch.Tensor:
-        # A sparse (CSR) product never materializes per-edge messages (an edges x features tensor:
-        # gigabytes on a 200k-node graph).
-        if self._adjacency is None or self._adjacency.device != h_src.device:
-            indices = torch.stack([self.dst, self.src])
-            values = torch.ones(self.src.numel())
-            shape = (self.n_inner, self.n_inner + self.n_halo)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # torch flags sparse CSR as beta
-                adjacency = torch.sparse_coo_tensor(indices, values, shape).coalesce().to_sparse_csr()
-                self._adjacency = adjacency.to(h_src.device)
-        return self._adjacency.to(h_src.dtype) @ h_src
-
-    def _sum_dgl(self, h_src: torch.Tensor) -> torch.Tensor:
-        block = self.block()
-        if block.device != h_src.device:
-            block = self._block = block.to(h_src.device)
-        out: torch.Tensor = _deps.import_dgl().ops.copy_u_sum(block, h_src)
-        return out
+        return self.ops(backend).sum(h_src)
 
     def mean_neighbors(self, h_src: torch.Tensor, backend: str = "torch") -> torch.Tensor:
         """Mean over in-neighbours (zero for a node without any): the sum over the global in-degree."""
@@ -113,15 +104,6 @@ class LocalGraph:
         if model == "gat":
             return x_full
         return self.sum_neighbors(x_full * self.out_norm[:, None], backend) * self.in_norm[:, None]
-
-    def block(self) -> Any:
-        """The local block as a DGL graph (sources ``[inner; halo]``, destinations inner)."""
-        if self._block is None:
-            dgl = _deps.import_dgl()
-            self._block = dgl.create_block(
-                (self.src, self.dst), num_src_nodes=self.n_inner + self.n_halo, num_dst_nodes=self.n_inner
-            )
-        return self._block
 
 
 class SAGELayer(nn.Module):
@@ -179,10 +161,10 @@ class GATLayer(nn.Module):
     the last layer averages them (``out_dim`` features each). Initialization as DGL's ``GATConv``:
     Xavier-normal with the ReLU gain for ``W`` and the attention vectors, zero bias.
 
-    Backends: ``"torch"`` computes a segment softmax over the local edges with index operations (per-edge
-    tensors of ``edges x heads x features``); ``"dgl"`` uses ``dgl.ops`` (``u_add_v``, ``edge_softmax``,
-    ``u_mul_e_sum``) on the block with the same edges. Attention depends on the parameters, so the first
-    layer's precomputed "aggregate" is the input rows ``[inner; halo]`` themselves, exchanged once exactly.
+    The attention itself is the backend's :meth:`~sylvie_comm.gnn.graphops.EdgeOps.attend` over those
+    edges: a segment softmax with index operations (``"torch"``) or ``dgl.ops`` on a block (``"dgl"``).
+    Attention depends on the parameters, so the first layer's precomputed "aggregate" is the input rows
+    ``[inner; halo]`` themselves, exchanged once exactly.
 
     Args:
         in_dim, out_dim: feature widths (``out_dim`` divisible by ``heads`` unless ``last``).
@@ -206,27 +188,6 @@ class GATLayer(nn.Module):
         gain = nn.init.calculate_gain("relu")
         for w in (self.fc.weight, self.attn_l, self.attn_r):
             nn.init.xavier_normal_(w, gain=gain)
-        self._graph: LocalGraph | None = None  # the graph the cached edges and block belong to
-        self._cache: dict[str, Any] = {}
-
-    def edges(self, g: LocalGraph) -> tuple[torch.Tensor, torch.Tensor]:
-        """The local edges plus a self-loop for every inner node without one (sources, destinations)."""
-        if self._graph is not g:
-            has_loop = torch.zeros(g.n_inner, dtype=torch.bool)
-            has_loop[g.dst[g.src == g.dst]] = True
-            loops = torch.nonzero(~has_loop).view(-1).to(g.src.dtype)
-            self._graph = g
-            self._cache = {"src": torch.cat([g.src, loops]), "dst": torch.cat([g.dst, loops])}
-        return self._cache["src"], self._cache["dst"]
-
-    def _block(self, g: LocalGraph, device: torch.device) -> Any:
-        src, dst = self.edges(g)
-        block = self._cache.get("block")
-        if block is None or block.device != device:
-            block = _deps.import_dgl().create_block((src, dst), num_src_nodes=g.n_inner + g.n_halo,
-                                                    num_dst_nodes=g.n_inner).to(device)  # fmt: skip
-            self._cache["block"] = block
-        return block
 
     def forward_first(self, g: LocalGraph, x: torch.Tensor, x_full: torch.Tensor) -> torch.Tensor:
         """The same layer from the input rows ``[inner; halo]`` exchanged once (:meth:`LocalGraph.first_aggregate`)."""
@@ -237,23 +198,7 @@ class GATLayer(nn.Module):
         z = self.fc(h_full).view(-1, heads, self.head_dim)
         el = (z * self.attn_l).sum(-1)  # source term of every row, (n_inner + n_halo, heads)
         er = (z[:n] * self.attn_r).sum(-1)  # destination term of the inner rows
-        out: torch.Tensor
-        if self.backend == "dgl":
-            ops = _deps.import_dgl().ops
-            block = self._block(g, h_full.device)
-            alpha = ops.edge_softmax(block, F.leaky_relu(ops.u_add_v(block, el, er), 0.2))
-            out = ops.u_mul_e_sum(block, z, alpha.unsqueeze(-1))
-        else:
-            src, dst = (t.to(h_full.device) for t in self.edges(g))
-            logits = F.leaky_relu(el[src] + er[dst], 0.2)
-            # Segment softmax; the per-destination maximum only keeps exp() finite (constant: no gradient).
-            peak = torch.full((n, heads), float("-inf"), dtype=logits.dtype, device=logits.device)
-            peak = peak.scatter_reduce(0, dst[:, None].expand(-1, heads), logits.detach(), "amax")
-            weight = (logits - peak[dst]).exp()
-            total = torch.zeros(n, heads, dtype=weight.dtype, device=weight.device).index_add(0, dst, weight)
-            alpha = weight / total[dst]
-            out = torch.zeros(n, heads, self.head_dim, dtype=z.dtype, device=z.device)
-            out = out.index_add(0, dst, alpha.unsqueeze(-1) * z[src])
+        out = g.ops(self.backend, self_loops=True).attend(el, er, z, 0.2)
         out = out + self.bias.view(heads, self.head_dim)
         return out.mean(1) if self.last else out.reshape(n, heads * self.head_dim)
 

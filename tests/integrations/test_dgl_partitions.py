@@ -33,7 +33,7 @@ def edge_set(part):
 
 @pytest.mark.parametrize("num_parts", [2, 3])
 def test_dgl_partitions_load_as_partitions_of_the_same_graph(tmp_path, num_parts):
-    from sylvie_comm.gnn.dgl_partitions import load_dgl_partitions
+    from sylvie_comm.integrations.dgl import load_dgl_partitions
 
     data, orig, config = dgl_partitioned(tmp_path, num_parts)
     parts = load_dgl_partitions(config)
@@ -68,7 +68,7 @@ def test_dgl_partitions_load_as_partitions_of_the_same_graph(tmp_path, num_parts
 
 
 def test_dgl_partitions_carry_only_the_named_node_data(tmp_path):
-    from sylvie_comm.gnn.dgl_partitions import load_dgl_partitions
+    from sylvie_comm.integrations.dgl import load_dgl_partitions
 
     _, _, config = dgl_partitioned(tmp_path, 2)
     parts = load_dgl_partitions(config, ndata=["feat", "label"])
@@ -78,7 +78,7 @@ def test_dgl_partitions_carry_only_the_named_node_data(tmp_path):
 
 
 def test_dgl_partitions_reject_bad_configs(tmp_path):
-    from sylvie_comm.gnn.dgl_partitions import load_dgl_partitions
+    from sylvie_comm.integrations.dgl import load_dgl_partitions
 
     with pytest.raises(ValueError, match="is not a file; expected the JSON config"):
         load_dgl_partitions(tmp_path / "nothing.json")

@@ -1,8 +1,16 @@
-"""Partitions made by DGL (``dgl.distributed.partition_graph``) as this package's :class:`Partition` objects.
+"""DGL adapter: message passing on DGL blocks, and partitions made by ``dgl.distributed.partition_graph``.
 
-DGL users who already partitioned their graph (METIS, random, or their own
-assignment) keep that partition: :func:`load_dgl_partitions` reads the JSON
-config and every part's graph and node features, and returns one
+**Layers.** :class:`DGLEdges` is the ``"dgl"`` backend of the GNN layers
+(:mod:`sylvie_comm.gnn.graphops`): the layers own their parameters and DGL only
+moves the messages, with its fused kernels on a block whose sources are the
+rows ``[inner; halo]`` and whose destinations are the inner nodes
+(``copy_u_sum``; ``u_add_v``, ``edge_softmax`` and ``u_mul_e_sum`` for
+attention). It computes what :class:`~sylvie_comm.gnn.graphops.TorchEdges`
+computes, up to float rounding (tested).
+
+**Partitions.** DGL users who already partitioned their graph (METIS, random,
+or their own assignment) keep that partition: :func:`load_dgl_partitions` reads
+the JSON config and every part's graph and node features, and returns one
 :class:`~sylvie_comm.gnn.partition.Partition` per part with exactly DGL's node
 assignment.
 
@@ -15,6 +23,9 @@ edges is the whole graph; the halos, send lists and degrees are then derived as
 :func:`~sylvie_comm.gnn.partition.partition` derives them for an explicit
 assignment. Only homogeneous graphs (one node type and one edge type) are
 supported; each part's file is read once, on every rank.
+
+DGL is imported on first use (with :mod:`sylvie_comm._deps`' ``graphbolt`` stub
+where this torch needs it), never by ``import sylvie_comm``.
 """
 
 from __future__ import annotations
@@ -24,9 +35,38 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from sylvie_comm import _deps
 from sylvie_comm.gnn.partition import Partition, partition
+
+
+class DGLEdges:
+    """:class:`~sylvie_comm.gnn.graphops.EdgeOps` on a DGL block (built on first use, moved to the data's device)."""
+
+    def __init__(self, src: torch.Tensor, dst: torch.Tensor, n_src: int, n_dst: int) -> None:
+        self.dgl = _deps.import_dgl()
+        self.src, self.dst, self.n_src, self.n_dst = src, dst, n_src, n_dst
+        self._block: Any = None
+
+    def block(self, device: torch.device | None = None) -> Any:
+        """The edges as a DGL block (sources ``n_src`` rows, destinations ``n_dst``)."""
+        if self._block is None:
+            self._block = self.dgl.create_block((self.src, self.dst), num_src_nodes=self.n_src,
+                                                num_dst_nodes=self.n_dst)  # fmt: skip
+        if device is not None and self._block.device != device:
+            self._block = self._block.to(device)
+        return self._block
+
+    def sum(self, h_src: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.dgl.ops.copy_u_sum(self.block(h_src.device), h_src)
+        return out
+
+    def attend(self, el: torch.Tensor, er: torch.Tensor, z: torch.Tensor, slope: float) -> torch.Tensor:
+        ops, block = self.dgl.ops, self.block(z.device)
+        alpha = ops.edge_softmax(block, F.leaky_relu(ops.u_add_v(block, el, er), slope))
+        out: torch.Tensor = ops.u_mul_e_sum(block, z, alpha.unsqueeze(-1))
+        return out
 
 
 def _read_config(path: Path) -> dict[str, Any]:
