@@ -110,13 +110,15 @@ def _info(args: argparse.Namespace) -> int:
     import torch
 
     import sylvie_comm
-    from sylvie_comm import _ops
+    from sylvie_comm import _ops, registry
 
     print(f"sylvie-comm {sylvie_comm.__version__}, torch {torch.__version__}")
     print(f"compiled kernels: {'yes' if _ops.HAS_EXTENSION else 'no (' + str(_ops.LOAD_ERROR) + ')'}")
     print(f"CPU instruction set: {_ops.cpu_isa()} (available: {', '.join(_ops.available_cpu_isas()) or 'none'})")
     print(f"CUDA kernels: {'yes' if _ops.WITH_CUDA_OPS else 'no'}")
-    print(f"codecs: {', '.join(sylvie_comm.available_codecs())}")
+    print("names (one namespace: a name means the same thing in every role it has):")
+    for name, roles in registry.table():
+        print(f"  {name:10s} {', '.join(roles)}")
     return 0
 
 

@@ -93,7 +93,7 @@ def _done(_: Future[Any]) -> None:
 class Algorithm:
     """Base of the gradient algorithms.
 
-    Subclasses set ``name`` and ``option_defaults`` and implement :meth:`_step`
+    Subclasses set ``name``, ``codec_name`` and ``option_defaults`` and implement :meth:`_step`
     (one group of one step) or, with ``serial = True`` (more than one dependent
     collective per group), :meth:`_prepare` (local work, on the caller's thread)
     and :meth:`_finish` (collectives and decoding, on one thread per algorithm
@@ -108,6 +108,7 @@ class Algorithm:
     """
 
     name: ClassVar[str]
+    codec_name: ClassVar[str | None] = None  # the registered codec it encodes with (None: its own format, e.g. factors)
     serial: ClassVar[bool] = False
     error_feedback: ClassVar[bool] = False
     option_defaults: ClassVar[dict[str, Any]] = {}

@@ -40,11 +40,13 @@ class CastAlgorithm(Algorithm):
 
 class Fp16Algorithm(CastAlgorithm):
     name = "fp16"
+    codec_name = "fp16"
     codec_cls = Fp16Codec
 
 
 class Bf16Algorithm(CastAlgorithm):
     name = "bf16"
+    codec_name = "bf16"
     codec_cls = Bf16Codec
 
 

@@ -30,6 +30,7 @@ class NoneAlgorithm(Algorithm):
     """Uncompressed fp32 all-reduce (the baseline; same as DDP's default)."""
 
     name = "none"
+    codec_name = "none"
 
     def _step(self, group: Group, layout: Any, step: int, meter: Meter) -> Future[None]:
         return plain_all_reduce(self, group, meter)

@@ -79,6 +79,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
     """
 
     name = "onebit"
+    codec_name = "onebit"
     serial = True
     option_defaults: ClassVar[dict[str, Any]] = {"chunk_size": 2048, "scale": "mean"}
 

@@ -65,6 +65,7 @@ class QSGDAlgorithm(FeedbackAlgorithm):
     """
 
     name = "qsgd"
+    codec_name = "qbit"
     option_defaults: ClassVar[dict[str, Any]] = {"bits": 4}
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:

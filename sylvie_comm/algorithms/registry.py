@@ -1,4 +1,4 @@
-"""One registry: a name means one algorithm, in every integration."""
+"""The algorithms by name (their part of the one namespace, :mod:`sylvie_comm.registry`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from sylvie_comm.algorithms.powersgd import PowerSGDAlgorithm
 from sylvie_comm.algorithms.qsgd import QSGDAlgorithm
 from sylvie_comm.algorithms.sign import SignAlgorithm
 from sylvie_comm.algorithms.topk import TopKAlgorithm
+from sylvie_comm.registry import unknown
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls
@@ -36,9 +37,9 @@ def algorithm_class(name: str, what: str = "algorithm") -> type[Algorithm]:
 
     ``what`` is how the caller calls it in the message (an integration says "hook").
     """
-    cls = ALGORITHMS.get(name)
+    cls = ALGORITHMS.get(name) if isinstance(name, str) else None
     if cls is None:
-        raise ValueError(f"unknown {what} {name!r}; available: {', '.join(sorted(ALGORITHMS))}")
+        raise unknown(name, "algorithm", what)
     return cls
 
 

@@ -23,6 +23,7 @@ class SignAlgorithm(FeedbackAlgorithm):
     """
 
     name = "sign"
+    codec_name = "sign"
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         super().__init__(transport, options, seed=seed)

@@ -24,6 +24,7 @@ class TopKAlgorithm(FeedbackAlgorithm):
     """
 
     name = "topk"
+    codec_name = "topk"
     option_defaults: ClassVar[dict[str, Any]] = {"ratio": 0.1}
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:

@@ -1,4 +1,4 @@
-"""Codecs: framework-free compression of tensors, and the registry that names them."""
+"""Codecs: framework-free compression of tensors, by name (their part of :mod:`sylvie_comm.registry`)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,9 @@ def get_codec(name: str, **options: Any) -> Codec:
     try:
         cls = CODECS[name]
     except (KeyError, TypeError):
-        raise ValueError(f"unknown codec {name!r}; available: {', '.join(available_codecs())}") from None
+        from sylvie_comm import registry
+
+        raise registry.unknown(name, "codec") from None
     valid = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
     unknown = sorted(set(options) - set(valid))
     if unknown:

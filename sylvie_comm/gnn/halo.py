@@ -21,17 +21,17 @@ import contextlib
 import dataclasses
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from sylvie_comm.codecs import Bf16Codec, Codec, ErrorFeedback, Fp16Codec, IdentityCodec, QBitCodec
-from sylvie_comm.collectives import SerialExecutor
+from sylvie_comm.codecs import Codec, ErrorFeedback, QBitCodec, get_codec
+from sylvie_comm.collectives import SerialExecutor, Transport
 from sylvie_comm.gnn.partition import Partition
+from sylvie_comm.registry import HALO_FORMS, unknown
 
-PRECISIONS = ("fp32", "bf16", "fp16", "q1", "q2", "q4", "q8")
-_ALIASES = {32: "fp32", 16: "bf16", 8: "q8", 4: "q4", 2: "q2", 1: "q1", "32": "fp32", "16": "bf16"}
-_CAST_CODECS: dict[str, type[Codec]] = {"fp32": IdentityCodec, "bf16": Bf16Codec, "fp16": Fp16Codec}
+PRECISIONS = tuple(HALO_FORMS)
+_ALIASES = {"none": "fp32", 32: "fp32", 16: "bf16", 8: "q8", 4: "q4", 2: "q2", 1: "q1", "32": "fp32", "16": "bf16"}
 
 
 def parse_precision(value: str | int) -> str:
@@ -40,19 +40,8 @@ def parse_precision(value: str | int) -> str:
     if isinstance(p, str) and p.isdigit():
         p = _ALIASES.get(int(p), p)
     if p not in PRECISIONS:
-        raise ValueError(f"halo precision must be one of {PRECISIONS} (or 32, 16, 8, 4, 2, 1 bits), got {value!r}")
+        raise unknown(value, "halo", extra=" (or 32, 16, 8, 4, 2, 1 bits)")
     return str(p)
-
-
-class Transport(Protocol):
-    """What the halo exchange needs from a transport (torch.distributed or Horovod)."""
-
-    world_size: int
-    rank: int
-
-    def all_to_all_v(
-        self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int], in_splits: list[int]
-    ) -> torch.futures.Future[Any]: ...
 
 
 class RowFormat:
@@ -67,11 +56,10 @@ class RowFormat:
     def __init__(self, precision: str, features: int, meta_dtype: str = "fp32", seed: int = 0) -> None:
         self.precision = precision
         self.features = features
-        self.codec: Codec
-        if precision.startswith("q"):
-            self.codec = QBitCodec(bits=int(precision[1:]), seed=seed, meta_dtype=meta_dtype)
-        else:
-            self.codec = _CAST_CODECS[precision]()
+        name, options = HALO_FORMS[precision]
+        if name == "qbit":
+            options = {**options, "seed": seed, "meta_dtype": meta_dtype}
+        self.codec: Codec = get_codec(name, **options)
         self.row_bytes = self.codec.row_bytes(features)
 
     @property
@@ -174,7 +162,7 @@ class HaloExchanger:
 
     Args:
         part: this rank's partition.
-        transport: anything with ``all_to_all_v`` (see :class:`Transport`).
+        transport: the ranks (a :class:`~sylvie_comm.collectives.Transport`: process group, Horovod or in-process).
         forward, backward: precision of features and of gradients (see :func:`parse_precision`).
         meta_dtype: ``fp32`` or ``bf16`` for the per-row scale and minimum of q-bit rows.
         error_feedback: keep the quantization error of each sent row and add it next time.

@@ -272,7 +272,7 @@ def test_state_is_keyed_by_name_and_survives_regrouping(name):
 
 
 def test_unknown_names_and_options_raise_value_errors():
-    with pytest.raises(ValueError, match=r"unknown algorithm 'threebit'; available: .*acpsgd"):
+    with pytest.raises(ValueError, match=r"unknown algorithm 'threebit'; valid: .*acpsgd"):
         algorithm_class("threebit")
     with pytest.raises(ValueError, match="unknown option"):
         algorithm_class("acpsgd").validate_options({"ratio": 0.1})

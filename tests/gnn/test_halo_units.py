@@ -11,14 +11,14 @@ from sylvie_comm.gnn.halo import RowFormat, parse_precision
 
 
 @pytest.mark.parametrize("value,want", [(32, "fp32"), (16, "bf16"), ("16", "bf16"), (1, "q1"), ("q4", "q4"),
-                                        ("fp16", "fp16"), (8, "q8")])  # fmt: skip
+                                        ("fp16", "fp16"), (8, "q8"), ("none", "fp32")])  # fmt: skip
 def test_parse_precision(value, want):
     assert parse_precision(value) == want
 
 
 @pytest.mark.parametrize("value", [3, "q3", "int8", True])
 def test_parse_precision_rejects(value):
-    with pytest.raises(ValueError, match="halo precision must be one of"):
+    with pytest.raises(ValueError, match="unknown halo precision"):
         parse_precision(value)
 
 

@@ -1,0 +1,101 @@
+"""Every name the library accepts, in one namespace.
+
+A name means one thing wherever it is accepted. Three roles take names:
+
+- **codec** (:func:`sylvie_comm.codecs.get_codec`): how one tensor is encoded;
+- **algorithm** (``sylvie_comm.ddp.register(model, NAME)``, the Horovod
+  optimizer, ``sylvie-comm demo --codec``): how gradients are averaged across
+  ranks;
+- **halo** (the GNN halo exchange's ``forward``/``backward`` precision): how
+  boundary rows travel.
+
+Where a name has several roles it is the same thing in each: the algorithm
+``onebit`` averages with the codec ``onebit``, the halo precision ``fp16``
+encodes rows with the codec ``fp16``; an algorithm that is not a codec's
+all-reduce has a name no codec has (``acpsgd``, ``powersgd``: low-rank
+factors; ``qsgd``: gradients in the ``qbit`` codec). Halo precisions are codec
+names, plus the short forms ``fp32`` (= ``none``, no compression) and ``q1``/``q2``/``q4``/``q8``
+(= ``qbit`` with that many bits). :func:`check` verifies all of this (a test
+runs it), and :func:`unknown` writes the one error message for a wrong name:
+the valid names of that role, and what the name is elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ROLES = {
+    "codec": "codec (sylvie_comm.codecs.get_codec)",
+    "algorithm": "gradient algorithm (DDP hook, Horovod optimizer)",
+    "halo": "halo precision (GNN halo exchange)",
+}
+
+# Halo precisions: codec name and options of each short form.
+HALO_FORMS: dict[str, tuple[str, dict[str, Any]]] = {
+    "none": ("none", {}),
+    "fp32": ("none", {}),
+    "bf16": ("bf16", {}),
+    "fp16": ("fp16", {}),
+    **{f"q{b}": ("qbit", {"bits": b}) for b in (1, 2, 4, 8)},
+}
+
+
+def names(role: str) -> list[str]:
+    """The sorted names ``role`` accepts (``"codec"``, ``"algorithm"`` or ``"halo"``)."""
+    if role == "codec":
+        from sylvie_comm.codecs import CODECS
+
+        return sorted(CODECS)
+    if role == "algorithm":
+        from sylvie_comm.algorithms.registry import ALGORITHMS
+
+        return sorted(ALGORITHMS)
+    if role == "halo":
+        return sorted(HALO_FORMS)
+    raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+
+
+def roles_of(name: object) -> list[str]:
+    """The roles in which ``name`` is valid (empty when it is valid nowhere)."""
+    return [role for role in ROLES if isinstance(name, str) and name in names(role)]
+
+
+def unknown(name: object, role: str, noun: str | None = None, extra: str = "") -> ValueError:
+    """The error for a ``name`` that ``role`` does not accept: its valid names, and what ``name`` is elsewhere.
+
+    ``noun`` is what the caller calls the name (DDP says "hook"); ``extra`` follows the valid names.
+    """
+    noun = noun or {"codec": "codec", "algorithm": "algorithm", "halo": "halo precision"}[role]
+    message = f"unknown {noun} {name!r}; valid: {', '.join(names(role))}{extra}"
+    elsewhere = [ROLES[r] for r in roles_of(name) if r != role]
+    if elsewhere:
+        message += f" ({name!r} is a {' and a '.join(elsewhere)})"
+    return ValueError(message)
+
+
+def table() -> list[tuple[str, list[str]]]:
+    """Every name with its roles, sorted by name (``sylvie-comm names`` prints it)."""
+    every = sorted({n for role in ROLES for n in names(role)})
+    return [(n, roles_of(n)) for n in every]
+
+
+def check() -> None:
+    """Raise AssertionError where one name would mean two things."""
+    from sylvie_comm.algorithms.registry import ALGORITHMS
+    from sylvie_comm.codecs import CODECS
+
+    for name, cls in ALGORITHMS.items():
+        if cls.codec_name is not None and cls.codec_name not in CODECS:
+            raise AssertionError(f"algorithm {name!r} names codec {cls.codec_name!r}, which is not registered")
+        if name in CODECS and cls.codec_name != name:
+            raise AssertionError(f"{name!r} is a codec and an algorithm that encodes with {cls.codec_name!r}")
+    for form, (codec, _) in HALO_FORMS.items():
+        if codec not in CODECS:
+            raise AssertionError(f"halo precision {form!r} names codec {codec!r}, which is not registered")
+        if form in CODECS and form != codec:
+            raise AssertionError(f"{form!r} is a codec and a halo precision for codec {codec!r}")
+        if form in ALGORITHMS and ALGORITHMS[form].codec_name != codec:
+            raise AssertionError(f"{form!r} is a halo precision for codec {codec!r} and an algorithm for another")
+
+
+__all__ = ["HALO_FORMS", "ROLES", "check", "names", "roles_of", "table", "unknown"]

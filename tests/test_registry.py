@@ -1,0 +1,52 @@
+"""One namespace of names: a name means one thing in every role, and a wrong name lists the valid ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from sylvie_comm import registry
+from sylvie_comm.algorithms import ALGORITHMS, algorithm_class
+from sylvie_comm.codecs import CODECS, get_codec
+from sylvie_comm.gnn.halo import RowFormat, parse_precision
+
+
+def test_the_namespace_is_consistent():
+    registry.check()
+
+
+def test_a_name_shared_by_roles_is_one_codec():
+    for name, roles in registry.table():
+        if "codec" in roles and "algorithm" in roles:
+            assert ALGORITHMS[name].codec_name == name
+        if "halo" in roles and "codec" in roles:
+            assert type(RowFormat(parse_precision(name), 8).codec) is CODECS[name]
+
+
+def test_check_catches_an_algorithm_that_reuses_a_codec_name_for_another_codec(monkeypatch):
+    monkeypatch.setattr(ALGORITHMS["sign"], "codec_name", "topk")
+    with pytest.raises(AssertionError, match="'sign' is a codec and an algorithm that encodes with 'topk'"):
+        registry.check()
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda: algorithm_class("qbit"), r"unknown algorithm 'qbit'; valid: acpsgd, .* \('qbit' is a codec"),
+        (lambda: algorithm_class("q4", "hook"), r"unknown hook 'q4'; valid: .*\('q4' is a halo precision"),
+        (lambda: get_codec("acpsgd"), r"unknown codec 'acpsgd'; valid: bf16, .*\('acpsgd' is a gradient algorithm"),
+        (lambda: parse_precision("qsgd"), r"unknown halo precision 'qsgd'; valid: .*q8.*\('qsgd' is a gradient"),
+        (lambda: get_codec("twobit"), r"unknown codec 'twobit'; valid: [a-z0-9, ]+$"),
+    ],
+)
+def test_a_wrong_name_lists_the_valid_ones_and_what_it_is_elsewhere(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_info_prints_every_name(capsys):
+    from sylvie_comm.cli import main
+
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for name, _ in registry.table():
+        assert f"  {name} " in out
