@@ -27,12 +27,12 @@ from pathlib import Path
 
 import pytest
 
-from sylvie_comm.demo import DDP_RUNS, GNN_RUNS, ddp_table, gnn_table
+from sylvie_comm.demo import DDP_RUNS, GNN_RUNS, HOROVOD_RUN, ddp_table, gnn_table
 
 pytestmark = pytest.mark.slow  # builds the extension (about a minute), then trains on several processes
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "csrc", "sylvie_comm")
+SOURCES = ("setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "csrc", "sylvie_comm", "integrations")
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float, **env: str) -> subprocess.CompletedProcess[str]:
@@ -157,8 +157,19 @@ def outside(tmp_path: Path) -> Path:
 
 def test_wheel_carries_the_demo_and_the_extension(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("cli", "demo/__init__", "demo/launch", "demo/ddp_train", "demo/gnn_full_graph", "bench/kernels"):
-        assert f"sylvie_comm/{module}.py" in names
+    for module in (
+        "cli",
+        "demo/__init__",
+        "demo/launch",
+        "demo/ddp_train",
+        "demo/gnn_full_graph",
+        "bench/kernels",
+        "integrations/__init__",
+        "integrations/ddp",
+        "integrations/dgl",
+        "integrations/horovod",
+    ):
+        assert f"sylvie_comm/{module}.py" in names  # integrations/ at the top of the sources installs here
     assert any(n.startswith("sylvie_comm/_C.") and n.endswith(".so") for n in names), sorted(names)
     assert not any(n.startswith(("examples/", "tests/")) for n in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
@@ -166,9 +177,14 @@ def test_wheel_carries_the_demo_and_the_extension(wheel: Path) -> None:
 
 
 def test_installed_package_imports_its_own_copy(venv: Path, outside: Path) -> None:
-    code = "import sylvie_comm, sylvie_comm.demo; print(sylvie_comm.__file__); print(sylvie_comm.HAS_EXTENSION)"
-    where, has_extension = _run([str(venv / "bin" / "python"), "-c", code], cwd=outside, timeout=120).stdout.split()
+    code = (
+        "import sylvie_comm, sylvie_comm.demo, sylvie_comm.integrations.ddp as d; print(sylvie_comm.__file__); "
+        "print(d.__file__); print(sylvie_comm.HAS_EXTENSION)"
+    )
+    run = _run([str(venv / "bin" / "python"), "-c", code], cwd=outside, timeout=120)
+    where, adapter, has_extension = run.stdout.split()
     assert Path(where).resolve().is_relative_to(venv.resolve())
+    assert Path(adapter).resolve().is_relative_to(venv.resolve())
     assert has_extension == "True"
 
 
@@ -178,8 +194,14 @@ def test_demo_runs_from_the_installed_package(venv: Path, outside: Path) -> None
     proc = _run(cmd, cwd=outside, timeout=900)
     res = json.loads((outside / "demo.json").read_text())
 
-    assert [r["codec"] for r in res["ddp"]] == [codec for codec, _ in DDP_RUNS]
+    with_horovod = shutil.which("horovodrun") is not None  # the demo adds a horovodrun run where it can
+    expected = [codec for codec, _ in DDP_RUNS] + ([HOROVOD_RUN[0]] if with_horovod else [])
+    assert [r["codec"] for r in res["ddp"]] == expected
     assert all(r["world_size"] == 2 and r["steps"] == 20 for r in res["ddp"])
+    if with_horovod:  # one function, one answer: the same run under horovodrun and under torchrun
+        hvd, tr = res["ddp"][-1], next(r for r in res["ddp"] if r["codec"] == HOROVOD_RUN[0])
+        assert hvd["launcher"] == "horovodrun" and tr["launcher"] == "torchrun"
+        assert hvd["accuracy"] == tr["accuracy"] and hvd["bytes_sent"] == tr["bytes_sent"]
     plain = res["ddp"][0]["bytes_sent"]
     assert all(0 < r["bytes_sent"] < plain for r in res["ddp"][1:])  # the hooks compress
     assert [r["label"] for r in res["gnn"]] == [label for label, _ in GNN_RUNS]

@@ -1,4 +1,4 @@
-"""DDP hook cost on a 17.9M-parameter MLP: compute time and memory, against PyTorch's PowerSGD hook.
+"""DDP hook cost on a 17.9M-parameter MLP: compute time and memory, against PyTorch's PowerSGD hook (and Horovod).
 
 The model is 512 -> 2048, four 2048 x 2048 layers, -> 10 (17.9M parameters).
 Two measurements, each with every hook in the same invocation:
@@ -41,6 +41,12 @@ def mlp_17m(seed: int = 0) -> nn.Module:
     return nn.Sequential(*layers)
 
 
+def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed batch of 32 samples rank ``rank`` trains on in every run."""
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(32, 512, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+
 def _tensor_bytes(obj: Any) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
@@ -67,9 +73,7 @@ def _run_hook(name: str, rank: int, world: int, rank_r: int, steps: int, warmup:
     else:
         opts: dict[str, Any] = {"rank": rank_r} if name in ("acpsgd", "powersgd") else {}
         state = sylvie_comm.ddp.register(ddp, name, warmup_steps=warmup, **opts)
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(32, 512, generator=g)
-    y = torch.randint(0, 10, (32,), generator=g)
+    x, y = batch(rank)
     times, enc_dec, sent = [], [], []
     for step in range(warmup + steps):
         ddp.zero_grad()
@@ -136,7 +140,10 @@ def run(rank: int = 4, steps: int = 5, warmup: int = 2) -> dict[str, Any]:
     base1 = one["none"]["backward_s"]
     for name in HOOKS:
         two[name]["compute_s_world1"] = one[name]["backward_s"] - base1
-    return {"parameters": params, "rank": rank, "steps": steps, "hooks": two}
+    from sylvie_comm.bench import horovod
+
+    return {"parameters": params, "rank": rank, "steps": steps, "hooks": two,
+            "horovod": horovod.run(rank, steps, warmup)}  # fmt: skip
 
 
 def format_table(res: dict[str, Any]) -> str:
@@ -158,9 +165,17 @@ def format_table(res: dict[str, Any]) -> str:
             f"{name:<16}{h['backward_s']:>11.4f}{ed:>11}{h['compute_s_world1']:>11.4f}{ratio:>9.2f}{sent:>9}"
             f"{h['memory_bytes'] / 1e6:>9.1f}{h['memory_bytes'] / model_bytes:>9.2f}"
         )
+    if res.get("horovod") is not None:
+        from sylvie_comm.bench import horovod
+
+        lines += ["", "under horovodrun (2 ranks, gloo): Horovod's optimizer, and ours (sylvie_comm.horovod)"]
+        lines += horovod.format_rows(res["horovod"])
+    else:
+        lines += ["", "(Horovod is not installed: no Horovod rows; scripts/horovod.sh builds it)"]
     lines += [
         "",
-        "backward s: loss.backward() at 2 ranks (includes waiting for the hook's collectives);",
+        "backward s: loss.backward() at 2 ranks (includes waiting for the hook's collectives; under Horovod,",
+        "backward + the optimizer's synchronize());",
         "enc+dec s: our hooks' encode + decode per step (state.stats()); compute s: backward at 1 rank minus",
         "the plain all-reduce's (same measure for every hook); hook MB: tensors kept between steps.",
     ]

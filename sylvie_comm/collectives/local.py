@@ -49,11 +49,22 @@ class LocalGroup:
         self._slots: dict[int, _Slot] = {}
         self._issued = [0] * world_size
         self._failed: BaseException | None = None
+        self._forks: list[LocalGroup] = []
+        self._forked = [0] * world_size
 
     def transport(self, rank: int) -> LocalTransport:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"LocalGroup: rank must be in [0, {self.world_size}), got {rank!r}")
         return LocalTransport(self, rank)
+
+    def _fork(self, rank: int) -> LocalGroup:
+        """Rank ``rank``'s next fork: the ``k``-th fork of every rank is the same new group."""
+        with self._lock:
+            k = self._forked[rank]
+            self._forked[rank] += 1
+            if k == len(self._forks):
+                self._forks.append(LocalGroup(self.world_size))
+            return self._forks[k]
 
     def _submit(self, rank: int, kind: str, **args: Any) -> torch.futures.Future[Any]:
         fut: torch.futures.Future[Any] = torch.futures.Future()
@@ -212,6 +223,10 @@ class LocalTransport:
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Blocking gather of an object from every rank."""
         return list(self.group._submit(self.rank, "all_gather_object", obj=obj).wait())
+
+    def fork(self) -> LocalTransport:
+        """This rank's end of a new group of the same ranks (the ``k``-th fork of each rank is one group)."""
+        return self.group._fork(self.rank).transport(self.rank)
 
 
 def run_local(world_size: int, fn: Callable[[LocalTransport], T], timeout: float = 60.0) -> list[T]:

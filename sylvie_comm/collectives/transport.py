@@ -69,6 +69,16 @@ class Transport(Protocol):
         """Blocking gather of a picklable object from every rank (set-up only)."""
         ...
 
+    def fork(self) -> Transport:
+        """A new transport over the same ranks whose collectives never pair with this one's.
+
+        Two threads that issue collectives at the same time (a halo exchange
+        pipelined under compute, and the gradient average) each need their own:
+        on one transport their collectives would be ordered differently on
+        different ranks. A collective call: every rank forks in the same order.
+        """
+        ...
+
 
 # How long a collective on a transport's own group may wait for its peers. Long enough for a rank-0-only
 # evaluation or checkpoint between two steps; short enough that a hung peer fails the job in minutes
@@ -126,6 +136,7 @@ class ProcessGroupTransport:
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.dedicated = dedicated
+        self._process_group = process_group
         self._closed = False
         self._failure: CollectiveError | None = None  # the first collective that failed
         group = process_group
@@ -230,6 +241,10 @@ class ProcessGroupTransport:
         except RuntimeError as exc:
             raise self._fail(self._error("all_gather_object", exc)) from exc
         return out
+
+    def fork(self) -> ProcessGroupTransport:
+        """A transport on a new dedicated group of the same ranks (see :meth:`Transport.fork`)."""
+        return ProcessGroupTransport(self._process_group, dedicated=True, timeout=self.timeout)
 
     def close(self) -> None:
         """Destroy the dedicated group, here and now (every rank closes its own; idempotent).

@@ -1,9 +1,10 @@
-"""The demo: data-parallel training under three gradient hooks, then full-graph GNN training.
+"""The demo: data-parallel training under three gradient hooks (and Horovod), then full-graph GNN training.
 
 Both workloads are modules of this package, each a command line that runs
-under torchrun (and in a single process without it)::
+under torchrun or horovodrun (and in a single process without either)::
 
     torchrun --nproc_per_node 2 -m sylvie_comm.demo.ddp_train --codec acpsgd --rank 4
+    horovodrun -np 2 python -m sylvie_comm.demo.ddp_train --codec acpsgd --rank 4
     torchrun --nproc_per_node 4 -m sylvie_comm.demo.gnn_full_graph --bits-fwd 1 --bits-bwd 1 --staleness 1
 
 ``examples/ddp_train.py`` and ``examples/gnn_full_graph.py`` are the same two
@@ -13,16 +14,19 @@ configuration at a time and compares what rank 0 reports.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from sylvie_comm.demo.launch import torchrun
+from sylvie_comm.demo.launch import horovodrun, torchrun
 
 DDP_MODULE = "sylvie_comm.demo.ddp_train"
 GNN_MODULE = "sylvie_comm.demo.gnn_full_graph"
 # (hook, extra arguments): the same model, data and seed under each.
 DDP_RUNS: tuple[tuple[str, tuple[str, ...]], ...] = (("none", ()), ("acpsgd", ("--rank", "4")), ("onebit", ()))
+# Under horovodrun (when Horovod is installed): the same training, Horovod's collectives, our optimizer.
+HOROVOD_RUN: tuple[str, tuple[str, ...]] = ("acpsgd", ("--rank", "4"))
 GNN_NODES = 4000  # the generated CSBM graph
 # (label, extra arguments): halo precision and staleness.
 GNN_RUNS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -34,10 +38,11 @@ GNN_RUNS: tuple[tuple[str, tuple[str, ...]], ...] = (
 def ddp_table(rows: list[dict[str, Any]]) -> str:
     """Accuracy, wire bytes (and the ratio to the first row), wall time and hook compute of DDP runs."""
     base = rows[0]["bytes_sent"]
-    lines = [f"   {'hook':<8}{'accuracy':>10}{'MB sent':>10}{'vs plain':>10}{'wall s':>9}{'encode+decode s':>17}"]
+    lines = [f"   {'hook':<16}{'accuracy':>10}{'MB sent':>10}{'vs plain':>10}{'wall s':>9}{'encode+decode s':>17}"]
     for r in rows:
+        name = f"{r['codec']} (Horovod)" if r.get("launcher") == "horovodrun" else r["codec"]
         lines.append(
-            f"   {r['codec']:<8}{r['accuracy']:>9.2f}%{r['bytes_sent'] / 1e6:>10.2f}"
+            f"   {name:<16}{r['accuracy']:>9.2f}%{r['bytes_sent'] / 1e6:>10.2f}"
             f"{base / r['bytes_sent']:>9.1f}x{r['seconds']:>9.1f}"
             f"{r['encode_seconds'] + r['decode_seconds']:>17.2f}"
         )
@@ -82,6 +87,12 @@ def run(
     for codec, extra in DDP_RUNS:
         echo(f"   running {codec} ...")
         results["ddp"].append(torchrun(DDP_MODULE, nproc, ["--codec", codec, *extra, "--steps", str(steps)]))
+    codec, extra = HOROVOD_RUN
+    if shutil.which("horovodrun") is not None:
+        echo(f"   running {codec} under horovodrun (Horovod's collectives, sylvie_comm.horovod's optimizer) ...")
+        results["ddp"].append(horovodrun(DDP_MODULE, nproc, ["--codec", codec, *extra, "--steps", str(steps)]))
+    else:
+        echo("   (Horovod is not installed, so no horovodrun run: scripts/horovod.sh builds and installs it)")
     echo("\n" + ddp_table(results["ddp"]))
 
     echo(f"\n2) full-graph GNN: {gnn_nproc} processes, generated CSBM graph ({GNN_NODES} nodes), GraphSAGE, "

@@ -19,7 +19,6 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -27,7 +26,7 @@ from tqdm import tqdm
 
 import sylvie_comm
 import sylvie_comm.ddp
-from sylvie_comm.demo.launch import run_worker
+from sylvie_comm.demo.launch import rank_and_size, run_worker, under_horovodrun
 
 Split = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -72,28 +71,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
-    """Train on the initialized default process group; return this rank's results."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """Train on the initialized ranks (DDP and its hook, or Horovod and our optimizer under horovodrun);
+    return this rank's results."""
+    rank, world = rank_and_size()
     (xtr, ytr), (xte, yte) = load_digits_split(rank, world, args.seed)
     model = build_model(args.hidden, args.seed)
-    ddp = DDP(model, bucket_cap_mb=args.bucket_mb)
+    config = sylvie_comm.Config.from_yaml(args.config) if args.config else None
+    options = {"rank": args.rank} if args.rank is not None and not args.config else {}
+    codec = None if args.config else args.codec
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
 
     # The integration: one call.
-    if args.config:
-        state = sylvie_comm.ddp.register(ddp, config=sylvie_comm.Config.from_yaml(args.config))
+    net: torch.nn.Module
+    if under_horovodrun():
+        from sylvie_comm.horovod import DistributedOptimizer
+
+        opt = state = DistributedOptimizer(
+            opt, model.named_parameters(), codec, config=config, bucket_cap_mb=args.bucket_mb, **options
+        )
+        net = model
     else:
-        options = {"rank": args.rank} if args.rank is not None else {}
-        state = sylvie_comm.ddp.register(ddp, args.codec, **options)
+        net = DDP(model, bucket_cap_mb=args.bucket_mb)
+        state = sylvie_comm.ddp.register(net, codec, config=config, **options)
 
     try:
-        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
         gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
         bar = tqdm(range(args.steps), disable=rank != 0 or args.no_progress, desc=state.name, unit="step")
         start = time.perf_counter()
         for _ in bar:
             idx = torch.randint(0, len(xtr), (args.batch_size,), generator=gen)
             opt.zero_grad()
-            loss = F.cross_entropy(ddp(xtr[idx]), ytr[idx])
+            loss = F.cross_entropy(net(xtr[idx]), ytr[idx])
             loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
             bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
@@ -106,6 +114,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         state.close()
     return {
         "codec": state.name,
+        "launcher": "horovodrun" if under_horovodrun() else "torchrun",
         "world_size": world,
         "steps": args.steps,
         "accuracy": accuracy,

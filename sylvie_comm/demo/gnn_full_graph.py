@@ -5,6 +5,10 @@ Run on four processes (CPU, gloo)::
     torchrun --nproc_per_node 4 -m sylvie_comm.demo.gnn_full_graph                 # fp32, synchronous
     torchrun --nproc_per_node 4 -m sylvie_comm.demo.gnn_full_graph --bits-fwd 1 --bits-bwd 1 --staleness 1
     torchrun --nproc_per_node 4 -m sylvie_comm.demo.gnn_full_graph --dataset ogbn-arxiv --root /data/ogb
+    horovodrun -np 4 python -m sylvie_comm.demo.gnn_full_graph --bits-fwd 1 --bits-bwd 1 --staleness 1
+
+Under horovodrun every collective (halos, weight gradients, set-up) goes through
+Horovod, with the same results as under torchrun.
 
 Without torchrun it trains in a single process. Rank 0 partitions the graph
 (METIS by default) into a folder; every rank loads its own part. The progress
@@ -21,14 +25,13 @@ import os
 import tempfile
 from typing import Any
 
-import torch.distributed as dist
 from tqdm import tqdm
 
-from sylvie_comm.demo.launch import run_worker
+from sylvie_comm.demo.launch import rank_and_size, run_worker
 from sylvie_comm.gnn import data as gdata
 from sylvie_comm.gnn.models import LAYERS
 from sylvie_comm.gnn.partition import shared_partition
-from sylvie_comm.gnn.train import TrainConfig, Trainer
+from sylvie_comm.gnn.train import TrainConfig, Trainer, horovod_transport
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,22 +76,24 @@ def parts_folder(args: argparse.Namespace, world: int) -> str:
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
-    """Partition, then train on the initialized default process group; return this rank's results."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """Partition, then train on the initialized ranks (Horovod's under horovodrun, else the default process
+    group); return this rank's results."""
+    rank, world = rank_and_size()
+    transport = horovod_transport()  # None under torchrun: the trainer uses the process group
 
     def make_graph() -> gdata.GraphData:
         if args.dataset == "csbm":
             return gdata.csbm(num_nodes=args.nodes, feat_dim=args.features, seed=args.seed)
         return gdata.load_dataset(args.dataset, root=args.root)
 
-    part = shared_partition(make_graph, rank, world, parts_folder(args, world), args.partition, args.seed)
+    part = shared_partition(make_graph, rank, world, parts_folder(args, world), args.partition, args.seed, transport)
     config = TrainConfig(
         model=args.model, hidden=args.hidden, layers=args.layers, dropout=args.dropout, lr=args.lr,
         forward=precision(args.bits_fwd), backward=precision(args.bits_bwd), meta_dtype=args.meta_dtype,
         error_feedback=args.error_feedback, staleness=args.staleness, sync_every=args.sync_every,
         backend=args.backend, grad_hook=args.grad_hook, seed=args.seed,
     )  # fmt: skip
-    trainer = Trainer(part, config)
+    trainer = Trainer(part, config, transport=transport)
     try:
         label = f"{config.forward}/{config.backward} S={config.staleness}"
         bar = tqdm(range(args.epochs), disable=rank != 0 or args.no_progress, desc=label, unit="epoch")

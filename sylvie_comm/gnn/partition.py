@@ -398,11 +398,14 @@ def shared_partition(
     folder: str | Path,
     method: str = "metis",
     seed: int = 0,
+    transport: Any = None,
 ) -> Partition:
     """Partition on rank 0 unless ``folder`` already holds this partition; every rank loads its own part.
 
-    A collective when a default process group is initialized (``rank`` must be
-    the process's rank in it): rank 0 builds the graph with ``make_graph()``
+    A collective among the ranks of ``transport`` (any
+    :class:`~sylvie_comm.collectives.Transport`: a process group's, Horovod's), or
+    of the default process group when none is given and one is initialized;
+    ``rank`` must be the process's rank there. Rank 0 builds the graph with ``make_graph()``
     (a :class:`~sylvie_comm.gnn.data.GraphData`, or anything with ``src``,
     ``dst``, ``num_nodes`` and ``ndata``; no other rank calls it), computes
     :func:`partition_inputs` and compares them with those recorded in
@@ -419,13 +422,13 @@ def shared_partition(
         folder: where the parts live between runs.
         method: ``"metis"`` or ``"random"``.
         seed: the partitioner's seed (see :func:`partition`).
+        transport: the ranks (default: the default process group, if any).
     """
-    import torch.distributed as dist
-
     folder = Path(folder)
-    distributed = dist.is_available() and dist.is_initialized()
-    if distributed and dist.get_rank() != rank:
-        raise ValueError(f"shared_partition: rank {rank} is not this process's rank {dist.get_rank()}")
+    gather, my_rank = _object_gather(transport)
+    distributed = gather is not None
+    if distributed and my_rank != rank:
+        raise ValueError(f"shared_partition: rank {rank} is not this process's rank {my_rank}")
     inputs: dict[str, Any] | None = None
     failure: BaseException | None = None
     if rank == 0:
@@ -439,12 +442,11 @@ def shared_partition(
             del g
         except Exception as exc:  # tell the other ranks instead of leaving them waiting
             failure = exc
-    if distributed:
-        box: list[Any] = [inputs if failure is None else f"{type(failure).__name__}: {failure}"]
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], str) and rank != 0:
-            raise RuntimeError(f"shared_partition: rank 0 could not make the partition ({box[0]})")
-        inputs = box[0]
+    if gather is not None:
+        sent = gather(inputs if failure is None else f"{type(failure).__name__}: {failure}")[0]
+        if isinstance(sent, str) and rank != 0:
+            raise RuntimeError(f"shared_partition: rank 0 could not make the partition ({sent})")
+        inputs = sent
     if failure is not None:
         raise failure
     part: Partition | None = None
@@ -458,10 +460,9 @@ def shared_partition(
             )
     except Exception as exc:
         error = exc
-    if distributed:
+    if gather is not None:
         # Every rank has loaded its part before any returns: rank 0's next call may rewrite the folder.
-        statuses: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(statuses, None if error is None else f"{type(error).__name__}: {error}")
+        statuses = gather(None if error is None else f"{type(error).__name__}: {error}")
         failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
         if error is None and failed:
             r, s = failed[0]
@@ -470,3 +471,21 @@ def shared_partition(
         raise error
     assert part is not None
     return part
+
+
+def _object_gather(transport: Any) -> tuple[Callable[[Any], list[Any]] | None, int]:
+    """The all-gather of picklable objects among ``transport``'s ranks (else the default process group's,
+    else none: one process), and this process's rank there."""
+    if transport is not None:
+        return transport.all_gather_object, int(transport.rank)
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 0
+
+    def gather(obj: Any) -> list[Any]:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    return gather, dist.get_rank()

@@ -16,6 +16,7 @@ import contextlib
 import copy
 import dataclasses
 import resource
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -25,7 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sylvie_comm.collectives import ProcessGroupTransport, agree, wire_bytes
+from sylvie_comm.algorithms import Group, Member, Policy, algorithm_class, make_algorithm
+from sylvie_comm.collectives import ProcessGroupTransport, Stats, Transport, agree, wire_bytes
+from sylvie_comm.config import Config
 from sylvie_comm.gnn.halo import (
     HaloExchanger,
     HaloPipeline,
@@ -77,19 +80,32 @@ class Trainer:
         config: the training configuration; every rank must pass the same.
         process_group: the ranks that train together (default: the default group). Every collective
             of the trainer (halo exchange, gradient all-reduce, loss and accuracy sums) stays in it.
+        transport: instead of a process group, any :class:`~sylvie_comm.collectives.Transport`, e.g.
+            :class:`~sylvie_comm.collectives.horovod.HorovodTransport` (the default when Horovod is
+            initialized and torch.distributed is not: a run started by ``horovodrun``).
     """
 
-    def __init__(self, part: Partition, config: TrainConfig, process_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        part: Partition,
+        config: TrainConfig,
+        process_group: dist.ProcessGroup | None = None,
+        transport: Transport | None = None,
+    ) -> None:
         self.part = part
         self.process_group = process_group
         distributed = dist.is_available() and dist.is_initialized()
+        if transport is not None and process_group is not None:
+            raise ValueError("gnn: give the Trainer a process_group or a transport, not both")
         if distributed and process_group is not None and dist.get_rank(process_group) < 0:
             raise ValueError(
                 f"gnn: this process (global rank {dist.get_rank()}) is not a member of the process_group it "
                 "was given; only the group's ranks build a Trainer on it"
             )
-        self.world = dist.get_world_size(process_group) if distributed else 1
-        self.transport = ProcessGroupTransport(process_group) if distributed else None
+        if transport is None:
+            transport = ProcessGroupTransport(process_group) if distributed else horovod_transport()
+        self.transport: Transport | None = transport
+        self.world = transport.world_size if transport is not None else 1
         feat = part.ndata.get("feat")
 
         def build() -> TrainConfig:
@@ -109,8 +125,11 @@ class Trainer:
             self.config = build()
         cfg = self.config
         self.pipeline: HaloPipeline | None = None
+        self.halo_transport: Transport | None = None
         if self.transport is not None and self.world > 1:
-            exchanger = HaloExchanger(part, self.transport, cfg.forward, cfg.backward, cfg.meta_dtype,
+            # The halo exchange runs on a thread of its own under staleness: a transport of its own too.
+            self.halo_transport = self.transport.fork()
+            exchanger = HaloExchanger(part, self.halo_transport, cfg.forward, cfg.backward, cfg.meta_dtype,
                                       cfg.error_feedback, cfg.seed)  # fmt: skip
             self.pipeline = HaloPipeline(exchanger, cfg.staleness, cfg.sync_every)
         self.graph = LocalGraph(part, self.pipeline)
@@ -126,13 +145,17 @@ class Trainer:
         self.model = FullGraphGNN(cfg.model, self.x.shape[1], cfg.hidden, num_classes, cfg.layers, cfg.dropout,
                                   cfg.backend)  # fmt: skip
         self.net: torch.nn.Module = self.model
-        self.hook_state = None
-        if self.world > 1:
+        self.hook_state: Any = None
+        self.averager: GradientAverage | None = None
+        if self.world > 1 and isinstance(transport, ProcessGroupTransport):
             self.net = torch.nn.parallel.DistributedDataParallel(self.model, process_group=process_group)
             if cfg.grad_hook is not None:
                 from sylvie_comm.integrations.ddp import register
 
                 self.hook_state = register(self.net, cfg.grad_hook, process_group=process_group)
+        elif self.world > 1 and transport is not None:
+            # Any other transport (Horovod, in-process): the algorithm averages the gradients after backward.
+            self.averager = self.hook_state = GradientAverage(self.model, transport.fork(), cfg.grad_hook or "none")
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.masks: dict[str, torch.Tensor] = {
             k: part.ndata[k] for k in ("train_mask", "val_mask", "test_mask") if k in part.ndata
@@ -142,15 +165,14 @@ class Trainer:
         self.params = sum(p.numel() for p in self.model.parameters())
 
     def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world > 1:
-            dist.all_reduce(t, group=self.process_group)
+        if self.transport is not None and self.world > 1:
+            self.transport.all_reduce(t).wait()
         return t
 
     def _all_reduce_max(self, v: int) -> int:
-        t = torch.tensor([v])
-        if self.world > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
-        return int(t.item())
+        if self.transport is not None and self.world > 1:
+            return max(int(x) for x in self.transport.all_gather_object(v))
+        return v
 
     def forward(self) -> torch.Tensor:
         """Logits of this rank's inner nodes."""
@@ -175,6 +197,8 @@ class Trainer:
         logits = self.forward()
         loss = self.loss(logits)
         loss.backward()  # type: ignore[no-untyped-call]
+        if self.averager is not None:
+            self.averager.average()
         self.opt.step()
         seconds = time.perf_counter() - t0
         metrics = self._accuracies(logits.detach(), loss.detach() / self.world)
@@ -325,5 +349,72 @@ class Trainer:
             self.pipeline.close()
         if self.hook_state is not None:
             self.hook_state.close()
-        if self.transport is not None:
-            self.transport.close()
+        for transport in (self.halo_transport, self.transport):
+            close = getattr(transport, "close", None)
+            if close is not None:
+                close()
+
+
+class GradientAverage:
+    """A model's gradients averaged across a transport's ranks by a named algorithm, after backward.
+
+    What DDP and its hook do for a process group, for any :class:`~sylvie_comm.collectives.Transport`
+    (Horovod's, the in-process one): one group of every parameter that has a gradient, through the
+    algorithm's :class:`~sylvie_comm.algorithms.Policy` (the default configuration of ``codec``, e.g.
+    two plain warm-up steps before error feedback starts), with the same statistics and per-name state.
+    """
+
+    def __init__(self, model: torch.nn.Module, transport: Transport, codec: str = "none") -> None:
+        def build() -> Config:
+            config = Config(codec=codec)
+            algorithm_class(config.codec, "gradient algorithm").validate_options(config.options)
+            return config
+
+        self.config = agree(transport, build, lambda c: c.to_dict(), "sylvie_comm.gnn gradients")
+        self.algorithm = make_algorithm(self.config.codec, transport, self.config.options, seed=self.config.seed)
+        self.policy = Policy(self.algorithm, self.config)
+        self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.world_size = transport.world_size
+        self.step = 0
+        self._stats = Stats()
+
+    def average(self) -> None:
+        """Replace every gradient by its mean over the ranks (a collective: every rank calls it each step)."""
+        members = []
+        for name, p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # every rank sends every parameter, in the same order
+            compress, options = self.policy.member_options(name, p.shape)
+            members.append(Member(name, p.grad, compress, options))
+        self.policy(Group(0, members), self.step, self._stats.meter(self.step, self.world_size)).wait()
+        self.step += 1
+
+    def stats(self) -> dict[str, Any]:
+        return self._stats.summary(self.step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"codec": self.config.codec, "step": self.step, "params": self.algorithm.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("codec") != self.config.codec:
+            raise ValueError(f"gnn: the checkpoint's gradients used {state.get('codec')!r}, "
+                             f"this trainer {self.config.codec!r}")  # fmt: skip
+        self.algorithm.load_state_dict(state.get("params", {}))
+        self.step = int(state["step"])
+
+    def close(self) -> None:
+        self.algorithm.close()
+        close = getattr(self.algorithm.transport, "close", None)
+        if close is not None:
+            close()
+
+
+def horovod_transport() -> Transport | None:
+    """A :class:`~sylvie_comm.collectives.horovod.HorovodTransport` when this process runs Horovod
+    (``horovod.torch`` imported and initialized, as under ``horovodrun``), else None. Never imports Horovod."""
+    hvd = sys.modules.get("horovod.torch")
+    if hvd is None or not hvd.is_initialized():
+        return None
+    from sylvie_comm.collectives.horovod import HorovodTransport
+
+    return HorovodTransport()

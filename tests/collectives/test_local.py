@@ -98,3 +98,71 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
         LocalGroup(2).transport(2)
     assert issubclass(LocalCollectiveError, RuntimeError)
+
+
+def test_forks_are_independent_channels_whatever_order_ranks_use_them_in():
+    """Rank 0 issues on the fork first, rank 1 on the parent first: each pairs with its own channel.
+    On one shared channel the two all-reduces would pair crosswise (sizes differ: it would fail)."""
+
+    def body(tr):
+        fork = tr.fork()
+        a, b = torch.ones(2) * (tr.rank + 1), torch.ones(5) * (tr.rank + 1)
+        futs = [fork.all_reduce(b), tr.all_reduce(a)] if tr.rank == 0 else [tr.all_reduce(a), fork.all_reduce(b)]
+        for f in futs:
+            f.wait()
+        return a, b, fork.fork().all_gather_object(tr.rank)
+
+    for a, b, objs in run_local(2, body):
+        assert torch.equal(a, torch.full((2,), 3.0)) and torch.equal(b, torch.full((5,), 3.0))
+        assert objs == [0, 1]
+
+
+def test_trainer_gradient_average_matches_the_mean_and_resumes():
+    """The GNN trainer's gradient average on any transport (here in-process): the exact mean for ``none``;
+    ACP-SGD averages exactly during warm-up, then sends less, and a fresh average loaded with its
+    state_dict continues bit-identically."""
+    from torch import nn
+
+    from sylvie_comm.gnn.train import GradientAverage
+
+    def grads_of(model, step, rank):
+        return [torch.randn(p.shape, generator=torch.Generator().manual_seed(7 * step + rank + 100 * i))
+                for i, p in enumerate(model.parameters())]  # fmt: skip
+
+    def run(avg, model, tr, steps):
+        errors, out = [], []
+        for step in steps:
+            grads = grads_of(model, step, tr.rank)
+            for p, g in zip(model.parameters(), grads, strict=True):
+                p.grad = g.clone()
+            avg.average()
+            mean = [torch.stack(tr.all_gather_object(g)).mean(0) for g in grads]
+            pairs = zip(model.parameters(), mean, strict=True)
+            errors.append(max((p.grad - m).abs().max().item() for p, m in pairs))
+            out.append([p.grad.clone() for p in model.parameters()])
+        return errors, out
+
+    def body(tr):
+        model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 16))  # values unused: gradients are set
+        res = {}
+        for codec in ("none", "acpsgd"):
+            avg = GradientAverage(model, tr.fork(), codec)
+            errors, _ = run(avg, model, tr, range(4))
+            state = avg.state_dict()
+            _, cont = run(avg, model, tr, range(4, 6))
+            resumed = GradientAverage(model, tr.fork(), codec)
+            resumed.load_state_dict(state)
+            _, again = run(resumed, model, tr, range(4, 6))
+            res[codec] = (errors, avg.stats(), state, cont, again)
+            avg.close()
+            resumed.close()
+        return res
+
+    for res in run_local(2, body):
+        assert res["none"][0] == [0.0] * 4
+        errors, stats, state, cont, again = res["acpsgd"]
+        assert errors[:2] == [0.0, 0.0] and min(errors[2:]) > 0  # two plain warm-up steps, then low-rank
+        assert stats["bytes_sent"] < res["none"][1]["bytes_sent"]
+        assert state["step"] == 4 and set(state["params"]) == {"0.weight", "1.weight"}
+        for a, b in zip(cont, again, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

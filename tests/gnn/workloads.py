@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from sylvie_comm.gnn import data as gdata
 from sylvie_comm.gnn.partition import partition
 from sylvie_comm.gnn.train import TrainConfig, Trainer
@@ -25,10 +23,10 @@ def snapshot(tr: Trainer) -> dict[str, Any]:
     logits = tr.forward()
     loss = tr.loss(logits)
     loss.backward()
+    if tr.averager is not None:  # a transport without DDP (Horovod): the trainer averages after backward
+        tr.averager.average()
     grads = [p.grad.detach().clone() for p in tr.model.parameters()]
-    total = loss.detach().clone() / tr.world
-    if tr.world > 1:
-        torch.distributed.all_reduce(total)
+    total = tr._all_reduce_sum(loss.detach().reshape(1) / tr.world)[0]
     return {"ids": tr.part.inner.clone(), "logits": logits.detach().clone(), "loss": float(total), "grads": grads}
 
 

@@ -1,0 +1,621 @@
+"""Horovod: compressors for ``hvd.DistributedOptimizer`` and an optimizer of our own.
+
+Two ways in. With Horovod's own optimizer, pass one of our compressors::
+
+    import sylvie_comm.horovod as sh
+    opt = hvd.DistributedOptimizer(
+        opt, named_parameters=model.named_parameters(),
+        compression=sh.Compression.acpsgd(model.named_parameters(), rank=4),
+    )
+
+Horovod all-reduces whatever ``compress`` returns, so only all-reduce-compatible
+algorithms fit its contract: ``none``, ``fp16``, ``bf16`` and ``acpsgd``
+(whose factors add up). Every algorithm of the registry (one-bit, top-k,
+sign, QSGD and PowerSGD need all-gathers, all-to-alls or two dependent
+all-reduces) runs through :class:`DistributedOptimizer`, which launches each
+fusion group from gradient hooks on a
+:class:`~sylvie_comm.collectives.horovod.HorovodTransport`::
+
+    opt = sh.DistributedOptimizer(opt, model.named_parameters(), codec="onebit")
+
+This module owns no math: both ways drive the algorithms of
+:mod:`sylvie_comm.algorithms` (behind their policy) as the DDP hooks do.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from sylvie_comm.algorithms import Group, Member, Policy, algorithm_class
+from sylvie_comm.algorithms.acpsgd import ACPSGDAlgorithm
+from sylvie_comm.collectives import Stats, agree
+from sylvie_comm.collectives.horovod import HorovodTransport, import_horovod, supports
+from sylvie_comm.config import Config, differences
+
+Future = torch.futures.Future
+
+# Keywords of hvd.DistributedOptimizer that have no meaning here, and why.
+_HOROVOD_ONLY = {
+    "compression": "the codec is the compression: pass codec='...' (or use hvd.DistributedOptimizer with "
+    "sylvie_comm.horovod.Compression)",
+    "op": "every algorithm averages (op=hvd.Average); Sum and Adasum are not supported",
+    "gradient_predivide_factor": "the algorithms choose their own scaling (casts divide by the world size first)",
+    "groups": "fusion groups are formed by compressed size: set bucket_cap_mb",
+    "num_groups": "fusion groups are formed by compressed size: set bucket_cap_mb",
+    "sparse_as_dense": "sparse gradients are not supported",
+    "process_set": "only the global process set is supported",
+}
+_CONFIG_FIELDS = ("warmup_steps", "min_compression_rate", "seed")
+
+
+def _config(what: str, codec: str | None, config: Config | None, options: Mapping[str, Any]) -> Config:
+    """A Config from a codec name and keywords, or from ``config`` with keywords merged over it."""
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"{what}: config must be a sylvie_comm.Config, got {type(config).__name__}")
+    if config is not None and codec is not None and codec != config.codec:
+        raise ValueError(f"{what}: codec {codec!r} given with a config for {config.codec!r}; pass one of them")
+    cfg = config if config is not None else Config(codec=codec or "acpsgd")
+    opts = dict(options)
+    extra = {k: opts.pop(k) for k in _CONFIG_FIELDS if k in opts}
+    if opts or extra:
+        d = cfg.to_dict()
+        d["options"] = {**d["options"], **opts}
+        d.update(extra)
+        cfg = Config.from_dict(d)
+    return cfg
+
+
+def _named(what: str, named_parameters: Iterable[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
+    if isinstance(named_parameters, (str, bytes)) or not isinstance(named_parameters, Iterable):
+        raise TypeError(
+            f"{what}: named_parameters must be an iterable of (name, parameter) pairs such as "
+            f"model.named_parameters(), got {type(named_parameters).__name__}"
+        )
+    named = list(named_parameters)
+    for item in named:
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):  # fmt: skip
+            raise TypeError(f"{what}: named_parameters must yield (name, parameter) pairs, got {item!r:.80}")
+    names = [n for n, _ in named]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"{what}: parameter names must be unique, repeated: {', '.join(dupes)}")
+    if not named:
+        raise ValueError(f"{what}: named_parameters is empty; pass model.named_parameters()")
+    return named
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Compressors for hvd.DistributedOptimizer: compress(tensor) -> (tensor, ctx), decompress(tensor, ctx) -> tensor
+
+
+class NoneCompressor:
+    """No compression (Horovod's default)."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: None) -> torch.Tensor:
+        return tensor
+
+
+class _CastCompressor:
+    """Divide by the world size, cast to a 16-bit float, all-reduce, cast back and multiply.
+
+    Dividing first keeps the sum of ``w`` ranks from overflowing where each rank's values fit
+    (fp16 overflows at 65504); multiplying afterwards restores what Horovod's op asked for
+    (``Average`` and ``Sum`` alike).
+    """
+
+    dtype: torch.dtype
+
+    @classmethod
+    def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.dtype, int] | None]:
+        if not tensor.dtype.is_floating_point:
+            return tensor, None
+        hvd = import_horovod()
+        if not supports("allreduce", cls.dtype):
+            raise TypeError(
+                f"sylvie_comm.horovod.Compression: this Horovod ({_horovod_version()}) has no {cls.dtype} all-reduce "
+                "for PyTorch; use Compression.fp16, or sylvie_comm.horovod.DistributedOptimizer(codec='bf16'), "
+                "which carries bf16 words through an all-gather"
+            )
+        w = hvd.size()
+        return tensor.div(w).to(cls.dtype), (tensor.dtype, w)
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: tuple[torch.dtype, int] | None) -> torch.Tensor:
+        if ctx is None:
+            return tensor
+        dtype, w = ctx
+        return tensor.to(dtype).mul_(w)  # in the original precision, so the product is not rounded to 16 bits
+
+
+def _horovod_version() -> str:
+    import horovod
+
+    return str(getattr(horovod, "__version__", "unknown version"))
+
+
+class FP16Compressor(_CastCompressor):
+    """fp16 all-reduce with pre-division by the world size."""
+
+    dtype = torch.float16
+
+
+class BF16Compressor(_CastCompressor):
+    """bf16 all-reduce with pre-division by the world size (needs a Horovod with bf16 PyTorch ops)."""
+
+    dtype = torch.bfloat16
+
+
+class _Deferred:
+    """A Transport for one rank whose all-reduce Horovod performs later, outside.
+
+    ``all_reduce(t)`` records ``t`` and returns an unfinished future;
+    :class:`ACPSGDCompressor` hands ``t`` to Horovod as the compressed tensor
+    and completes the future in ``decompress``, which runs the algorithm's
+    decoding there and then. Its world size is 1: Horovod's op does the scaling
+    (``Average`` returns the mean factor, ``Sum`` the sum, each with any pre- and
+    post-scale factors), and ACP-SGD is linear in the reduced factor, so the
+    decoded gradient is that op applied to the ranks' approximations.
+    """
+
+    rank = 0
+    world_size = 1
+
+    def __init__(self) -> None:
+        self.issued: list[tuple[torch.Tensor, Future[Any]]] = []
+
+    def all_reduce(self, t: torch.Tensor) -> Future[Any]:
+        fut: Future[Any] = torch.futures.Future()
+        self.issued.append((t, fut))
+        return fut
+
+    def _only_all_reduce(self, kind: str) -> Future[Any]:
+        raise ValueError(f"the Horovod compressor only all-reduces; an algorithm asked for {kind}")
+
+    def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> Future[Any]:
+        return self._only_all_reduce("all_gather")
+
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> Future[Any]:
+        return self._only_all_reduce("all_to_all")
+
+    def all_to_all_v(
+        self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> Future[Any]:
+        return self._only_all_reduce("all_to_all_v")
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def fork(self) -> _Deferred:
+        raise ValueError("the Horovod compressor runs on Horovod's own all-reduce; it has no transport to fork")
+
+
+class _Pending:
+    """What ``decompress`` needs: the buffer Horovod reduced, the future that decodes it, the gradient."""
+
+    __slots__ = ("buffer", "grad", "result", "wire")
+
+    def __init__(self, buffer: torch.Tensor, wire: Future[Any], result: Future[None], grad: torch.Tensor) -> None:
+        self.buffer = buffer
+        self.wire = wire
+        self.result = result
+        self.grad = grad
+
+
+class ACPSGDCompressor:
+    """ACP-SGD behind Horovod's ``compress``/``decompress`` (made by :meth:`Compression.acpsgd`).
+
+    ``compress(grad)`` finds the parameter whose ``.grad`` is ``grad`` (Horovod
+    passes no name), runs ACP-SGD's encoding for that parameter (one group per
+    parameter, state keyed by name) and returns the factor buffer for Horovod
+    to all-reduce; ``decompress(buffer, ctx)`` decodes into the gradient and
+    returns it. Vectors, matrices below ``min_compression_rate`` and the first
+    ``warmup_steps`` of each parameter pass through uncompressed.
+
+    Works with any ``op`` but ``Adasum`` (which all-reduces parameter deltas, not
+    gradients), ``backward_passes_per_step`` (compress runs once, after the last
+    pass), ``groups`` and ``zero_grad(set_to_none=True)``. Horovod checks across
+    ranks that every name has the same shape, so ranks configured with different
+    ranks fail at the first compressed step.
+    """
+
+    def __init__(self, named_parameters: Iterable[tuple[str, nn.Parameter]], config: Config) -> None:
+        what = "Compression.acpsgd"
+        if config.codec != "acpsgd":
+            raise ValueError(f"{what}: config is for codec {config.codec!r}, expected 'acpsgd'")
+        self.config = config
+        self._params = _named(what, named_parameters)
+        self._keys = {n: i for i, (n, _) in enumerate(self._params)}
+        self.transport = _Deferred()
+        self.algorithm = ACPSGDAlgorithm(self.transport, config.options, seed=config.seed)
+        self.policy = Policy(self.algorithm, config)
+        self._by_grad: dict[int, tuple[str, torch.Tensor]] = {}
+        self._steps: dict[str, int] = {}
+        self._stats = Stats()
+        self._world: int | None = None
+
+    def _find(self, tensor: torch.Tensor) -> str:
+        hit = self._by_grad.get(id(tensor))
+        if hit is not None and hit[1].grad is tensor:
+            return hit[0]
+        # A miss: gradients were replaced (zero_grad(set_to_none=True), the first step): map them again.
+        self._by_grad = {id(p.grad): (n, p) for n, p in self._params if p.grad is not None}
+        hit = self._by_grad.get(id(tensor))
+        if hit is not None and hit[1].grad is tensor:
+            return hit[0]
+        if any(p is tensor for _, p in self._params):
+            raise ValueError(
+                "Compression.acpsgd: compress() was given a parameter, not a gradient: op=hvd.Adasum "
+                "all-reduces parameter deltas and is not supported; use op=hvd.Average or hvd.Sum"
+            )
+        raise ValueError(
+            f"Compression.acpsgd: compress() got a tensor of shape {tuple(tensor.shape)} that is not the .grad of "
+            "any parameter given to Compression.acpsgd(named_parameters); pass the named parameters of the model "
+            "the optimizer trains (sparse_as_dense is not supported)"
+        )
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, _Pending | None]:
+        name = self._find(tensor)
+        step = self._steps.get(name, 0)
+        self._steps[name] = step + 1
+        if self._world is None:
+            self._world = import_horovod().size()
+        meter = self._stats.meter(step, self._world)
+        meter.uncompressed(4 * tensor.numel())
+        compress, options = self.policy.member_options(name, tensor.shape)
+        if step < self.config.warmup_steps or not compress or not tensor.dtype.is_floating_point:
+            meter.collective("all_reduce", tensor)
+            return tensor, None
+        member = Member(name, tensor, True, options)
+        result = self.algorithm(Group(self._keys[name], [member]), step - self.config.warmup_steps, meter)
+        ((buffer, wire),) = self.transport.issued
+        self.transport.issued.clear()
+        return buffer, _Pending(buffer, wire, result, tensor)
+
+    def decompress(self, tensor: torch.Tensor, ctx: _Pending | None) -> torch.Tensor:
+        if ctx is None:
+            return tensor
+        if tensor is not ctx.buffer:
+            ctx.buffer.copy_(tensor)
+        ctx.wire.set_result(None)  # runs the decoding, here: it writes the gradient
+        ctx.result.wait()
+        return ctx.grad
+
+    # ------------------------------------------------------------------ public
+
+    def stats(self) -> dict[str, Any]:
+        """Cumulative wire bytes, the fp32 equivalent, their ratio, encode/decode seconds (see the DDP hook)."""
+        return self._stats.summary(max(self._steps.values(), default=0))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-parameter steps and ACP-SGD state (factors, residuals), keyed by parameter name."""
+        return {"codec": "acpsgd", "config": self.config.to_dict(), "steps": dict(self._steps),
+                "params": self.algorithm.state_dict()}  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        _check_config("Compression.acpsgd", self.config, state)
+        self.algorithm.load_state_dict(state.get("params", {}))
+        self._steps = {str(n): int(s) for n, s in state.get("steps", {}).items()}
+
+
+class Compression:
+    """Compressors for ``hvd.DistributedOptimizer(..., compression=...)``.
+
+    ``none``, ``fp16`` and ``bf16`` are stateless; ``acpsgd(named_parameters, rank=4, ...)``
+    makes a stateful ACP-SGD compressor for one model (its ``state_dict()`` joins a checkpoint).
+    """
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+    bf16 = BF16Compressor
+
+    @staticmethod
+    def acpsgd(
+        named_parameters: Iterable[tuple[str, nn.Parameter]], rank: int = 4, *, config: Config | None = None,
+        **options: Any,
+    ) -> ACPSGDCompressor:  # fmt: skip
+        """An ACP-SGD compressor for the parameters of one model.
+
+        Args:
+            named_parameters: ``model.named_parameters()`` of the model the optimizer trains.
+            rank: factor rank (default 4; ignored when ``config`` sets it).
+            config: a :class:`~sylvie_comm.config.Config` with ``codec: acpsgd`` (e.g. from YAML).
+            **options: ``warmup_steps`` (default 2), ``min_compression_rate`` (default 2), ``seed``.
+        """
+        if config is None or "rank" not in config.options:
+            options = {"rank": rank, **options}
+        return ACPSGDCompressor(named_parameters, _config("Compression.acpsgd", "acpsgd", config, options))
+
+
+def _check_config(what: str, config: Config, state: Mapping[str, Any]) -> None:
+    if state.get("codec") != config.codec:
+        raise ValueError(f"{what}: checkpoint is for codec {state.get('codec')!r}, not {config.codec!r}")
+    diff = differences(config.to_dict(), state.get("config", {}))
+    if diff:
+        f, mine, theirs = diff[0]
+        raise ValueError(f"{what}: checkpoint config differs: '{f}' is {theirs!r}, this run has {mine!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Our optimizer: every algorithm, launched from gradient hooks on a HorovodTransport
+
+# Bytes per element on the wire, for sizing fusion groups (low-rank algorithms report their own rate).
+_WIRE_BYTES: dict[str, Callable[[Mapping[str, Any]], float]] = {
+    "none": lambda o: 4.0,
+    "fp16": lambda o: 2.0,
+    "bf16": lambda o: 2.0,
+    "sign": lambda o: 1 / 8,
+    "onebit": lambda o: 1 / 8,
+    "topk": lambda o: 8.0 * float(o.get("ratio", 0.1)),
+    "qsgd": lambda o: float(o.get("bits", 4)) / 8,
+}
+
+
+class DistributedOptimizer:
+    """Average gradients with a sylvie_comm algorithm over Horovod, then step the wrapped optimizer.
+
+    Each parameter's gradient hook (``register_post_accumulate_grad_hook``)
+    marks it ready; a fusion group (parameters in reverse registration order,
+    about ``bucket_cap_mb`` of compressed bytes each) is launched once all its
+    parameters are ready and the groups before it are launched, so every rank
+    issues the same collectives in the same order while backward goes on.
+    :meth:`step` waits for every group (launching those whose parameters got no
+    gradient, with zeros, as Horovod does), then steps the wrapped optimizer.
+
+    Building one is a collective call: every rank must build it, and ranks that
+    disagree on the configuration (codec, options, warm-up, seed, rules,
+    ``bucket_cap_mb``, ``backward_passes_per_step``, parameter names and
+    shapes) fail on every rank with a message naming the first difference.
+
+    Args:
+        optimizer: the ``torch.optim.Optimizer`` to step (give LR schedulers ``.optimizer``).
+        named_parameters: ``model.named_parameters()``; must name every parameter of ``optimizer``.
+        codec: an algorithm of the registry (``acpsgd`` default, ``powersgd``, ``onebit``, ``topk``, ``sign``,
+            ``qsgd``, ``fp16``, ``bf16``, ``none``).
+        config: a :class:`~sylvie_comm.config.Config` (e.g. from YAML) instead of keywords.
+        backward_passes_per_step: backward passes accumulated locally before the gradients travel (default 1).
+        bucket_cap_mb: compressed megabytes per fusion group (default 25).
+        **options: the algorithm's options (``rank``, ``chunk_size``, ``scale``, ``ratio``, ``bits``) and
+            ``warmup_steps``, ``min_compression_rate``, ``seed``, as for the DDP hooks.
+
+    Example::
+
+        opt = sylvie_comm.horovod.DistributedOptimizer(opt, model.named_parameters(), "onebit")
+        loss.backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, nn.Parameter]],
+        codec: str | None = None, *, config: Config | None = None, backward_passes_per_step: int = 1,
+        bucket_cap_mb: float = 25.0, **options: Any,
+    ) -> None:  # fmt: skip
+        what = "sylvie_comm.horovod.DistributedOptimizer"
+        for key in sorted(set(options) & set(_HOROVOD_ONLY)):
+            raise ValueError(f"{what}: Horovod's option {key!r} is not supported: {_HOROVOD_ONLY[key]}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"{what}: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        bpps = backward_passes_per_step
+        if isinstance(bpps, bool) or not isinstance(bpps, int) or bpps < 1:
+            raise ValueError(f"{what}: backward_passes_per_step must be an integer >= 1, got {bpps!r}")
+        cap = bucket_cap_mb
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not (math.isfinite(cap) and cap > 0):
+            raise ValueError(f"{what}: bucket_cap_mb must be a positive number, got {cap!r}")
+        self.optimizer = optimizer
+        self.backward_passes_per_step = bpps
+        self.bucket_cap_mb = float(cap)
+        named = _named(what, named_parameters)
+        names = {id(p): n for n, p in named}
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        missing = [tuple(p.shape) for p in params if id(p) not in names]
+        if missing:
+            raise ValueError(
+                f"{what}: {len(missing)} parameter(s) of the optimizer (shapes {missing[:3]}) are not in "
+                "named_parameters; pass the named parameters of the model the optimizer trains"
+            )
+        self._params = [(names[id(p)], p) for p in params]
+        self.transport = HorovodTransport()  # every rank creates its transports in the same order
+
+        def build() -> tuple[Config, Policy]:
+            cfg = _config(what, codec, config, options)
+            cls = algorithm_class(cfg.codec, "codec")
+            algorithm = cls(self.transport, cfg.options, seed=cfg.seed)
+            return cfg, Policy(algorithm, cfg)
+
+        def describe(built: tuple[Config, Policy]) -> dict[str, Any]:
+            shapes = ";".join(f"{n}:{tuple(p.shape)}" for n, p in self._params)
+            return {"optimizer": {**built[0].to_dict(), "bucket_cap_mb": self.bucket_cap_mb,
+                                  "backward_passes_per_step": bpps, "parameters": len(self._params),
+                                  "parameter_digest": f"{zlib.crc32(shapes.encode()):08x}"}}  # fmt: skip
+
+        try:
+            self.config, self.policy = agree(self.transport, build, describe, what)
+        except BaseException:
+            self.transport.close()
+            raise
+        self.algorithm = self.policy.algorithm
+        self.name = self.algorithm.name
+        self.world_size = self.transport.world_size
+        # internal state
+        self.step_count = 0  # communication rounds done (the policy's step)
+        self._groups = self._form_groups()
+        self._group_of = {id(p): g for g, members in enumerate(self._groups) for _, p, _, _ in members}
+        self._passes = {id(p): 0 for _, p in self._params}
+        self._waiting = [len(m) for m in self._groups]  # parameters of each group still to be ready
+        self._launched = 0  # groups launched this step, in order
+        self._futures: list[Future[None]] = []
+        self._synchronized = False
+        self._stats = Stats()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in self._params]
+
+    # ------------------------------------------------------------------ groups
+
+    def _wire_bytes(self, shape: torch.Size, compress: bool, options: Mapping[str, Any]) -> float:
+        numel = math.prod(shape)
+        if not compress:
+            return 4.0 * numel
+        rate = self.algorithm.compression_rate(shape, options)
+        if math.isfinite(rate):
+            return 4.0 * numel / rate
+        per_element = _WIRE_BYTES.get(self.name)
+        return numel * (per_element(options) if per_element is not None else 4.0)
+
+    def _form_groups(self) -> list[list[tuple[str, nn.Parameter, bool, Mapping[str, Any]]]]:
+        """Greedy: parameters in reverse registration order (about backward's), ``bucket_cap_mb`` per group."""
+        cap = self.bucket_cap_mb * 2**20
+        groups: list[list[tuple[str, nn.Parameter, bool, Mapping[str, Any]]]] = []
+        size = math.inf
+        for name, p in reversed(self._params):
+            compress, options = self.policy.member_options(name, p.shape)
+            nbytes = self._wire_bytes(p.shape, compress, options)
+            if size + nbytes > cap and size > 0:
+                groups.append([])
+                size = 0.0
+            groups[-1].append((name, p, compress, options))
+            size += nbytes
+        return groups
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        key = id(p)
+        self._passes[key] += 1
+        passes = self._passes[key]
+        if passes > self.backward_passes_per_step:
+            raise RuntimeError(
+                f"sylvie_comm.horovod: gradients were computed {passes} times before step(), more than "
+                f"backward_passes_per_step={self.backward_passes_per_step}; raise it to accumulate locally"
+            )
+        if passes == self.backward_passes_per_step:
+            g = self._group_of[key]
+            self._waiting[g] -= 1
+            while self._launched < len(self._groups) and self._waiting[self._launched] == 0:
+                self._launch(self._launched)
+
+    def _launch(self, g: int) -> None:
+        members = []
+        for name, p, compress, options in self._groups[g]:
+            if p.grad is None:  # no gradient on this rank: the others may have one (as Horovod does)
+                p.grad = torch.zeros_like(p)
+            members.append(Member(name, p.grad, compress, options))
+        self._launched += 1
+        meter = self._stats.meter(self.step_count, self.world_size)
+        self._futures.append(self.policy(Group(g, members), self.step_count, meter))
+
+    # ------------------------------------------------------------------ optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def synchronize(self) -> None:
+        """Launch the groups not launched yet and wait until every gradient holds its average.
+
+        Call :meth:`step` with ``skip_synchronize=True`` (or simply :meth:`step`: it does not average twice)
+        after modifying the averaged gradients (clipping).
+        """
+        while self._launched < len(self._groups):
+            self._launch(self._launched)
+        futures, self._futures = self._futures, []
+        try:
+            for fut in futures:
+                fut.wait()
+        finally:
+            for key in self._passes:
+                self._passes[key] = 0
+            self._waiting = [len(m) for m in self._groups]
+            self._launched = 0
+        self.transport.restart_names()  # nothing in flight: the next step's names repeat this one's
+        self.step_count += 1
+        self._synchronized = True
+
+    def step(self, closure: Callable[[], float] | None = None, *, skip_synchronize: bool = False) -> Any:
+        """Average the gradients (unless :meth:`synchronize` already did), then step the wrapped optimizer."""
+        if not (skip_synchronize or self._synchronized):
+            self.synchronize()
+        self._synchronized = False
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._launched or any(self._passes.values()):
+            raise RuntimeError(
+                "sylvie_comm.horovod: zero_grad() was called after backward() but before step() or "
+                "synchronize(): the gradients are being averaged in place"
+            )
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def stats(self) -> dict[str, Any]:
+        """Cumulative wire bytes, the fp32 all-reduce equivalent, their ratio and encode/decode seconds;
+        ``last_step`` holds the same for the last completed step."""
+        return self._stats.summary(self.step_count)
+
+    def memory_bytes(self) -> int:
+        """Bytes of tensors the algorithm keeps between steps (residuals, factors, buffers)."""
+        return self.algorithm.memory_bytes()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state and the algorithm's per-parameter state, keyed by parameter name."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "sylvie_comm": {
+                "codec": self.name,
+                "config": self.config.to_dict(),
+                "world_size": self.world_size,
+                "step": self.step_count,
+                "params": self.algorithm.state_dict(),
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        what = f"sylvie_comm.horovod.DistributedOptimizer[{self.name}]"
+        if not isinstance(state, Mapping) or "optimizer" not in state or "sylvie_comm" not in state:
+            raise ValueError(f"{what}: expected a dict from DistributedOptimizer.state_dict() "
+                             "with 'optimizer' and 'sylvie_comm' entries")  # fmt: skip
+        ours = state["sylvie_comm"]
+        _check_config(what, self.config, ours)
+        if ours.get("world_size") != self.world_size:
+            raise ValueError(
+                f"{what}: checkpoint was written with world size {ours.get('world_size')}, this run has "
+                f"{self.world_size}"
+            )
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.algorithm.load_state_dict(ours.get("params", {}))
+        self.step_count = int(ours["step"])
+
+    def close(self) -> None:
+        """Remove the gradient hooks, stop the algorithm's thread and the transport's waiter (idempotent)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.algorithm.close()
+        self.transport.close()
+
+    def __repr__(self) -> str:
+        return f"sylvie_comm.horovod.DistributedOptimizer({self.name}, {len(self._groups)} groups, {self.optimizer!r})"
+
+
+__all__ = [
+    "ACPSGDCompressor",
+    "BF16Compressor",
+    "Compression",
+    "Config",
+    "DistributedOptimizer",
+    "FP16Compressor",
+    "NoneCompressor",
+]
