@@ -19,6 +19,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -346,6 +348,11 @@ class HaloPipeline:
         self._queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
         self._observed: collections.Counter[int] = collections.Counter()
         self._evaluating = False
+        # Seconds the caller waited for exchanges (exposed communication), and seconds the communication
+        # thread spent in exchanges (exposed or hidden under compute); see timings().
+        self._wait_s = 0.0
+        self._exchange_s = 0.0
+        self._time_lock = threading.Lock()
 
     def is_sync(self, epoch: int) -> bool:
         return self.staleness == 0 or epoch == 0 or (self.sync_every > 0 and epoch % self.sync_every == 0)
@@ -360,7 +367,7 @@ class HaloPipeline:
     def _launch(self, name: str, job: Callable[[], torch.Tensor]) -> _Pending:
         if self.epoch < 0:
             raise RuntimeError("halo: call begin_epoch(epoch) before the forward pass")
-        pending = _Pending(self.epoch, self.executor.submit(job), self.is_sync(self.epoch))
+        pending = _Pending(self.epoch, self.executor.submit(self._timed(job)), self.is_sync(self.epoch))
         self._queues[name].append(pending)
         return pending
 
@@ -376,14 +383,14 @@ class HaloPipeline:
     def exchange_once(self, inner: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
         """One synchronous exchange outside the pipeline (e.g. the raw input features, once)."""
         job = self.exchanger.features_job(inner.detach(), "once", feedback=False, precision=precision)
-        out: torch.Tensor = self.executor.submit(job).wait()
+        out: torch.Tensor = self._wait(self.executor.submit(self._timed(job)))
         return out
 
     def features(self, layer: int, inner: torch.Tensor) -> torch.Tensor:
         """Halo rows for this layer: fresh in a synchronous epoch, else from epoch max(t - S, last sync)."""
         if self._evaluating:
             job = self.exchanger.features_job(inner.detach(), str(layer), feedback=False)
-            fresh: torch.Tensor = self.executor.submit(job).wait()
+            fresh: torch.Tensor = self._wait(self.executor.submit(self._timed(job)))
             return fresh
         name = f"f{layer}"
         mine = self._launch(name, self.exchanger.features_job(inner.detach(), str(layer)))
@@ -393,10 +400,10 @@ class HaloPipeline:
             want = max(self.epoch - self.staleness, self.last_sync)
             queue = self._queues[name]
             while queue[0].epoch < want:
-                queue.popleft().future.wait()
+                self._wait(queue.popleft().future)
             target = queue[0]
         self._observed[self.epoch - target.epoch] += 1
-        out: torch.Tensor = target.future.wait()
+        out: torch.Tensor = self._wait(target.future)
         self._trim(name, keep_from=max(self.epoch - self.staleness, self.last_sync))
         return out
 
@@ -412,7 +419,7 @@ class HaloPipeline:
         queue = self._queues[name]
         want = self.epoch - self.staleness
         while queue and queue[0].epoch < want:
-            queue.popleft().future.wait()
+            self._wait(queue.popleft().future)
         if queue and queue[0].epoch == want and not queue[0].applied:
             entry = queue.popleft()
             entry.applied = True
@@ -421,13 +428,37 @@ class HaloPipeline:
 
     def _applied(self, entry: _Pending) -> torch.Tensor:
         self._observed[self.epoch - entry.epoch] += 1
-        out: torch.Tensor = entry.future.wait()
+        out: torch.Tensor = self._wait(entry.future)
         return out
 
     def _trim(self, name: str, keep_from: int) -> None:
         queue = self._queues[name]
         while len(queue) > 1 and queue[0].epoch < keep_from:
-            queue.popleft().future.wait()
+            self._wait(queue.popleft().future)
+
+    def _timed(self, job: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            t0 = time.perf_counter()
+            try:
+                return job()
+            finally:
+                with self._time_lock:
+                    self._exchange_s += time.perf_counter() - t0
+
+        return run
+
+    def _wait(self, fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            return fut.wait()
+        finally:
+            self._wait_s += time.perf_counter() - t0
+
+    def timings(self) -> dict[str, float]:
+        """Cumulative seconds: ``wait_s`` the training thread waited for exchanges (communication it
+        could not hide), ``exchange_s`` the communication thread spent exchanging (hidden or not)."""
+        with self._time_lock:
+            return {"wait_s": self._wait_s, "exchange_s": self._exchange_s}
 
     def drain(self) -> None:
         """Wait for every exchange in flight (call before tearing the process group down)."""

@@ -190,6 +190,7 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.begin_epoch(self.epoch)
         halo_before = self._halo_bytes()
+        times_before = self.pipeline.timings() if self.pipeline is not None else None
         hook_before = self.hook_state.stats()["bytes_sent"] if self.hook_state is not None else 0
         t0 = time.perf_counter()
         self.model.train()
@@ -206,9 +207,17 @@ class Trainer:
             grad_bytes = self.hook_state.stats()["bytes_sent"] - hook_before
         else:
             grad_bytes = wire_bytes("all_reduce", 4 * self.params, self.world)
+        breakdown = {"compute_s": seconds, "halo_wait_s": 0.0, "halo_exchange_s": 0.0, "halo_hidden_s": 0.0}
+        if self.pipeline is not None and times_before is not None:
+            now = self.pipeline.timings()
+            wait, exchange = now["wait_s"] - times_before["wait_s"], now["exchange_s"] - times_before["exchange_s"]
+            # Exchanges still running at the epoch's end count in the epoch that finishes them.
+            breakdown = {"compute_s": max(seconds - wait, 0.0), "halo_wait_s": wait, "halo_exchange_s": exchange,
+                         "halo_hidden_s": max(exchange - wait, 0.0)}  # fmt: skip
         return {
             "epoch": self.epoch,
             "seconds": seconds,
+            **breakdown,
             "halo_bytes": self._halo_bytes() - halo_before,
             "grad_bytes": grad_bytes,
             **metrics,

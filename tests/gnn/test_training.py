@@ -221,3 +221,16 @@ def test_inconsistent_partitions_fail_on_every_rank():
 def test_empty_halos_train():
     for r in run_distributed(_empty_halo_worker, 2, timeout=60):
         assert r["halo"] == 0 and r["loss"] == r["loss"]
+
+
+def test_each_epoch_reports_its_communication_breakdown():
+    """compute + halo wait = the epoch; the exchange thread's time splits into waited-for and hidden parts.
+    Synchronous epochs wait for every exchange; with staleness 1 some exchange time is hidden."""
+    config = {"model": "sage", "hidden": 16, "layers": 3, "backend": "torch", "staleness": 1}
+    for r in run_distributed(gw.run, 2, config, 6, "random"):
+        for h in r["history"]:
+            assert min(h["compute_s"], h["halo_wait_s"], h["halo_exchange_s"], h["halo_hidden_s"]) >= 0
+            assert h["compute_s"] + h["halo_wait_s"] == pytest.approx(h["seconds"], abs=1e-9)
+            assert h["halo_hidden_s"] == pytest.approx(max(h["halo_exchange_s"] - h["halo_wait_s"], 0.0))
+            assert h["halo_exchange_s"] > 0
+        assert r["history"][0]["halo_wait_s"] > 0  # epoch 0 is synchronous
