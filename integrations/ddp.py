@@ -167,7 +167,7 @@ class HookState:
     def stats(self) -> dict[str, Any]:
         """Cumulative wire bytes, the plain fp32 all-reduce equivalent, their ratio and
         encode/decode seconds; ``last_step`` holds the same for the last completed step."""
-        return self._stats.summary(self.step)
+        return {**self._stats.summary(self.step), **self.algorithm.report()}
 
     def memory_bytes(self) -> int:
         """Bytes of tensors the hook keeps between steps (residuals, factors, buffers)."""

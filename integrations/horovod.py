@@ -563,7 +563,7 @@ class DistributedOptimizer:
     def stats(self) -> dict[str, Any]:
         """Cumulative wire bytes, the fp32 all-reduce equivalent, their ratio and encode/decode seconds;
         ``last_step`` holds the same for the last completed step."""
-        return self._stats.summary(self.step_count)
+        return {**self._stats.summary(self.step_count), **self.algorithm.report()}
 
     def memory_bytes(self) -> int:
         """Bytes of tensors the algorithm keeps between steps (residuals, factors, buffers)."""

@@ -199,6 +199,10 @@ class Algorithm:
         flat = torch.cat([t.reshape(-1).float() for t in raw]).div_(self.world_size)
         return then(self._all_reduce(flat, meter), lambda _: fusion.unpack(flat, raw))
 
+    def report(self) -> dict[str, Any]:
+        """What the integrations' ``stats()`` add beyond bytes and seconds (``auto``: its choices)."""
+        return {}
+
     # ------------------------------------------------------------------ state
 
     def persistent_tensors(self) -> list[torch.Tensor]:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from sylvie_comm.algorithms.acpsgd import ACPSGDAlgorithm
+from sylvie_comm.algorithms.auto import AutoAlgorithm
 from sylvie_comm.algorithms.base import Algorithm
 from sylvie_comm.algorithms.cast import Bf16Algorithm, Fp16Algorithm
 from sylvie_comm.algorithms.none import NoneAlgorithm
@@ -28,6 +29,7 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
         ACPSGDAlgorithm,
         PowerSGDAlgorithm,
         QSGDAlgorithm,
+        AutoAlgorithm,
     )
 }
 

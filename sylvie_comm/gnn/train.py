@@ -399,7 +399,7 @@ class GradientAverage:
         self.step += 1
 
     def stats(self) -> dict[str, Any]:
-        return self._stats.summary(self.step)
+        return {**self._stats.summary(self.step), **self.algorithm.report()}
 
     def state_dict(self) -> dict[str, Any]:
         return {"codec": self.config.codec, "step": self.step, "params": self.algorithm.state_dict()}

@@ -1,0 +1,198 @@
+"""``auto``: per fusion group, the candidate algorithm that is fastest on this link, measured.
+
+A user should not have to know the link speed. For its first probe steps,
+:class:`AutoAlgorithm` runs each candidate in turn on every group (each
+candidate really averages that step's gradients, so no step is wasted) and
+times it from the call to the written result: encoding, the collectives on
+this link, decoding. Then, per group, the ranks add up their timings with one
+all-reduce, so every rank reads the same sums and picks the same candidate:
+the one with the least total time. ``none`` is always a candidate, so the
+choice is never slower than plain averaging as measured. From then on the
+group runs its choice only; the choice, the timings behind it and the chosen
+algorithms' per-name state are in :meth:`AutoAlgorithm.state_dict`, so a
+resumed run does not probe again. :meth:`AutoAlgorithm.choices` (and the
+integrations' ``stats()``) report it; it is also logged on rank 0.
+
+Candidates run on transports of their own (:meth:`Transport.fork`): a two-phase
+candidate issues its collectives from its own thread, which must never
+interleave with another candidate's on one channel.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, then
+from sylvie_comm.collectives import Meter, Transport
+
+LOG = logging.getLogger("sylvie_comm")
+
+
+def pick(names: Sequence[str], seconds: Sequence[float]) -> str:
+    """The candidate with the least time; ties go to the earlier one (the candidate order decides)."""
+    if len(names) != len(seconds) or not names:
+        raise ValueError(f"auto: {len(names)} candidates but {len(seconds)} timings")
+    best = min(range(len(names)), key=lambda i: (seconds[i], i))
+    return names[best]
+
+
+class AutoAlgorithm(Algorithm):
+    """Measure each candidate on each group for ``probe_steps`` steps, then keep the fastest per group.
+
+    Args (options):
+        candidates: algorithm names to choose among (default ``none, fp16, acpsgd, onebit``); ``none``
+            is added when missing.
+        probe_steps: steps each candidate runs per group before the choice (default 2; the minimum of
+            its timings counts).
+        rank: the low-rank candidates' rank (default 4).
+        min_compression_rate: a candidate sends a tensor raw when it would not shrink it this many
+            times (default 2, as the policy's).
+    """
+
+    name = "auto"
+    codec_name = None
+    error_feedback = True  # candidates may keep residuals: the policy's warm-up must cover DDP's bucket rebuild
+    option_defaults: ClassVar[dict[str, Any]] = {
+        "candidates": ("none", "fp16", "acpsgd", "onebit"),
+        "probe_steps": 2,
+        "rank": 4,
+        "min_compression_rate": 2.0,
+    }
+
+    @classmethod
+    def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        from sylvie_comm.algorithms.registry import ALGORITHMS, algorithm_class
+
+        out = super().validate_options(options)
+        names = out["candidates"]
+        if isinstance(names, str) or not isinstance(names, Sequence) or not names:
+            raise ValueError(f"auto: candidates must be a list of algorithm names, got {names!r}")
+        names = tuple(dict.fromkeys(["none", *names]))  # none first: ties go to plain averaging
+        for n in names:
+            if n == cls.name:
+                raise ValueError("auto: 'auto' cannot be its own candidate")
+            algorithm_class(n, "candidate")  # lists the valid names when wrong
+        out["candidates"] = names
+        probes = out["probe_steps"]
+        if isinstance(probes, bool) or not isinstance(probes, int) or probes < 1:
+            raise ValueError(f"auto: probe_steps must be an integer >= 1, got {probes!r}")
+        rate = out["min_compression_rate"]
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate >= 1:
+            raise ValueError(f"auto: min_compression_rate must be a number >= 1, got {rate!r}")
+        for n in names:
+            sub = {k: v for k, v in out.items() if k in ALGORITHMS[n].option_defaults}
+            ALGORITHMS[n].validate_options(sub)
+        return out
+
+    def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
+        from sylvie_comm.algorithms.registry import ALGORITHMS
+
+        super().__init__(transport, options, seed=seed)
+        self.names: tuple[str, ...] = self.options["candidates"]
+        self.candidates: dict[str, Algorithm] = {}
+        for n in self.names:  # every rank forks in this order
+            cls = ALGORITHMS[n]
+            sub = {k: v for k, v in self.options.items() if k in cls.option_defaults}
+            self.candidates[n] = cls(transport.fork(), sub, seed=seed)
+        self._timings: dict[int, dict[str, list[float]]] = {}  # group key -> candidate -> seconds per probe
+        self._choice: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ one group of one step
+
+    def __call__(self, group: Group, step: int, meter: Meter | None = None) -> Future[None]:
+        meter = meter if meter is not None else Meter(self.world_size)
+        chosen = self._choice.get(group.key)
+        probes = self.options["probe_steps"] * len(self.names)
+        if chosen is None and step >= probes:
+            chosen = self._decide(group.key)
+        if chosen is not None:
+            return self._run(chosen, group, step, meter)
+        name = self.names[step % len(self.names)]
+        t0 = time.perf_counter()
+
+        def record(_: Future[Any]) -> None:
+            self._timings.setdefault(group.key, {}).setdefault(name, []).append(time.perf_counter() - t0)
+
+        return then(self._run(name, group, step, meter), record)
+
+    def _run(self, name: str, group: Group, step: int, meter: Meter) -> Future[None]:
+        alg = self.candidates[name]
+        members = []
+        for m in group.members:
+            opts = {k: v for k, v in m.options.items() if k in alg.option_defaults}
+            compress = (
+                m.compress
+                and alg.compressible(m.tensor.shape, opts)
+                and (alg.compression_rate(m.tensor.shape, opts) >= self.options["min_compression_rate"])
+            )
+            members.append(Member(m.name, m.tensor, compress, opts))
+        return alg(Group(group.key, members, group.flat), step, meter)
+
+    def _decide(self, key: int) -> str:
+        """Agree on the group's choice: one all-reduce of every rank's timings (a collective, in group order)."""
+        mine = self._timings.get(key, {})
+        best = [min(mine.get(n, [math.inf])) for n in self.names]
+        if any(math.isinf(b) for b in best):
+            raise RuntimeError(f"auto: group {key} was not probed with every candidate ({mine})")
+        total = torch.tensor(best, dtype=torch.float64)
+        self.transport.all_reduce(total).wait()
+        choice = pick(self.names, total.tolist())
+        self._choice[key] = choice
+        if self.transport.rank == 0:
+            means = zip(self.names, total.tolist(), strict=True)
+            per = ", ".join(f"{n} {s / self.world_size * 1e3:.2f} ms" for n, s in means)
+            LOG.info("sylvie_comm auto: group %d uses %s (mean over ranks of the fastest probe: %s)", key, choice, per)
+        return choice
+
+    # ------------------------------------------------------------------ reports and state
+
+    def choices(self) -> dict[int, str]:
+        """The candidate each group runs, by group key (empty while probing)."""
+        return dict(self._choice)
+
+    def report(self) -> dict[str, Any]:
+        """What ``stats()`` adds: the choice per group and, per group, each candidate's fastest probe (s)."""
+        probes = {k: {n: min(v) for n, v in t.items()} for k, t in self._timings.items()}
+        return {"auto": {"choices": self.choices(), "probe_seconds": probes}}
+
+    def persistent_tensors(self) -> list[torch.Tensor]:
+        return [t for alg in self.candidates.values() for t in alg.persistent_tensors()]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "auto": {"choices": dict(self._choice),
+                     "timings": {k: {n: list(v) for n, v in t.items()} for k, t in self._timings.items()}},
+            "candidates": {n: alg.state_dict() for n, alg in self.candidates.items()},
+        }  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not state:
+            return
+        if set(state) != {"auto", "candidates"}:
+            raise ValueError(f"auto: expected a state with 'auto' and 'candidates', got keys {sorted(state)}")
+        unknown = sorted(set(state["candidates"]) - set(self.candidates))
+        if unknown:
+            raise ValueError(f"auto: the checkpoint holds candidates {unknown} this run does not have "
+                             f"({', '.join(self.names)})")  # fmt: skip
+        for n, sub in state["candidates"].items():
+            self.candidates[n].load_state_dict(sub)
+        self._choice = {int(k): str(v) for k, v in state["auto"]["choices"].items()}
+        self._timings = {int(k): {n: [float(x) for x in v] for n, v in t.items()}
+                         for k, t in state["auto"]["timings"].items()}  # fmt: skip
+
+    def close(self) -> None:
+        for alg in self.candidates.values():
+            alg.close()
+            close = getattr(alg.transport, "close", None)
+            if close is not None:
+                close()
+        super().close()
+
+
+__all__ = ["AutoAlgorithm", "pick"]
