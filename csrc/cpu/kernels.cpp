@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <vector>
 
 #include "../common/sc_math.h"
 #include "../ops/checks.h"
@@ -58,13 +59,22 @@ struct Impl {
   decltype(&base::qbit_dequantize_f32) dequantize;
   decltype(&base::pack_f) pack;
   decltype(&base::unpack_f) unpack;
+  decltype(&base::lowrank_project_row_f32) lr_project;
+  decltype(&base::lowrank_gram_tile_f32) lr_gram;
+  decltype(&base::lowrank_outer_row_f32) lr_outer;
+  decltype(&base::add_into_f32) add_into;
+  decltype(&base::onebit_residual_f32) onebit_residual;
 };
 
 const Impl kBase{"baseline",         base::onebit_encode_f32, base::onebit_decode_f32, base::minmax_f32,
-                 base::qbit_quantize_f32, base::qbit_dequantize_f32, base::pack_f, base::unpack_f};
+                 base::qbit_quantize_f32, base::qbit_dequantize_f32, base::pack_f, base::unpack_f,
+                 base::lowrank_project_row_f32, base::lowrank_gram_tile_f32, base::lowrank_outer_row_f32,
+                 base::add_into_f32, base::onebit_residual_f32};
 #if SC_HAVE_AVX2_BUILD
 const Impl kAvx2{"avx2",             avx2::onebit_encode_f32, avx2::onebit_decode_f32, avx2::minmax_f32,
-                 avx2::qbit_quantize_f32, avx2::qbit_dequantize_f32, avx2::pack_f, avx2::unpack_f};
+                 avx2::qbit_quantize_f32, avx2::qbit_dequantize_f32, avx2::pack_f, avx2::unpack_f,
+                 avx2::lowrank_project_row_f32, avx2::lowrank_gram_tile_f32, avx2::lowrank_outer_row_f32,
+                 avx2::add_into_f32, avx2::onebit_residual_f32};
 #endif
 
 std::vector<const Impl*> supported() {
@@ -151,6 +161,13 @@ void dispatch_float(at::ScalarType t, Fn&& fn) {
 }
 
 float nan_f() { return std::numeric_limits<float>::quiet_NaN(); }
+
+void on_device_contiguous(const at::Tensor& t, at::ScalarType dtype, int64_t numel, const char* op,
+                          const char* what) {
+  TORCH_CHECK(t.device().type() == kCPU && t.is_contiguous() && t.scalar_type() == dtype && t.numel() == numel, op,
+              ": ", what, " must be a contiguous CPU ", dtype, " tensor of ", numel, " elements, got ",
+              t.scalar_type(), " of shape ", t.sizes());
+}
 
 // ---------------------------------------------------------------- pack / unpack
 
@@ -389,6 +406,140 @@ at::Tensor qbit_decode_cpu(const at::Tensor& packed, const at::Tensor& scale, co
   return out;
 }
 
+
+// ---------------------------------------------------------------- error feedback + one-bit
+
+void onebit_feedback_encode_cpu(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, int64_t chunk_size,
+                                bool norm_scale, const at::Tensor& packed, const at::Tensor& scales) {
+  const char* op = "onebit_feedback_encode";
+  checks::chunk_size(chunk_size, op);
+  checks::f32_contiguous(residual, kCPU, op, "residual");
+  const int64_t n = residual.numel();
+  const bool has_grad = grad.has_value() && grad->defined();
+  if (has_grad) {
+    checks::f32_contiguous(*grad, kCPU, op, "grad");
+    TORCH_CHECK(grad->numel() == n, op, ": grad has ", grad->numel(), " elements, residual ", n);
+  }
+  const int64_t chunks = (n + chunk_size - 1) / chunk_size;
+  on_device_contiguous(packed, at::kByte, (n + 7) / 8, op, "packed");
+  on_device_contiguous(scales, at::kFloat, chunks, op, "scales");
+  float* e = residual.data_ptr<float>();
+  const float* g = has_grad ? grad->data_ptr<float>() : nullptr;
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  float* sc = scales.data_ptr<float>();
+  const Impl& f = impl();
+  at::parallel_for(0, chunks, std::max<int64_t>(1, kGrainElems / chunk_size), [&](int64_t b, int64_t end) {
+    for (int64_t c = b; c < end; ++c) {
+      const int64_t start = c * chunk_size, len = std::min(chunk_size, n - start);
+      if (g != nullptr) f.add_into(e + start, g + start, len);
+      double sum = 0.0;
+      f.onebit_encode(e + start, len, out + start / 8, norm_scale, &sum);
+      double s = sum / static_cast<double>(len);
+      float sf = static_cast<float>(norm_scale ? std::sqrt(s) : s);
+      sc[c] = std::isfinite(sf) ? sf : nan_f();
+      f.onebit_residual(e + start, out + start / 8, len, sc[c]);
+    }
+  });
+}
+
+// ---------------------------------------------------------------- low rank
+
+// Rows apart in a transposed factor: k plus 16 floats, so that its rows and the matrix rows (k floats
+// apart, often a multiple of 4 KiB) do not fall on the same 4 KiB offsets (store-to-load aliasing stalls).
+int64_t padded_stride(int64_t k) { return k + 16; }
+
+// Q (k x r) transposed into (rp x ldq), rp >= r rows (the padding rows zero), times alpha.
+std::vector<float> transposed(const at::Tensor& q, int64_t rp, int64_t ldq, float alpha) {
+  const int64_t k = q.size(0), r = q.size(1);
+  std::vector<float> qt(static_cast<size_t>(rp * ldq), 0.0f);
+  const float* qp = q.data_ptr<float>();
+  for (int64_t j = 0; j < k; ++j)
+    for (int64_t c = 0; c < r; ++c) qt[c * ldq + j] = alpha == 1.0f ? qp[j * r + c] : qp[j * r + c] * alpha;
+  return qt;
+}
+
+void lowrank_checks(const at::Tensor& mat, const c10::optional<at::Tensor>& grad, const at::Tensor& a,
+                    const at::Tensor& b, const char* op, const char* a_name, const char* b_name) {
+  checks::f32_contiguous(mat, kCPU, op, "residual");
+  TORCH_CHECK(mat.dim() == 2, op, ": expected a 2-D residual, got shape ", mat.sizes());
+  if (grad.has_value() && grad->defined()) {
+    checks::f32_contiguous(*grad, kCPU, op, "grad");
+    TORCH_CHECK(grad->numel() == mat.numel(), op, ": grad has ", grad->numel(), " elements, residual ",
+                mat.numel());
+  }
+  checks::f32_contiguous(a, kCPU, op, a_name);
+  checks::f32_contiguous(b, kCPU, op, b_name);
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1) && a.size(1) > 0, op, ": ", a_name, " and ",
+              b_name, " must be 2-D with the same number (> 0) of columns, got ", a.sizes(), " and ", b.sizes());
+}
+
+void lowrank_project_cpu(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& q,
+                         const at::Tensor& p, bool subtract) {
+  const char* op = "lowrank_project";
+  lowrank_checks(residual, grad, q, p, op, "q", "p");
+  const int64_t n = residual.size(0), k = residual.size(1), r = q.size(1);
+  TORCH_CHECK(q.size(0) == k && p.size(0) == n, op, ": residual ", residual.sizes(), " needs q of ", k,
+              " rows and p of ", n, " rows, got ", q.sizes(), " and ", p.sizes());
+  const int64_t rp = (r + 3) / 4 * 4;
+  const int64_t ldq = padded_stride(k);
+  const std::vector<float> qt = transposed(q, rp, ldq, 1.0f);
+  float* e = residual.data_ptr<float>();
+  const float* g = grad.has_value() && grad->defined() ? grad->data_ptr<float>() : nullptr;
+  float* pp = p.data_ptr<float>();
+  const Impl& f = impl();
+  at::parallel_for(0, n, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(k, 1)), [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i)
+      f.lr_project(e + i * k, g == nullptr ? nullptr : g + i * k, k, qt.data(), ldq, r, rp, pp + i * r, subtract);
+  });
+}
+
+void lowrank_gram_cpu(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& p,
+                      const at::Tensor& q) {
+  const char* op = "lowrank_gram";
+  lowrank_checks(residual, grad, p, q, op, "p", "q");
+  const int64_t n = residual.size(0), k = residual.size(1), r = p.size(1);
+  TORCH_CHECK(p.size(0) == n && q.size(0) == k, op, ": residual ", residual.sizes(), " needs p of ", n,
+              " rows and q of ", k, " rows, got ", p.sizes(), " and ", q.sizes());
+  // Column tiles: each element of Q^T sums the rows in order whatever the tiling, so any thread count
+  // gives the same bits. A tile's accumulators (r x width floats) stay within 64 KiB.
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  int64_t width = std::max<int64_t>(64, (16384 / r) / 16 * 16);
+  width = std::min(width, std::max<int64_t>(16, ((k + threads - 1) / threads + 15) / 16 * 16));
+  const int64_t tiles = (k + width - 1) / width;
+  const int64_t ldq = padded_stride(k);
+  std::vector<float> qt(static_cast<size_t>(r * ldq), 0.0f);
+  float* e = residual.data_ptr<float>();
+  const float* g = grad.has_value() && grad->defined() ? grad->data_ptr<float>() : nullptr;
+  const float* pp = p.data_ptr<float>();
+  const Impl& f = impl();
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t end) {
+    for (int64_t t = b; t < end; ++t) {
+      const int64_t j0 = t * width;
+      f.lr_gram(e, g, n, k, j0, std::min(width, k - j0), pp, r, qt.data(), ldq);
+    }
+  });
+  float* qp = q.data_ptr<float>();
+  for (int64_t j = 0; j < k; ++j)
+    for (int64_t c = 0; c < r; ++c) qp[j * r + c] = qt[c * ldq + j];
+}
+
+void lowrank_outer_into_cpu(const at::Tensor& out, const at::Tensor& p, const at::Tensor& q, double alpha,
+                            bool accumulate) {
+  const char* op = "lowrank_outer_into";
+  lowrank_checks(out, c10::nullopt, p, q, op, "p", "q");
+  const int64_t n = out.size(0), k = out.size(1), r = p.size(1);
+  TORCH_CHECK(p.size(0) == n && q.size(0) == k, op, ": out ", out.sizes(), " needs p of ", n, " rows and q of ",
+              k, " rows, got ", p.sizes(), " and ", q.sizes());
+  const int64_t ldq = padded_stride(k);
+  const std::vector<float> qt = transposed(q, r, ldq, static_cast<float>(alpha));
+  float* o = out.data_ptr<float>();
+  const float* pp = p.data_ptr<float>();
+  const Impl& f = impl();
+  at::parallel_for(0, n, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(k, 1)), [&](int64_t b, int64_t end) {
+    for (int64_t i = b; i < end; ++i) f.lr_outer(o + i * k, pp + i * r, qt.data(), k, ldq, r, accumulate, false);
+  });
+}
+
 }  // namespace
 
 std::vector<std::string> available_isas() {
@@ -424,4 +575,8 @@ TORCH_LIBRARY_IMPL(sylvie_comm, CPU, m) {
   m.impl("qbit_encode", &qbit_encode_cpu);
   m.impl("qbit_decode", &qbit_decode_cpu);
   m.impl("qbit_decode_into", &qbit_decode_into_cpu);
+  m.impl("onebit_feedback_encode", &onebit_feedback_encode_cpu);
+  m.impl("lowrank_project", &lowrank_project_cpu);
+  m.impl("lowrank_gram", &lowrank_gram_cpu);
+  m.impl("lowrank_outer_into", &lowrank_outer_into_cpu);
 }

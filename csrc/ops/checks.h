@@ -43,6 +43,12 @@ inline void contiguous_out(const at::Tensor& out, c10::DeviceType type, const ch
   out_dtype(out.scalar_type(), op);
 }
 
+inline void f32_contiguous(const at::Tensor& t, c10::DeviceType type, const char* op, const char* what) {
+  TORCH_CHECK(t.device().type() == type && t.is_contiguous() && t.scalar_type() == at::kFloat, op, ": ", what,
+              " must be a contiguous float32 ", c10::DeviceTypeName(type), " tensor, got ", t.scalar_type(),
+              " of shape ", t.sizes(), " on ", t.device());
+}
+
 inline void pack_bits(const at::Tensor& values, int64_t nbits, c10::DeviceType type) {
   bits(nbits, "pack_bits");
   on_device(values, type, "pack_bits");

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sylvie_comm import kernels
 from sylvie_comm.algorithms.base import Future, Group, then
 from sylvie_comm.algorithms.lowrank import Factors, LowRankAlgorithm
 from sylvie_comm.codecs import lowrank
@@ -38,12 +39,11 @@ class ACPSGDAlgorithm(LowRankAlgorithm):
             for m in comp:
                 p, q = self._factors[m.name]
                 res = self._residuals[m.name]
-                res.add_(self._matrix(m))  # E <- M + E
-                if p_step:
-                    lowrank.p_step(res, q, out=p)
-                else:
-                    lowrank.q_step(res, p, out=q)
-                res.addmm_(p, q.T, alpha=-1.0)  # E <- M + E - P Q^T
+                if p_step:  # E <- M + E, P <- E Q, E <- E - P Q^T: one pass (a row of P needs a row of E)
+                    kernels.lowrank_project(res, self._matrix(m), q, p, subtract=True)
+                else:  # E <- M + E, Q <- E^T P (one pass), E <- E - P Q^T (a second: Q needs every row)
+                    kernels.lowrank_gram(res, self._matrix(m), p, q)
+                    kernels.lowrank_outer_into(res, p, q, -1.0, accumulate=True)
             self._fill_raw(group, buf, raw_at)
 
         meter.timed("encode", encode)

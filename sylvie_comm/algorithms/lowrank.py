@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from sylvie_comm import kernels
 from sylvie_comm.algorithms.base import Algorithm, Group, Member
 from sylvie_comm.codecs import lowrank
 from sylvie_comm.collectives import Transport, fusion
@@ -107,16 +108,11 @@ class LowRankAlgorithm(Algorithm):
         fusion.unpack(buf, [m.tensor for m in group.raw], at=at, divide_by=self.world_size)
 
     def _write_approx(self, m: Member, p: torch.Tensor, q: torch.Tensor, scale: float) -> None:
-        """tensor <- scale * P Q^T, in fp32, written straight into the tensor when it is fp32.
+        """tensor <- P (scale Q)^T, in fp32, written straight into the tensor (a view of the bucket).
 
-        The scale multiplies the small factor, not the product: one pass over the gradient.
+        The scale multiplies the small factor, not the product: one write pass over the gradient.
         """
-        g = self._matrix(m)
-        scaled_q = q * scale if scale != 1.0 else q
-        if g.dtype == torch.float32:
-            lowrank.reconstruct(p, scaled_q, out=g)
-        else:
-            g.copy_(lowrank.reconstruct(p, scaled_q))
+        kernels.lowrank_outer_into(self._matrix(m), p, q, scale, accumulate=False)
 
     def persistent_tensors(self) -> list[torch.Tensor]:
         bufs = [t for _, f in self._layouts.values() for t in (f.pbuf, f.qbuf)]

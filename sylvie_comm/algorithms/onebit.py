@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from sylvie_comm import kernels
 from sylvie_comm.algorithms.base import Group, Member
 from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
 from sylvie_comm.codecs import ErrorFeedback
@@ -49,6 +50,20 @@ class _Rows:
         """Scales (fp32) and bits (uint8) views of (n, row_bytes) rows."""
         sb = self.scale_bytes
         return rows[:, :sb].view(torch.float32), rows[:, sb : sb + self.bit_bytes]
+
+
+def _exact(layout: RowLayout, t: torch.Tensor, any_float: bool = False) -> bool:
+    """Whether ``t``'s flat elements are its unit matrix as they are (units of whole chunks, no padding
+    inside a unit), so the fused kernels can work on it in place; fp32 and contiguous (any float with
+    ``any_float``, for decoding)."""
+    dtype_ok = t.dtype in (torch.float32, torch.float16, torch.bfloat16) if any_float else t.dtype == torch.float32
+    return (
+        dtype_ok
+        and t.is_contiguous()
+        and layout.units > 0
+        and layout.span == layout.width
+        and layout.last == layout.span
+    )
 
 
 class OneBitAlgorithm(FeedbackAlgorithm):
@@ -127,6 +142,49 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         b = bits[:, slot.bits_at : slot.bits_at + slot.n_bytes].reshape(-1)
         return slot.layout.decode_units(b, s, n * slot.per_rank)
 
+    def _encode_fused(
+        self, slot: _Slot, feedback: ErrorFeedback, key: str, values: torch.Tensor, real: int, parts: int,
+        scales: torch.Tensor, bits: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Compensate ``values`` (``real`` units of an exact layout, then zero units up to ``parts`` rows of
+        ``per_rank``) with ``key``'s residual, encode part ``j`` into row ``j`` of ``scales``/``bits`` and
+        update the residual: one pass, in the residual's buffer (compensate, encode, decode and update
+        take five, with three temporaries the tensor's size). Same bits as that path."""
+        lay = slot.layout
+        res = feedback.residual(key)
+        if res is None or res.shape != values.shape:
+            zero = torch.zeros(values.shape)
+            res = feedback.update(key, zero, zero)  # the residual's buffer, zero before the first step
+        r_flat, v_flat = res.view(-1), values.reshape(-1)
+        per, span = slot.per_rank, lay.span
+        for j in range(parts):
+            count = max(0, min(per, real - j * per))
+            s_row = scales[j, slot.scales_at : slot.scales_at + slot.n_scales]
+            b_row = bits[j, slot.bits_at : slot.bits_at + slot.n_bytes]
+            if count:
+                a, b = j * per * span, (j * per + count) * span
+                kernels.onebit_feedback_encode(
+                    r_flat[a:b], v_flat[a:b], lay.chunk, self._norm,
+                    b_row[: count * lay.width // 8], s_row[: count * lay.nchunks],
+                )  # fmt: skip
+            if count < per:  # all-zero padding units: every sign bit set, scale 0 (as an encode of zeros)
+                b_row[count * lay.width // 8 :] = 0xFF
+                s_row[count * lay.nchunks :] = 0.0
+
+    def _decode_fused(self, slot: _Slot, scales: torch.Tensor, bits: torch.Tensor, out: torch.Tensor) -> None:
+        """Decode every rank's part of an exact layout straight into ``out`` (no unit matrix, no copy)."""
+        lay = slot.layout
+        flat = out.view(-1)
+        for j in range(scales.shape[0]):
+            count = max(0, min(slot.per_rank, lay.units - j * slot.per_rank))
+            if count:
+                a = j * slot.per_rank * lay.span
+                kernels.onebit_decode(
+                    bits[j, slot.bits_at : slot.bits_at + count * lay.width // 8],
+                    scales[j, slot.scales_at : slot.scales_at + count * lay.nchunks],
+                    count * lay.width, lay.chunk, out.dtype, out=flat[a : a + count * lay.span],
+                )  # fmt: skip
+
     def _prepare(self, group: Group, layout: _Rows, step: int, meter: Meter) -> torch.Tensor:
         w, members = self.world_size, group.compressed
         send = torch.zeros(w, layout.row_bytes, dtype=torch.uint8)
@@ -135,6 +193,9 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         scales, bits = layout.sections(send)
         for slot in layout.slots:
             m: Member = members[slot.member]
+            if _exact(slot.layout, m.tensor):
+                self._encode_fused(slot, self.feedback, m.name, m.tensor, slot.layout.units, w, scales, bits)
+                continue
             comp = self.feedback.compensate(m.name, m.tensor)
             local = self._encode_into(slot, slot.layout.to_units(comp, w * slot.per_rank), 0, scales, bits)
             self.feedback.update(m.name, comp, slot.layout.from_units(local).view(m.tensor.shape))
@@ -156,6 +217,10 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                     units, first = slot.layout, rank * slot.per_rank
                     key = f"{slot.name}@{rank}"
                     avg = self._decode_from(slot, rs, rb).view(w, slot.per_rank, units.width).sum(0).div_(w)
+                    if _exact(units, avg):
+                        self._encode_fused(slot, self.server_feedback, key, units.zero_padding_(avg, first),
+                                           slot.per_rank, 1, ms, mb)  # fmt: skip
+                        continue
                     comp = self.server_feedback.compensate(key, units.zero_padding_(avg, first))
                     self.server_feedback.update(key, comp, self._encode_into(slot, comp, first, ms, mb))
                 return mine
@@ -168,6 +233,9 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                 gs, gb = layout.sections(gathered)
                 for slot in layout.slots:
                     t = members[slot.member].tensor
+                    if _exact(slot.layout, t, any_float=True):
+                        self._decode_fused(slot, gs, gb, t)
+                        continue
                     t.copy_(slot.layout.from_units(self._decode_from(slot, gs, gb)).view(t.shape))
 
             meter.timed("decode", decode)

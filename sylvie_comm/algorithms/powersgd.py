@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sylvie_comm import kernels
 from sylvie_comm.algorithms.base import Group
 from sylvie_comm.algorithms.lowrank import Factors, LowRankAlgorithm
 from sylvie_comm.codecs import lowrank
@@ -31,9 +32,8 @@ class PowerSGDAlgorithm(LowRankAlgorithm):
     def _prepare(self, group: Group, layout: Factors, step: int, meter: Meter) -> None:
         for m in group.compressed:
             p, q = self._factors[m.name]
-            res = self._residuals[m.name]
-            res.add_(self._matrix(m))
-            lowrank.p_step(res, q, out=p)
+            # E <- M + E, P <- E Q in one pass; the residual waits for the averaged P.
+            kernels.lowrank_project(self._residuals[m.name], self._matrix(m), q, p, subtract=False)
         self._fill_raw(group, layout.pbuf, layout.raw_p)
 
     def _finish(self, group: Group, layout: Factors, step: int, meter: Meter, prepared: object) -> None:
@@ -45,8 +45,8 @@ class PowerSGDAlgorithm(LowRankAlgorithm):
             for m in comp:
                 p, q = self._factors[m.name]
                 res = self._residuals[m.name]
-                lowrank.q_step(res, p, out=q)
-                res.addmm_(p, q.T, alpha=-1.0)  # E <- M + E - P Q^T, this rank's Q
+                kernels.lowrank_gram(res, None, p, q)
+                kernels.lowrank_outer_into(res, p, q, -1.0, accumulate=True)  # E <- M + E - P Q^T, this rank's Q
 
         meter.timed("encode", q_phase)
         if comp:

@@ -14,8 +14,12 @@ from sylvie_comm import _ops
 from sylvie_comm.kernels import reference
 
 __all__ = [
+    "lowrank_gram",
+    "lowrank_outer_into",
+    "lowrank_project",
     "onebit_decode",
     "onebit_encode",
+    "onebit_feedback_encode",
     "pack_bits",
     "qbit_decode",
     "qbit_encode",
@@ -111,3 +115,53 @@ def qbit_decode(
     if out is None:
         return result  # type: ignore[no-any-return]
     return out.copy_(result.view(out.shape))
+
+
+def _fused_cpu(*tensors: torch.Tensor | None) -> bool:
+    """Whether the fused CPU-only kernels take these tensors: built, all CPU, fp32 and contiguous."""
+    if not _ops.HAS_EXTENSION:
+        return False
+    return all(
+        t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()) for t in tensors
+    )
+
+
+def onebit_feedback_encode(
+    residual: torch.Tensor,
+    grad: torch.Tensor | None,
+    chunk_size: int,
+    norm_scale: bool,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """``residual += grad``; encode it into ``packed``/``scales`` (contiguous); ``residual -= decode``: one pass."""
+    if _fused_cpu(residual, grad, scales) and packed.is_contiguous():
+        torch.ops.sylvie_comm.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales)
+    else:
+        reference.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales)
+
+
+def lowrank_project(
+    residual: torch.Tensor, grad: torch.Tensor | None, q: torch.Tensor, p: torch.Tensor, subtract: bool
+) -> None:
+    """``residual += grad``, ``p = residual q`` and (``subtract``) ``residual -= p q^T``: one pass."""
+    if _fused_cpu(residual, grad, q, p):
+        torch.ops.sylvie_comm.lowrank_project(residual, grad, q, p, subtract)
+    else:
+        reference.lowrank_project(residual, grad, q, p, subtract)
+
+
+def lowrank_gram(residual: torch.Tensor, grad: torch.Tensor | None, p: torch.Tensor, q: torch.Tensor) -> None:
+    """``residual += grad``, ``q = residual^T p``: one pass."""
+    if _fused_cpu(residual, grad, p, q):
+        torch.ops.sylvie_comm.lowrank_gram(residual, grad, p, q)
+    else:
+        reference.lowrank_gram(residual, grad, p, q)
+
+
+def lowrank_outer_into(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor, alpha: float, accumulate: bool) -> None:
+    """``out = p (alpha q)^T`` (or ``+=`` with ``accumulate``), written in place: one pass."""
+    if _fused_cpu(out, p, q):
+        torch.ops.sylvie_comm.lowrank_outer_into(out, p, q, alpha, accumulate)
+    else:
+        reference.lowrank_outer_into(out, p, q, alpha, accumulate)

@@ -222,3 +222,60 @@ def qbit_decode(
     """``q * scale + min`` per row (fp32 multiply, then fp32 add), cast to ``dtype``."""
     q = unpack_bits(packed, bits, cols).to(torch.float32)
     return (q * scale.to(torch.float32)[:, None] + minimum.to(torch.float32)[:, None]).to(dtype)
+
+
+# ---------------------------------------------------------------- error feedback and low rank
+# The compiled CPU kernels of these ops fuse the steps into one pass over the matrix; they sum in a
+# fixed order of their own (16 interleaved partial sums for ``residual @ q``, rows in order for
+# ``residual^T p``, the rank terms left to right), so they agree with these references to float
+# rounding, not bit for bit (tests/kernels/test_fused.py states the bound).
+
+
+def onebit_feedback_encode(
+    residual: torch.Tensor,
+    grad: torch.Tensor | None,
+    chunk_size: int,
+    norm_scale: bool,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """Error-fed one-bit encode in place: ``residual += grad`` (when given), encode ``residual`` into
+    ``packed`` and ``scales`` (as :func:`onebit_encode`), then ``residual -= decode``. Flat tensors."""
+    flat = residual.view(-1)
+    if grad is not None:
+        flat.add_(grad.reshape(-1))
+    bits, sc = onebit_encode(flat, chunk_size, norm_scale)
+    packed.copy_(bits)
+    scales.copy_(sc)
+    flat.sub_(onebit_decode(bits, sc, flat.numel(), chunk_size, torch.float32))
+
+
+def lowrank_project(
+    residual: torch.Tensor, grad: torch.Tensor | None, q: torch.Tensor, p: torch.Tensor, subtract: bool
+) -> None:
+    """``residual += grad`` (when given), ``p = residual q``; with ``subtract``, ``residual -= p q^T``."""
+    if grad is not None:
+        residual.add_(grad.view(residual.shape))
+    torch.matmul(residual, q, out=p)
+    if subtract:
+        residual.sub_(torch.matmul(p, q.T))
+
+
+def lowrank_gram(residual: torch.Tensor, grad: torch.Tensor | None, p: torch.Tensor, q: torch.Tensor) -> None:
+    """``residual += grad`` (when given), ``q = residual^T p``."""
+    if grad is not None:
+        residual.add_(grad.view(residual.shape))
+    # (p^T residual)^T: the product streams the residual's rows (residual^T p reads it column-wise,
+    # about 10x slower on the CPU).
+    q.copy_(torch.mm(p.T, residual).T)
+
+
+def lowrank_outer_into(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor, alpha: float, accumulate: bool) -> None:
+    """``out = p (alpha q)^T``, or ``out += p (alpha q)^T`` with ``accumulate``; ``out`` is 2-D."""
+    scaled = q * alpha if alpha != 1.0 else q
+    if accumulate:
+        out.add_(torch.matmul(p, scaled.T))
+    elif out.dtype == p.dtype and out.is_contiguous():
+        torch.matmul(p, scaled.T, out=out)
+    else:
+        out.copy_(torch.matmul(p, scaled.T))

@@ -1,0 +1,163 @@
+"""The fused CPU kernels (error-fed one-bit encode, low-rank project / gram / outer) against their references.
+
+``onebit_feedback_encode`` is bit-exact (its sums run like ``onebit_encode``'s). The low-rank kernels sum in
+their own fixed order, so they agree with the references to float rounding: for a dot product of ``k`` terms,
+``|kernel - reference| <= 2 k eps sum |terms|`` (each side is within ``k eps sum |terms|`` of the exact value).
+Every kernel returns the same bits on every instruction set and thread count.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sylvie_comm import _ops, kernels
+from sylvie_comm.kernels import reference as ref
+
+pytestmark = pytest.mark.skipif(not _ops.HAS_EXTENSION, reason="needs the compiled extension")
+EPS = torch.finfo(torch.float32).eps
+SHAPES = [(1, 1, 1), (7, 5, 2), (33, 70, 4), (64, 2048, 4), (130, 17, 5), (16, 300, 9), (40, 40, 1)]
+
+
+def isas() -> list[str]:
+    return _ops.available_cpu_isas()
+
+
+def data(n: int, k: int, r: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, k, generator=g), torch.randn(n, k, generator=g),
+            torch.randn(k, r, generator=g), torch.randn(n, r, generator=g))  # fmt: skip
+
+
+def bound(a: torch.Tensor, b: torch.Tensor, terms: int) -> torch.Tensor:
+    """2 terms eps |a| |b| (elementwise |a| @ |b|): the rounding both orders of a sum may differ by."""
+    return 2 * terms * EPS * (a.abs().double() @ b.abs().double())
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize(("n", "k", "r"), SHAPES)
+@pytest.mark.parametrize("subtract", [True, False])
+def test_project(isa: str, n: int, k: int, r: int, subtract: bool) -> None:
+    _ops.set_cpu_isa(isa)
+    e, m, q, _ = data(n, k, r)
+    e1, e2, p1, p2 = e.clone(), e.clone(), torch.empty(n, r), torch.empty(n, r)
+    torch.ops.sylvie_comm.lowrank_project(e1, m, q, p1, subtract)
+    ref.lowrank_project(e2, m, q, p2, subtract)
+    comp = e + m
+    assert ((p1.double() - p2.double()).abs() <= bound(comp, q, k)).all()
+    if subtract:
+        tol = bound(comp, q, k).abs() @ q.abs().double().T * 2 + bound(p1, q.T, r) + EPS * comp.abs().double()
+        assert ((e1.double() - e2.double()).abs() <= tol + 1e-30).all()
+    else:
+        assert torch.equal(e1, comp)  # one fp32 add, as the reference
+    _ops.set_cpu_isa(isas()[-1])
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize(("n", "k", "r"), SHAPES)
+def test_gram(isa: str, n: int, k: int, r: int) -> None:
+    _ops.set_cpu_isa(isa)
+    e, m, _, p = data(n, k, r)
+    e1, e2, q1, q2 = e.clone(), e.clone(), torch.empty(k, r), torch.empty(k, r)
+    torch.ops.sylvie_comm.lowrank_gram(e1, m, p, q1)
+    ref.lowrank_gram(e2, m, p, q2)
+    assert torch.equal(e1, e2)
+    assert ((q1.double() - q2.double()).abs() <= bound(e1.T, p, n)).all()
+    _ops.set_cpu_isa(isas()[-1])
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize(("n", "k", "r"), SHAPES)
+@pytest.mark.parametrize(("alpha", "accumulate"), [(1.0, False), (0.25, False), (-1.0, True), (0.5, True)])
+def test_outer(isa: str, n: int, k: int, r: int, alpha: float, accumulate: bool) -> None:
+    _ops.set_cpu_isa(isa)
+    e, _, q, p = data(n, k, r)
+    o1, o2 = e.clone(), e.clone()
+    torch.ops.sylvie_comm.lowrank_outer_into(o1, p, q, alpha, accumulate)
+    ref.lowrank_outer_into(o2, p, q, alpha, accumulate)
+    tol = bound(p, (q * alpha).T, r) + (2 * EPS * o2.abs().double() if accumulate else 0)
+    assert ((o1.double() - o2.double()).abs() <= tol + 1e-30).all()
+    _ops.set_cpu_isa(isas()[-1])
+
+
+@pytest.mark.parametrize(("n", "k", "r"), [(300, 500, 4), (64, 2048, 3)])
+def test_same_bits_every_isa_and_thread_count(n: int, k: int, r: int) -> None:
+    e, m, q, p = data(n, k, r, seed=3)
+    results = []
+    old = torch.get_num_threads()
+    try:
+        for isa in isas():
+            for threads in (1, 2):
+                _ops.set_cpu_isa(isa)
+                torch.set_num_threads(threads)
+                e1, pp, qq, o = e.clone(), torch.empty(n, r), torch.empty(k, r), torch.empty(n, k)
+                torch.ops.sylvie_comm.lowrank_project(e1, m, q, pp, True)
+                torch.ops.sylvie_comm.lowrank_gram(e1, m, p, qq)
+                torch.ops.sylvie_comm.lowrank_outer_into(o, p, q, 0.5, False)
+                results.append((e1, pp, qq, o))
+    finally:
+        torch.set_num_threads(old)
+        _ops.set_cpu_isa(isas()[-1])
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize(("numel", "chunk"), [(1, 8), (8, 8), (1000, 64), (4096, 2048), (5000, 2048), (77, 16)])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("with_grad", [True, False])
+def test_onebit_feedback_encode_bit_exact(isa: str, numel: int, chunk: int, norm: bool, with_grad: bool) -> None:
+    _ops.set_cpu_isa(isa)
+    g = torch.Generator().manual_seed(numel)
+    res, grad = torch.randn(numel, generator=g), torch.randn(numel, generator=g)
+    if numel > 10:
+        res[3] = 0.0
+        grad[3] = -0.0
+    chunks = (numel + chunk - 1) // chunk
+    r1, r2 = res.clone(), res.clone()
+    b1, s1 = torch.empty((numel + 7) // 8, dtype=torch.uint8), torch.empty(chunks)
+    torch.ops.sylvie_comm.onebit_feedback_encode(r1, grad if with_grad else None, chunk, norm, b1, s1)
+    # The reference built on the compiled encode: the same float64 sums, so the same bits.
+    flat = r2.add_(grad) if with_grad else r2
+    bits, sc = kernels.onebit_encode(flat, chunk, norm)
+    flat.sub_(kernels.onebit_decode(bits, sc, numel, chunk, torch.float32))
+    assert torch.equal(b1, bits) and torch.equal(s1, sc) and torch.equal(r1, r2)
+    # And the pure-torch reference to within one ulp of the scales (its float64 sums run in another order).
+    r3, b3, s3 = res.clone(), torch.empty_like(b1), torch.empty_like(s1)
+    ref.onebit_feedback_encode(r3, grad if with_grad else None, chunk, norm, b3, s3)
+    assert torch.equal(b1, b3)
+    torch.testing.assert_close(s1, s3, rtol=EPS, atol=0)
+    _ops.set_cpu_isa(isas()[-1])
+
+
+def test_nonfinite_chunk_is_nan() -> None:
+    res = torch.zeros(32)
+    grad = torch.ones(32)
+    grad[5] = float("inf")
+    b, s = torch.empty(4, dtype=torch.uint8), torch.empty(2)
+    torch.ops.sylvie_comm.onebit_feedback_encode(res, grad, 16, False, b, s)
+    assert torch.isnan(s[0]) and s[1] == 1.0 and torch.isnan(res[:16]).all() and (res[16:] == 0).all()
+
+
+def test_checks() -> None:
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        torch.ops.sylvie_comm.lowrank_project(torch.zeros(4, 4).T, None, torch.zeros(4, 1), torch.zeros(4, 1), True)
+    with pytest.raises(RuntimeError, match="needs q of"):
+        torch.ops.sylvie_comm.lowrank_project(torch.zeros(4, 4), None, torch.zeros(3, 1), torch.zeros(4, 1), True)
+    with pytest.raises(RuntimeError, match="chunk_size"):
+        torch.ops.sylvie_comm.onebit_feedback_encode(
+            torch.zeros(8), None, 3, False, torch.zeros(1, dtype=torch.uint8), torch.zeros(1)
+        )
+    with pytest.raises(RuntimeError, match="packed must be"):
+        torch.ops.sylvie_comm.onebit_feedback_encode(
+            torch.zeros(8), None, 8, False, torch.zeros(2, dtype=torch.uint8), torch.zeros(1)
+        )
+
+
+def test_dispatch_falls_back_for_other_dtypes() -> None:
+    e, m, q, p = data(6, 10, 2)
+    e1, e2, p1, p2 = e.clone(), e.clone(), p.clone(), p.clone()
+    kernels.lowrank_project(e1, m.bfloat16(), q, p1, True)  # bf16 gradient: the reference
+    ref.lowrank_project(e2, m.bfloat16(), q, p2, True)
+    assert torch.equal(e1, e2) and torch.equal(p1, p2)
