@@ -58,11 +58,75 @@ def _bench_kernels(args: argparse.Namespace) -> int:
 def _bench_ddp(args: argparse.Namespace) -> int:
     import json
 
+    if args.link is not None:
+        return _bench_ddp_link(args)
+    unused = [f"--{k}" for k in ("workers", "codecs", "model", "rounds", "timeout") if getattr(args, k) is not None]
+    if unused:
+        print(f"sylvie-comm bench ddp: {', '.join(unused)} need(s) --link", file=sys.stderr)
+        return 2
     from sylvie_comm.bench import ddp as bd
 
     print("measuring (two runs of five hooks on a 17.9M-parameter MLP; a few minutes) ...", file=sys.stderr)
     res = bd.run(rank=args.rank, steps=args.steps)
     print(bd.format_table(res))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def _bench_ddp_link(args: argparse.Namespace) -> int:
+    """``bench ddp --link``: every codec on a shaped link in one lab (sylvie_comm.bench.link)."""
+    from sylvie_comm.bench import lab as bl
+    from sylvie_comm.bench import link as bk
+
+    if args.cleanup:
+        removed = bl.cleanup()
+        print(f"removed {len(removed)} leftover lab namespace(s)", file=sys.stderr)
+    out = Path(f"bench-results/ddp-link-{args.link}.json" if args.out == "bench-results/ddp.json" else args.out)
+    try:
+        rec = bk.run(args.link, workers=args.workers or 4, steps=args.steps, codecs=args.codecs,
+                     model=args.model or "mlp_17m", rank=args.rank, rounds=args.rounds or 1,
+                     timeout=args.timeout or 3600.0)  # fmt: skip
+    except (ValueError, bl.LabError) as exc:
+        print(f"sylvie-comm bench ddp: {exc}", file=sys.stderr)
+        return 1
+    print(bk.format_table(rec))
+    print(f"\nwrote {bk.save(rec, out)}")
+    _png, message = bk.plot(rec, out.with_suffix(".png"))
+    print(message)
+    return 0
+
+
+def _codecs(text: str) -> list[str]:
+    from sylvie_comm.bench import link as bk
+
+    try:
+        return bk.check_codecs([c.strip() for c in text.split(",") if c.strip()])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _bench_cleanup(args: argparse.Namespace) -> int:
+    """``bench --cleanup``: remove what killed lab runs left (network namespaces named sclab-*)."""
+    from sylvie_comm.bench import lab as bl
+
+    if not args.cleanup:
+        print("sylvie-comm bench: choose a benchmark (kernels, ddp, gnn) or --cleanup", file=sys.stderr)
+        return 2
+    removed = bl.cleanup()
+    print(f"removed {len(removed)} leftover lab namespace(s){': ' + ', '.join(removed) if removed else ''}")
+    return 0
+
+
+def _bench_floor(args: argparse.Namespace) -> int:
+    import json
+
+    from sylvie_comm.bench import floor
+
+    print("measuring read/write passes and each hook's encode + decode on the same gradients ...", file=sys.stderr)
+    res = floor.run(repeats=args.repeats, threads=args.threads)
+    print(floor.format_table(res))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print(f"\nwrote {args.out}")
@@ -135,7 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks (baseline and candidate in one run, as ratios)")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    bench.add_argument("--cleanup", action="store_true",
+                       help="remove network namespaces left by killed lab runs (sclab-*) and exit")  # fmt: skip
+    bench.set_defaults(func=_bench_cleanup)
+    bench_sub = bench.add_subparsers(dest="bench", required=False)
     k = bench_sub.add_parser("kernels", help="kernel GB/s against references, numpy.packbits and memory ceilings")
     k.add_argument("--sizes", type=_sizes, default=(1 << 20, 16 << 20, 64 << 20), help="default: 1M,16M,64M")
     k.add_argument("--threads", type=_threads, default=None, help="default: 1 and all cores")
@@ -145,11 +212,40 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--out", default="bench-results/kernels.json", help="where to write the JSON results")
     k.set_defaults(func=_bench_kernels)
 
-    d = bench_sub.add_parser("ddp", help="DDP hook compute time and memory vs PyTorch's powerSGD_hook (17.9M MLP)")
+    d = bench_sub.add_parser("ddp", help="DDP hooks vs PyTorch's powerSGD_hook, and Horovod (17.9M MLP)")
     d.add_argument("--rank", type=int, default=4, help="low-rank hooks' rank (default 4)")
     d.add_argument("--steps", type=int, default=5, help="measured steps per hook (default 5)")
     d.add_argument("--out", default="bench-results/ddp.json", help="where to write the JSON results")
+    from sylvie_comm.bench.lab import LINKS
+
+    d.add_argument(
+        "--link",
+        choices=tuple(LINKS),
+        default=None,
+        help="run every codec on N workers in a network lab with this link (see sylvie_comm.bench.link)",
+    )
+    d.add_argument("--workers", type=_positive, default=None, help="with --link: workers (default 4)")
+    d.add_argument(
+        "--codecs",
+        type=_codecs,
+        default=None,
+        help="with --link: comma-separated codecs (default: ddp, torch-fp16, torch-powersgd, every sylvie algorithm)",
+    )
+    d.add_argument("--model", choices=("mlp_17m", "small"), default=None, help="with --link: default mlp_17m")
+    d.add_argument(
+        "--rounds",
+        type=_positive,
+        default=None,
+        help="with --link: run the codecs this many times, interleaved, and pool the steps (default 1)",
+    )
+    d.add_argument("--timeout", type=float, default=None, help="with --link: seconds for the whole run (default 3600)")
     d.set_defaults(func=_bench_ddp)
+
+    fl = bench_sub.add_parser("floor", help="hook encode + decode against the memory-traffic floor (17.9M MLP)")
+    fl.add_argument("--repeats", type=_positive, default=11, help="interleaved repeats, medians (default 11)")
+    fl.add_argument("--threads", type=_positive, default=1, help="intra-op threads (default 1)")
+    fl.add_argument("--out", default="bench-results/floor.json", help="where to write the JSON results")
+    fl.set_defaults(func=_bench_floor)
 
     gn = bench_sub.add_parser("gnn", help="full-graph GNN: vanilla, PipeGCN-like, 1-bit, Sylvie and ours")
     gn.add_argument("--nodes", type=int, default=200_000)

@@ -1,0 +1,497 @@
+"""DDP on a shaped link: every gradient algorithm side by side, in one invocation.
+
+``sylvie-comm bench ddp --link 1gbit --workers 4`` builds a :class:`~sylvie_comm.bench.lab.Lab`
+(N worker network namespaces behind a bridge, the link shaped with ``tc tbf`` both ways,
+or loopback where that cannot be built) and starts one process per worker. Each worker
+joins one gloo process group and trains the 17.9M-parameter MLP of
+:mod:`sylvie_comm.bench.ddp` (batch 32 per worker, SGD with momentum 0.9) under every
+codec in turn, on the same seeds:
+
+* ``ddp``: DDP's own all-reduce (S-SGD);
+* ``torch-fp16``: PyTorch's ``fp16_compress_hook``;
+* ``torch-powersgd``: PyTorch's ``powerSGD_hook`` (rank 4, error feedback, warm start) with one
+  bucket, the only way it runs on gloo: with several buckets it launches its P and Q
+  all-reduces from callbacks on different threads, ranks disagree on their order and gloo aborts;
+* every sylvie algorithm (``sylvie_comm.ddp.register(model, name)``; rank 4 for the low-rank ones).
+
+A step is ``zero_grad``, forward, backward (which waits for the hook's collectives) and
+``optimizer.step()``, after a barrier; its time is the slowest rank's. The first
+``warmup`` steps are not measured (the hooks' own warm-up sends plain gradients).
+Per codec: median, min, max and quartiles of the step time, samples per second, the
+bytes the hook reports per step (ours: ``state.stats()``), the bytes that actually left
+each worker's ``eth0`` per step (headers and gloo's control included; lab only),
+encode + decode seconds per step (ours), and the speedups, ratios of median step
+times, over S-SGD and over PyTorch's PowerSGD hook. On a machine whose cores are
+shared, ``--rounds 2`` runs the codecs twice, interleaved, and pools the steps.
+
+Example::
+
+    sudo sylvie-comm bench ddp --link 1gbit --workers 4 --steps 8 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sylvie_comm.bench.ddp import mlp_17m
+from sylvie_comm.bench.lab import Lab, check_link
+
+TORCH_CODECS: dict[str, str] = {
+    "ddp": "DDP all-reduce (S-SGD)",
+    "torch-fp16": "PyTorch fp16_compress_hook",
+    "torch-powersgd": "PyTorch powerSGD_hook (1 bucket)",
+}
+BATCH = 32
+IN_FEATURES = 512
+HOOK_WARMUP = 2  # the hooks' uncompressed steps (PyTorch's start_powerSGD_iter, our warmup_steps)
+WARMUP = 3  # steps not measured: the hooks' warm-up and one compressed step
+LR = 0.01
+MOMENTUM = 0.9
+
+
+def small_mlp(seed: int = 0) -> nn.Module:
+    """A 0.2M-parameter MLP (512 -> 256 -> 256 -> 10) for quick checks of the benchmark itself."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN_FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+MODELS: dict[str, Callable[[int], nn.Module]] = {"mlp_17m": mlp_17m, "small": small_mlp}
+
+
+def all_codecs() -> list[str]:
+    """Every codec the benchmark knows: PyTorch's three, then every sylvie algorithm."""
+    from sylvie_comm.algorithms import ALGORITHMS
+
+    return [*TORCH_CODECS, *ALGORITHMS]
+
+
+def check_codecs(codecs: Sequence[str]) -> list[str]:
+    """``codecs`` without repeats; ValueError naming the bad one and listing the valid ones otherwise."""
+    valid = all_codecs()
+    out: list[str] = []
+    for name in codecs:
+        if name not in valid:
+            raise ValueError(f"unknown codec {name!r}; valid: {', '.join(valid)}")
+        if name not in out:
+            out.append(name)
+    if not out:
+        raise ValueError(f"no codec given; valid: {', '.join(valid)}")
+    return out
+
+
+def check_model(model: str) -> str:
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
+    return model
+
+
+def label(name: str, rank: int) -> str:
+    """What a codec is, in words, for the table."""
+    if name in TORCH_CODECS:
+        return TORCH_CODECS[name].replace("(1 bucket)", f"r{rank}, 1 bucket")
+    from sylvie_comm.algorithms import ALGORITHMS
+
+    low_rank = "rank" in ALGORITHMS[name].option_defaults
+    return f"sylvie {name}" + (f" r{rank}" if low_rank else "")
+
+
+# ---------------------------------------------------------------------- worker side
+
+
+def _eth0_tx_bytes() -> int | None:
+    """Bytes sent so far on this network namespace's eth0 (/proc/net/dev is per namespace)."""
+    try:
+        lines = Path("/proc/net/dev").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, data = line.partition(":")
+        if name.strip() == "eth0":
+            return int(data.split()[8])
+    return None
+
+
+def _run_codec(name: str, cfg: dict[str, Any], rank: int, world: int, progress: Callable[[], None]) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import sylvie_comm.ddp
+    from sylvie_comm.algorithms import ALGORITHMS
+
+    r = int(cfg["rank"])
+    model = MODELS[cfg["model"]](0)  # same weights for every codec
+    ddp = DDP(model, bucket_cap_mb=1024 if name == "torch-powersgd" else 25)
+    state = None
+    if name == "torch-fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "torch-powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+        ps_state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=r, start_powerSGD_iter=HOOK_WARMUP,
+                                    use_error_feedback=True, warm_start=True)  # fmt: skip
+        ddp.register_comm_hook(ps_state, ps.powerSGD_hook)
+    elif name != "ddp":
+        opts: dict[str, Any] = {"rank": r} if "rank" in ALGORITHMS[name].option_defaults else {}
+        state = sylvie_comm.ddp.register(ddp, name, warmup_steps=HOOK_WARMUP, timeout=cfg["collective_timeout"],
+                                         **opts)  # fmt: skip
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
+    gen = torch.Generator().manual_seed(1000 + rank)  # same data for every codec
+    warmup, steps = int(cfg["warmup"]), int(cfg["steps"])
+    if name == "auto" and state is not None:  # its probe steps are warm-up too: measure the choice it settles on
+        warmup += state.algorithm.options["probe_steps"] * len(state.algorithm.names)
+    times: list[float] = []
+    enc_dec: list[float] = []
+    hook_bytes: list[int] = []
+    losses: list[float] = []
+    tx0 = None
+    try:
+        for step in range(warmup + steps):
+            x = torch.randn(BATCH, IN_FEATURES, generator=gen)
+            y = torch.randint(0, 10, (BATCH,), generator=gen)
+            dist.barrier()
+            if step == warmup:
+                tx0 = _eth0_tx_bytes()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = F.cross_entropy(ddp(x), y)
+            loss.backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            dt = time.perf_counter() - t0
+            losses.append(float(loss))
+            if step >= warmup:
+                times.append(dt)
+                if state is not None:
+                    last = state.stats()["last_step"]
+                    enc_dec.append(last["encode_seconds"] + last["decode_seconds"])
+                    hook_bytes.append(int(last["bytes_sent"]))
+            progress()
+        dist.barrier()
+        tx1 = _eth0_tx_bytes()
+        extra = {"auto": state.stats()["auto"]} if name == "auto" and state is not None else {}
+    finally:
+        if state is not None:
+            state.close()
+    return {
+        **extra,
+        "step_s": times,
+        "encode_decode_s": statistics.median(enc_dec) if enc_dec else None,
+        "hook_bytes": statistics.fmean(hook_bytes) if hook_bytes else None,  # mean, as eth0's: total / steps
+        "eth0_tx_bytes": None if tx0 is None or tx1 is None else (tx1 - tx0) / steps,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    }
+
+
+def _merge(name: str, rounds: list[list[dict[str, Any]]], world: int, rank: int) -> dict[str, Any]:
+    """One codec's figures from every round's of every rank's: a step takes as long as its slowest rank."""
+    per_round = [[max(col) for col in zip(*(p["step_s"] for p in per_rank), strict=True)] for per_rank in rounds]
+    steps = [t for r in per_round for t in r]
+    per_rank = [p for r in rounds for p in r]
+    q1, _, q3 = statistics.quantiles(steps, n=4) if len(steps) > 1 else (steps[0], steps[0], steps[0])
+    med = statistics.median(steps)
+
+    def mean(key: str) -> float | None:
+        vals = [p[key] for p in per_rank if p[key] is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    auto = [p["auto"]["choices"] for p in per_rank if "auto" in p]
+    return {
+        **({"auto_choices": auto[0]} if auto else {}),  # every rank agrees (tested); rank 0's first round
+        "label": label(name, rank),
+        "step_s": steps,
+        "round_median_s": [statistics.median(r) for r in per_round],
+        "median_s": med,
+        "min_s": min(steps),
+        "max_s": max(steps),
+        "q1_s": q1,
+        "q3_s": q3,
+        "samples_per_s": world * BATCH / med,
+        "hook_bytes_per_step": mean("hook_bytes"),
+        "eth0_tx_bytes_per_step": mean("eth0_tx_bytes"),
+        "encode_decode_s": mean("encode_decode_s"),
+        "loss_first": per_rank[0]["loss_first"],
+        "loss_last": per_rank[0]["loss_last"],
+    }
+
+
+def worker_main(config_path: str) -> int:
+    """One worker: every codec in turn on one process group; rank 0 writes the merged record."""
+    import torch.distributed as dist
+
+    cfg = json.loads(Path(config_path).read_text())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg["collective_timeout"]))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    progress_file = open(cfg["progress"], "a") if rank == 0 else None  # noqa: SIM115
+
+    def progress() -> None:
+        if progress_file is not None:
+            progress_file.write(".")
+            progress_file.flush()
+
+    try:
+        # Rounds interleave the codecs (a b c a b c): a burst of load elsewhere on the machine
+        # lands on several codecs rather than on all steps of one.
+        rounds: dict[str, list[list[Any]]] = {name: [] for name in cfg["codecs"]}
+        for _ in range(int(cfg["rounds"])):
+            for name in cfg["codecs"]:
+                mine = _run_codec(name, cfg, rank, world, progress)
+                gathered: list[Any] = [None] * world
+                dist.all_gather_object(gathered, mine)
+                rounds[name].append(gathered)
+        codecs = {name: _merge(name, rounds[name], world, int(cfg["rank"])) for name in cfg["codecs"]}
+        if rank == 0:
+            Path(cfg["result"]).write_text(json.dumps(codecs))
+    finally:
+        if progress_file is not None:
+            progress_file.close()
+        dist.destroy_process_group()
+    return 0
+
+
+# ---------------------------------------------------------------------- driver side
+
+
+def machine() -> dict[str, Any]:
+    import sylvie_comm
+
+    cpu_model = platform.processor() or None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "sylvie_comm": sylvie_comm.__version__,
+    }
+
+
+def _speedups(codecs: dict[str, Any]) -> dict[str, str | None]:
+    """Add ``speedup_vs_ssgd`` and ``speedup_vs_torch_powersgd`` (ratios of medians); return the baselines."""
+    ssgd = "ddp" if "ddp" in codecs else ("none" if "none" in codecs else None)
+    tps = "torch-powersgd" if "torch-powersgd" in codecs else None
+    for rec in codecs.values():
+        rec["speedup_vs_ssgd"] = codecs[ssgd]["median_s"] / rec["median_s"] if ssgd else None
+        rec["speedup_vs_torch_powersgd"] = codecs[tps]["median_s"] / rec["median_s"] if tps else None
+    return {"s-sgd": ssgd, "torch-powersgd": tps}
+
+
+def run(
+    link: str,
+    workers: int = 4,
+    steps: int = 8,
+    codecs: Sequence[str] | None = None,
+    *,
+    model: str = "mlp_17m",
+    rank: int = 4,
+    warmup: int = WARMUP,
+    rounds: int = 1,
+    timeout: float = 3600.0,
+    shaped: bool | None = None,
+    echo: Callable[[str], None] | None = print,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run every codec in one lab; return the full record (see the module's docstring).
+
+    ``rounds`` > 1 runs the codecs that many times, interleaved (a b c a b c), and pools their steps.
+    ``timeout`` bounds the whole run: past it every worker is killed and
+    :class:`~sylvie_comm.bench.lab.LabError` raised with the tail of their output.
+    ``shaped`` as in :class:`~sylvie_comm.bench.lab.Lab` (None: the lab where possible).
+    """
+    check_link(link)
+    names = check_codecs(list(codecs) if codecs is not None else all_codecs())
+    check_model(model)
+    checks = (("workers", workers, 1), ("steps", steps, 1), ("rank", rank, 1), ("warmup", warmup, 0),
+              ("rounds", rounds, 1))  # fmt: skip
+    for what, value, low in checks:
+        if not isinstance(value, int) or value < low:
+            raise ValueError(f"bench ddp --link: {what} must be an integer >= {low}, got {value!r}")
+    if not timeout > 0:
+        raise ValueError(f"bench ddp --link: timeout must be positive seconds, got {timeout!r}")
+    if warmup < HOOK_WARMUP + 1 and any(n not in ("ddp", "torch-fp16") for n in names):
+        raise ValueError(
+            f"bench ddp --link: warmup must be >= {HOOK_WARMUP + 1} (got {warmup}): the hooks send plain "
+            f"gradients for their first {HOOK_WARMUP} steps, which should not be measured"
+        )
+    params = sum(p.numel() for p in MODELS[model](0).parameters())
+    from sylvie_comm.algorithms import ALGORITHMS
+
+    auto = ALGORITHMS["auto"].option_defaults
+    probes = auto["probe_steps"] * len({"none", *auto["candidates"]}) if "auto" in names else 0
+    total = rounds * (len(names) * (warmup + steps) + probes)
+    with tempfile.TemporaryDirectory(prefix="sylvie-link-") as tmp, Lab(workers, link, shaped=shaped, echo=echo) as lab:
+        cfg: dict[str, Any] = {"codecs": names, "steps": steps, "warmup": warmup, "rounds": rounds, "model": model,
+               "rank": rank,
+               "collective_timeout": max(60.0, min(timeout, 600.0)),
+               "progress": str(Path(tmp) / "progress"), "result": str(Path(tmp) / "result.json")}  # fmt: skip
+        Path(cfg["progress"]).touch()
+        cfg_path = Path(tmp) / "config.json"
+        cfg_path.write_text(json.dumps(cfg))
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc=f"ddp on {link}", unit="step", file=sys.stderr, leave=False)
+
+        def poll() -> None:
+            if bar is not None:
+                done = min(total, Path(cfg["progress"]).stat().st_size)
+                if done > bar.n:
+                    bar.update(done - bar.n)
+
+        t0 = time.perf_counter()
+        try:
+            lab.run([sys.executable, "-m", "sylvie_comm.bench.link", "--worker", str(cfg_path)], timeout=timeout,
+                    poll=poll)  # fmt: skip
+        finally:
+            if bar is not None:
+                bar.close()
+        wall = time.perf_counter() - t0
+        results = json.loads(Path(cfg["result"]).read_text())
+        lab_info = {"shaped": lab.shaped, "fallback_reason": lab.fallback_reason, "banner": lab.banner,
+                    "namespaces": lab.worker_namespaces if lab.shaped else None}  # fmt: skip
+    baselines = _speedups(results)
+    return {
+        "benchmark": "ddp-link",
+        "argv": list(sys.argv),
+        "link": link,
+        "workers": workers,
+        "lab": lab_info,
+        "model": model,
+        "parameters": params,
+        "batch_per_worker": BATCH,
+        "optimizer": f"SGD lr={LR} momentum={MOMENTUM}",
+        "rank": rank,
+        "steps": steps,
+        "warmup": warmup,
+        "rounds": rounds,
+        "wall_s": wall,
+        "machine": machine(),
+        "baselines": baselines,
+        "notes": [
+            "torch-powersgd runs with one bucket (bucket_cap_mb=1024): with several buckets powerSGD_hook "
+            "aborts on gloo (its P and Q all-reduces start from callbacks on different threads)",
+            "step time: barrier, then zero_grad + forward + backward (waits for the hook) + optimizer step; "
+            "the slowest rank's",
+        ],
+        "codecs": results,
+    }
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e6:.2f}"
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def format_table(rec: dict[str, Any]) -> str:
+    """The record as a markdown table, with what each column means."""
+    lab = rec["lab"]
+    where = f"link {rec['link']}" if lab["shaped"] else f"LOOPBACK (not shaped: {lab['fallback_reason']})"
+    m = rec["machine"]
+    base = rec["baselines"]
+    r = rec.get("rounds", 1)
+    rounds = f", x {r} rounds (codecs interleaved)" if r > 1 else ""
+    lines = [
+        f"DDP on {where}, {rec['workers']} workers, {rec['model']} ({rec['parameters']:,} parameters), "
+        f"batch {rec['batch_per_worker']}/worker, {rec['optimizer']}, median of {rec['steps']} steps after "
+        f"{rec['warmup']} warm-up{rounds}; {m['cpu_count']} CPUs ({m['cpu_model']}), torch {m['torch']}",
+        "",
+        f"| codec | step s (median) | min-max s | samples/s | hook MB/step | eth0 MB/step | enc+dec s "
+        f"| x S-SGD ({base['s-sgd'] or '-'}) | x torch PowerSGD |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in rec["codecs"].values():
+        ed = "-" if c["encode_decode_s"] is None else f"{c['encode_decode_s']:.4f}"
+        lines.append(
+            f"| {c['label']} | {c['median_s']:.3f} | {c['min_s']:.3f}-{c['max_s']:.3f} | {c['samples_per_s']:.1f} "
+            f"| {_mb(c['hook_bytes_per_step'])} | {_mb(c['eth0_tx_bytes_per_step'])} | {ed} "
+            f"| {_x(c['speedup_vs_ssgd'])} | {_x(c['speedup_vs_torch_powersgd'])} |"
+        )
+    lines += [
+        "",
+        "step s: barrier, then zero_grad + forward + backward (waits for the hook's collectives) + SGD step, "
+        "the slowest rank's; samples/s: workers x batch / median step.",
+        "hook MB/step: what our hooks report sending per worker (state.stats()), mean over the measured steps; "
+        "eth0 MB/step: bytes that left each worker's eth0 per step (TCP/IP headers and gloo's control included; "
+        "lab only).",
+        "enc+dec s: our hooks' encode + decode per step (median); x ...: ratio of median step times (higher is "
+        "faster).",
+        "PyTorch's powerSGD_hook runs with one bucket (bucket_cap_mb=1024): with several buckets it aborts on gloo.",
+        "auto: its probe steps (probe_steps x candidates, after the hooks' warm-up) are not measured; its choices "
+        "are in the JSON.",
+    ]
+    return "\n".join(lines)
+
+
+def save(rec: dict[str, Any], out: str | Path) -> Path:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec, indent=2))
+    return path
+
+
+def plot(rec: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
+    """A bar chart of the speedup over S-SGD per codec (PNG); ``(None, why)`` without matplotlib."""
+    import importlib
+
+    try:
+        mpl = importlib.import_module("matplotlib")
+    except ImportError:
+        return None, "matplotlib is not installed: no plot (pip install matplotlib to get one)"
+    mpl.use("Agg")
+    plt = importlib.import_module("matplotlib.pyplot")
+    codecs = rec["codecs"]
+    names = [c["label"] for c in codecs.values()]
+    key = "speedup_vs_ssgd" if rec["baselines"]["s-sgd"] else None
+    values = [c[key] if key else 1.0 / c["median_s"] for c in codecs.values()]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(names) + 2), 4))
+    ax.bar(range(len(names)), values)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel(f"speedup over S-SGD ({rec['baselines']['s-sgd']})" if key else "steps per second")
+    ax.set_title(f"DDP, {rec['workers']} workers, link {rec['link'] if rec['lab']['shaped'] else 'loopback'}")
+    fig.tight_layout()
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path, f"wrote {path}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sylvie_comm.bench.link", description=__doc__)
+    parser.add_argument("--worker", metavar="CONFIG", required=True, help="run one worker (started by the lab)")
+    args = parser.parse_args(argv)
+    return worker_main(args.worker)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""``sylvie-comm bench ddp --link``: every codec in one lab, one record with consistent figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sylvie_comm.bench import lab as bl
+from sylvie_comm.bench import link
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_two_workers_two_codecs_two_rounds_on_a_shaped_link(tmp_path):
+    out = tmp_path / "ddp-link.json"
+    cmd = [sys.executable, "-m", "sylvie_comm.cli", "bench", "ddp", "--link", "100mbit", "--workers", "2",
+           "--steps", "2", "--rounds", "2", "--codecs", "none,acpsgd", "--model", "small", "--timeout", "120",
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = proc.stdout.splitlines()[0]
+    if bl.unavailable_reason() is None:
+        assert first.startswith("lab: 2 workers in network namespaces"), first
+    else:
+        assert first.startswith("lab: LOOPBACK FALLBACK"), first
+    rec = json.loads(out.read_text())
+    assert rec["link"] == "100mbit" and rec["workers"] == 2 and list(rec["codecs"]) == ["none", "acpsgd"]
+    assert set(rec["machine"]) >= {"cpu_count", "cpu_model", "torch", "python", "sylvie_comm"}
+    codecs = rec["codecs"]
+    for c in codecs.values():
+        assert len(c["step_s"]) == 4 and all(t > 0 for t in c["step_s"]) and c["median_s"] > 0  # 2 rounds x 2
+        assert len(c["round_median_s"]) == 2
+        assert c["min_s"] <= c["median_s"] <= c["max_s"]
+        assert c["samples_per_s"] == pytest.approx(2 * link.BATCH / c["median_s"])
+        assert c["encode_decode_s"] is not None and c["encode_decode_s"] >= 0
+    assert codecs["acpsgd"]["hook_bytes_per_step"] < codecs["none"]["hook_bytes_per_step"] / 10
+    if rec["lab"]["shaped"]:  # bytes that really left eth0 agree
+        assert codecs["acpsgd"]["eth0_tx_bytes_per_step"] < codecs["none"]["eth0_tx_bytes_per_step"] / 5
+    # No ddp or torch-powersgd in the run: S-SGD is our plain all-reduce, no PyTorch PowerSGD column.
+    assert rec["baselines"] == {"s-sgd": "none", "torch-powersgd": None}
+    for c in codecs.values():
+        assert c["speedup_vs_ssgd"] == pytest.approx(codecs["none"]["median_s"] / c["median_s"])
+        assert c["speedup_vs_torch_powersgd"] is None
+    table = proc.stdout
+    assert "| sylvie acpsgd r4 |" in table and f"{codecs['acpsgd']['speedup_vs_ssgd']:.2f}x" in table
+    if rec["lab"]["shaped"]:
+        prefix = first.split("network namespaces ")[1].split("0..1")[0]
+        assert prefix.startswith(bl.LAB_PREFIX) and bl.namespaces(prefix) == []
+
+
+def test_bad_values_are_named():
+    with pytest.raises(ValueError, match=r"unknown codec 'zip'; valid: ddp, torch-fp16, torch-powersgd, none"):
+        link.check_codecs(["none", "zip"])
+    with pytest.raises(ValueError, match=r"unknown link 'fast'; valid: 100mbit, 1gbit, 10gbit, none"):
+        link.run("fast", 2, 2, ["none"])
+    with pytest.raises(ValueError, match="warmup must be >= 3"):
+        link.run("none", 2, 2, ["acpsgd"], warmup=1)
+    proc = subprocess.run([sys.executable, "-m", "sylvie_comm.cli", "bench", "ddp", "--workers", "2"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "--workers need(s) --link" in proc.stderr
