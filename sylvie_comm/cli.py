@@ -42,6 +42,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _write_json(result: dict[str, object], out: str) -> int:
+    """Write a benchmark's JSON record to ``out`` (folders made as needed) and say where; exit status 0."""
+    import json
+
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
 def _bench_kernels(args: argparse.Namespace) -> int:
     from sylvie_comm.bench import kernels as bk
 
@@ -56,8 +66,6 @@ def _bench_kernels(args: argparse.Namespace) -> int:
 
 
 def _bench_ddp(args: argparse.Namespace) -> int:
-    import json
-
     if args.link is not None:
         return _bench_ddp_link(args)
     unused = [f"--{k}" for k in ("workers", "codecs", "model", "rounds", "timeout") if getattr(args, k) is not None]
@@ -69,10 +77,7 @@ def _bench_ddp(args: argparse.Namespace) -> int:
     print("measuring (two runs of five hooks on a 17.9M-parameter MLP; a few minutes) ...", file=sys.stderr)
     res = bd.run(rank=args.rank, steps=args.steps)
     print(bd.format_table(res))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
-    print(f"\nwrote {args.out}")
-    return 0
+    return _write_json(res, args.out)
 
 
 def _bench_ddp_link(args: argparse.Namespace) -> int:
@@ -120,21 +125,16 @@ def _bench_cleanup(args: argparse.Namespace) -> int:
 
 
 def _bench_floor(args: argparse.Namespace) -> int:
-    import json
 
     from sylvie_comm.bench import floor
 
     print("measuring read/write passes and each hook's encode + decode on the same gradients ...", file=sys.stderr)
     res = floor.run(repeats=args.repeats, threads=args.threads)
     print(floor.format_table(res))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
-    print(f"\nwrote {args.out}")
-    return 0
+    return _write_json(res, args.out)
 
 
 def _bench_gnn(args: argparse.Namespace) -> int:
-    import json
 
     from sylvie_comm.bench import gnn as bg
 
@@ -143,10 +143,7 @@ def _bench_gnn(args: argparse.Namespace) -> int:
     res = bg.run(nodes=args.nodes, features=args.features, degree=args.degree, world=args.world,
                  epochs=args.epochs, layers=args.layers, hidden=args.hidden)  # fmt: skip
     print(bg.format_table(res))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=2))
-    print(f"\nwrote {args.out}")
-    return 0
+    return _write_json(res, args.out)
 
 
 def _demo(args: argparse.Namespace) -> int:
