@@ -44,6 +44,17 @@ namespace avx2 {
 #undef SC_IMPL_AVX2
 #pragma GCC pop_options
 }  // namespace avx2
+// The AVX2 loops plus 512-bit q-bit noise generation (same arithmetic, sixteen lanes).
+namespace avx512 {
+#pragma GCC push_options
+#pragma GCC target("avx2,avx512f,avx512bw,avx512vl")
+#define SC_IMPL_AVX2 1
+#define SC_IMPL_AVX512 1
+#include "impl.inc"
+#undef SC_IMPL_AVX512
+#undef SC_IMPL_AVX2
+#pragma GCC pop_options
+}  // namespace avx512
 #else
 #define SC_HAVE_AVX2_BUILD 0
 #endif
@@ -75,12 +86,19 @@ const Impl kAvx2{"avx2",             avx2::onebit_encode_f32, avx2::onebit_decod
                  avx2::qbit_quantize_f32, avx2::qbit_dequantize_f32, avx2::pack_f, avx2::unpack_f,
                  avx2::lowrank_project_row_f32, avx2::lowrank_gram_tile_f32, avx2::lowrank_outer_row_f32,
                  avx2::add_into_f32, avx2::onebit_residual_f32};
+const Impl kAvx512{"avx512",       avx512::onebit_encode_f32, avx512::onebit_decode_f32, avx512::minmax_f32,
+                   avx512::qbit_quantize_f32, avx512::qbit_dequantize_f32, avx512::pack_f, avx512::unpack_f,
+                   avx512::lowrank_project_row_f32, avx512::lowrank_gram_tile_f32, avx512::lowrank_outer_row_f32,
+                   avx512::add_into_f32, avx512::onebit_residual_f32};
 #endif
 
 std::vector<const Impl*> supported() {
   std::vector<const Impl*> out{&kBase};
 #if SC_HAVE_AVX2_BUILD
   if (__builtin_cpu_supports("avx2")) out.push_back(&kAvx2);
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl"))
+    out.push_back(&kAvx512);
 #endif
   return out;
 }
