@@ -189,6 +189,9 @@ def test_signal_to_the_owner_removes_the_lab_then_ends_it(sig):
          "    print(lab.prefix, p.pid, flush=True); time.sleep(60)\n"
          "print('not reached')"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # As a shell starts a program in the foreground: SIGINT at its default, even where the test runner
+        # was started in the background (which ignores SIGINT, and children inherit that).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
         assert owner.stdout is not None

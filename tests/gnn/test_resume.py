@@ -56,7 +56,8 @@ def _epochs(tr: Any, n: int) -> list[dict[str, Any]]:
     out = []
     for _ in range(n):
         stats = tr.train_epoch()
-        stats.pop("seconds")
+        for timing in ("seconds", "compute_s", "halo_wait_s", "halo_exchange_s", "halo_hidden_s"):
+            stats.pop(timing)
         out.append({**stats, "eval": tr.evaluate()})
     return out
 
