@@ -102,6 +102,8 @@ class AutoAlgorithm(Algorithm):
             self.candidates[n] = cls(transport.fork(), sub, seed=seed)
         self._timings: dict[int, dict[str, list[float]]] = {}  # group key -> candidate -> seconds per probe
         self._choice: dict[int, str] = {}
+        # (candidate, group key) -> the group's signature and, per member, (compress, options) for that candidate
+        self._plans: dict[tuple[str, int], tuple[Any, list[tuple[bool, dict[str, Any]]]]] = {}
 
     # ------------------------------------------------------------------ one group of one step
 
@@ -123,15 +125,20 @@ class AutoAlgorithm(Algorithm):
 
     def _run(self, name: str, group: Group, step: int, meter: Meter) -> Future[None]:
         alg = self.candidates[name]
-        members = []
-        for m in group.members:
-            opts = {k: v for k, v in m.options.items() if k in alg.option_defaults}
-            compress = (
-                m.compress
-                and alg.compressible(m.tensor.shape, opts)
-                and (alg.compression_rate(m.tensor.shape, opts) >= self.options["min_compression_rate"])
-            )
-            members.append(Member(m.name, m.tensor, compress, opts))
+        cached = self._plans.get((name, group.key))
+        if cached is None or cached[0] != group.signature:
+            plan = []
+            for m in group.members:
+                opts = {k: v for k, v in m.options.items() if k in alg.option_defaults}
+                rate = self.options["min_compression_rate"]
+                compress = (
+                    m.compress
+                    and alg.compressible(m.tensor.shape, opts)
+                    and (alg.compression_rate(m.tensor.shape, opts) >= rate)
+                )
+                plan.append((compress, opts))
+            cached = self._plans[(name, group.key)] = (group.signature, plan)
+        members = [Member(m.name, m.tensor, c, o) for m, (c, o) in zip(group.members, cached[1], strict=True)]
         return alg(Group(group.key, members, group.flat), step, meter)
 
     def _decide(self, key: int) -> str:

@@ -383,6 +383,8 @@ class GradientAverage:
         self.algorithm = make_algorithm(self.config.codec, transport, self.config.options, seed=self.config.seed)
         self.policy = Policy(self.algorithm, self.config)
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # Whether each parameter compresses, and with which options: fixed by its name and shape.
+        self.plan = [self.policy.member_options(n, p.shape) for n, p in self.params]
         self.world_size = transport.world_size
         self.step = 0
         self._stats = Stats()
@@ -390,10 +392,9 @@ class GradientAverage:
     def average(self) -> None:
         """Replace every gradient by its mean over the ranks (a collective: every rank calls it each step)."""
         members = []
-        for name, p in self.params:
+        for (name, p), (compress, options) in zip(self.params, self.plan, strict=True):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # every rank sends every parameter, in the same order
-            compress, options = self.policy.member_options(name, p.shape)
             members.append(Member(name, p.grad, compress, options))
         self.policy(Group(0, members), self.step, self._stats.meter(self.step, self.world_size)).wait()
         self.step += 1
