@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -68,7 +68,8 @@ def _bench_kernels(args: argparse.Namespace) -> int:
 def _bench_ddp(args: argparse.Namespace) -> int:
     if args.link is not None:
         return _bench_ddp_link(args)
-    unused = [f"--{k}" for k in ("workers", "codecs", "model", "rounds", "timeout") if getattr(args, k) is not None]
+    unused = [f"--{k}" for k in ("workers", "codecs", "model", "rounds", "timeout", "horovod")
+              if getattr(args, k) is not None]  # fmt: skip
     if unused:
         print(f"sylvie-comm bench ddp: {', '.join(unused)} need(s) --link", file=sys.stderr)
         return 2
@@ -92,7 +93,7 @@ def _bench_ddp_link(args: argparse.Namespace) -> int:
     try:
         rec = bk.run(args.link, workers=args.workers or 4, steps=args.steps, codecs=args.codecs,
                      model=args.model or "mlp_17m", rank=args.rank, rounds=args.rounds or 1,
-                     timeout=args.timeout or 3600.0)  # fmt: skip
+                     timeout=args.timeout or 3600.0, horovod=args.horovod)  # fmt: skip
     except (ValueError, bl.LabError) as exc:
         print(f"sylvie-comm bench ddp: {exc}", file=sys.stderr)
         return 1
@@ -135,15 +136,65 @@ def _bench_floor(args: argparse.Namespace) -> int:
 
 
 def _bench_gnn(args: argparse.Namespace) -> int:
-
+    if args.link is not None:
+        return _bench_gnn_link(args)
+    unused = [f"--{k}" for k in ("workers", "settings", "rounds", "timeout") if getattr(args, k) is not None]
+    if unused:
+        print(f"sylvie-comm bench gnn: {', '.join(unused)} need(s) --link", file=sys.stderr)
+        return 2
     from sylvie_comm.bench import gnn as bg
 
-    print(f"measuring {len(bg.SETTINGS)} settings on a {args.nodes:,}-node graph ({args.world} ranks) ...",
+    nodes = args.nodes or 200_000
+    print(f"measuring {len(bg.SETTINGS)} settings on a {nodes:,}-node graph ({args.world} ranks) ...",
           file=sys.stderr)  # fmt: skip
-    res = bg.run(nodes=args.nodes, features=args.features, degree=args.degree, world=args.world,
-                 epochs=args.epochs, layers=args.layers, hidden=args.hidden)  # fmt: skip
+    res = bg.run(nodes=nodes, features=args.features, degree=args.degree, world=args.world,
+                 epochs=args.epochs or 10, layers=args.layers, hidden=args.hidden)  # fmt: skip
     print(bg.format_table(res))
-    return _write_json(res, args.out)
+    return _write_json(res, args.out or "bench-results/gnn.json")
+
+
+def _bench_gnn_link(args: argparse.Namespace) -> int:
+    """``bench gnn --link``: every halo setting on every link, one lab per link (sylvie_comm.bench.gnn_link)."""
+    from sylvie_comm.bench import gnn_link as gl
+    from sylvie_comm.bench import lab as bl
+
+    if args.cleanup:
+        removed = bl.cleanup()
+        print(f"removed {len(removed)} leftover lab namespace(s)", file=sys.stderr)
+    out = Path(args.out or "bench-results/gnn-link.json")
+    try:
+        rec = gl.run(args.link, workers=args.workers or 4, epochs=args.epochs or 5, settings=args.settings,
+                     nodes=args.nodes or 50_000, features=args.features, degree=args.degree, layers=args.layers,
+                     hidden=args.hidden, seed=args.seed, rounds=args.rounds or 1,
+                     timeout=args.timeout or 3600.0)  # fmt: skip
+    except (ValueError, bl.LabError) as exc:
+        print(f"sylvie-comm bench gnn: {exc}", file=sys.stderr)
+        return 1
+    table = gl.format_table(rec)
+    print(table)
+    print(f"\nwrote {gl.save(rec, out)}")
+    out.with_suffix(".md").write_text(table + "\n")
+    print(f"wrote {out.with_suffix('.md')}")
+    _png, message = gl.plot(rec, out.with_suffix(".png"))
+    print(message)
+    return 0
+
+
+def _comma_list(check: str) -> Callable[[str], list[str]]:
+    """An argparse type: a comma list checked by ``sylvie_comm.bench.gnn_link.check_links`` or
+    ``sylvie_comm.bench.gnn.check_settings`` (the ValueError's message as the usage error)."""
+
+    def parse(text: str) -> list[str]:
+        from sylvie_comm.bench import gnn as bg
+        from sylvie_comm.bench import gnn_link as gl
+
+        items = [c.strip() for c in text.split(",") if c.strip()]
+        try:
+            return gl.check_links(items) if check == "links" else bg.check_settings(items)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -156,8 +207,11 @@ def _demo(args: argparse.Namespace) -> int:
         print(text, flush=True)
 
     try:
-        results = demo.run(steps=args.steps, nproc=args.nproc, epochs=args.epochs, gnn_nproc=args.gnn_nproc, echo=echo)
-    except RuntimeError as exc:
+        plot = Path(args.out).with_name(Path(args.out).stem + "-lab.png") if args.out else None
+        results = demo.run(steps=args.steps, nproc=args.nproc, epochs=args.epochs, gnn_nproc=args.gnn_nproc, echo=echo,
+                           lab=not args.no_lab, lab_link=args.lab_link, lab_workers=args.lab_workers,
+                           lab_steps=args.lab_steps, lab_model=args.lab_model, plot=plot)  # fmt: skip
+    except (RuntimeError, ValueError) as exc:
         print(f"sylvie-comm demo: {exc}", file=sys.stderr)
         return 1
     if args.out:
@@ -187,12 +241,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sylvie-comm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="DDP under three gradient hooks, then full-graph GNN with fp32 and 1-bit halos")
+    demo = sub.add_parser(
+        "demo",
+        help="DDP under three gradient hooks, full-graph GNN with fp32 and 1-bit halos, then DDP on a shaped link",
+    )
     demo.add_argument("--steps", type=_positive, default=1000, help="DDP training steps per hook (default 1000)")
     demo.add_argument("--nproc", type=_positive, default=2, help="DDP processes (default 2)")
     demo.add_argument("--gnn-nproc", type=_positive, default=4, help="GNN processes (default 4)")
     demo.add_argument("--epochs", type=_positive, default=100, help="GNN epochs per run (default 100)")
-    demo.add_argument("--out", default="bench-results/demo.json", help="where to write the JSON results")
+    demo.add_argument(
+        "--out",
+        default="bench-results/demo.json",
+        help="where to write the JSON results (the lab's plot goes next to it, <name>-lab.png)",
+    )
+    demo.add_argument(
+        "--lab-link",
+        default="1gbit",
+        choices=("100mbit", "1gbit", "10gbit", "none"),
+        help="the lab part's link (default 1gbit; shaped when run as root, loopback otherwise)",
+    )
+    demo.add_argument("--lab-workers", type=_positive, default=4, help="the lab part's workers (default 4)")
+    demo.add_argument("--lab-steps", type=_positive, default=8, help="measured steps per codec in the lab (default 8)")
+    demo.add_argument(
+        "--lab-model",
+        default="mlp_17m",
+        choices=("mlp_17m", "lm", "small"),
+        help="the lab part's workload (default mlp_17m, the communication-heavy MLP)",
+    )
+    demo.add_argument("--no-lab", action="store_true", help="skip the lab part")
     demo.set_defaults(func=_demo)
 
     bench = sub.add_parser("bench", help="benchmarks (baseline and candidate in one run, as ratios)")
@@ -228,7 +304,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="with --link: comma-separated codecs (default: ddp, torch-fp16, torch-powersgd, every sylvie algorithm)",
     )
-    d.add_argument("--model", choices=("mlp_17m", "small"), default=None, help="with --link: default mlp_17m")
+    d.add_argument(
+        "--model",
+        choices=("mlp_17m", "lm", "small"),
+        default=None,
+        help="with --link: the workload (default mlp_17m; lm: a small transformer language model)",
+    )
     d.add_argument(
         "--rounds",
         type=_positive,
@@ -236,6 +317,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --link: run the codecs this many times, interleaved, and pool the steps (default 1)",
     )
     d.add_argument("--timeout", type=float, default=None, help="with --link: seconds for the whole run (default 3600)")
+    d.add_argument(
+        "--horovod",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --link: also run the Horovod rows (stock fp32/fp16, ours) under horovodrun in the same lab "
+        "(default: when Horovod is installed)",
+    )
     d.set_defaults(func=_bench_ddp)
 
     fl = bench_sub.add_parser("floor", help="hook encode + decode against the memory-traffic floor (17.9M MLP)")
@@ -245,14 +333,40 @@ def build_parser() -> argparse.ArgumentParser:
     fl.set_defaults(func=_bench_floor)
 
     gn = bench_sub.add_parser("gnn", help="full-graph GNN: vanilla, PipeGCN-like, 1-bit, Sylvie and ours")
-    gn.add_argument("--nodes", type=int, default=200_000)
-    gn.add_argument("--features", type=int, default=128)
+    gn.add_argument("--nodes", type=_positive, default=None, help="default 200000; with --link 50000")
+    gn.add_argument("--features", type=_positive, default=128)
     gn.add_argument("--degree", type=float, default=10.0)
-    gn.add_argument("--world", type=int, default=4)
-    gn.add_argument("--epochs", type=int, default=10)
+    gn.add_argument("--world", type=_positive, default=4, help="ranks without --link (default 4)")
+    gn.add_argument("--epochs", type=_positive, default=None, help="default 10; with --link 5 (epoch 0 not measured)")
     gn.add_argument("--layers", type=int, default=3)
-    gn.add_argument("--hidden", type=int, default=256)
-    gn.add_argument("--out", default="bench-results/gnn.json", help="where to write the JSON results")
+    gn.add_argument("--hidden", type=_positive, default=256)
+    gn.add_argument(
+        "--link",
+        type=_comma_list("links"),
+        nargs="?",
+        const=["100mbit", "1gbit", "none"],
+        default=None,
+        help="run every setting on N workers in a network lab, one per link: a comma list of "
+        "100mbit, 1gbit, 10gbit, none (--link alone: 100mbit,1gbit,none; see sylvie_comm.bench.gnn_link)",
+    )
+    gn.add_argument("--workers", type=_positive, default=None, help="with --link: workers (default 4)")
+    gn.add_argument(
+        "--settings",
+        type=_comma_list("settings"),
+        default=None,
+        help="with --link: comma-separated settings (default: vanilla, pipegcn, onebit-sync, sylvie, ours)",
+    )
+    gn.add_argument("--seed", type=int, default=0, help="with --link: graph and METIS seed (default 0)")
+    gn.add_argument(
+        "--rounds",
+        type=_positive,
+        default=None,
+        help="with --link: run the links this many times, interleaved, and pool the epochs (default 1)",
+    )
+    gn.add_argument("--timeout", type=float, default=None, help="with --link: seconds per lab run (default 3600)")
+    gn.add_argument("--out", default=None,
+                    help="where to write the JSON results (default bench-results/gnn.json; with --link "
+                    "bench-results/gnn-link.json, and .md and .png beside it)")  # fmt: skip
     gn.set_defaults(func=_bench_gnn)
 
     info = sub.add_parser("info", help="what this installation built and can use")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -25,8 +26,19 @@ NVCC = find_nvcc()
 
 def test_cuda_sources_present():
     names = {p.name for p in CUDA_SOURCES}
-    assert {"onebit.cu", "qbit.cu", "pack.cu"} <= names, names
+    assert {"onebit.cu", "qbit.cu", "pack.cu", "lowrank.cu"} <= names, names
     assert (CSRC / "cuda" / "glue.cpp").exists()
+
+
+def test_every_op_has_a_cuda_kernel():
+    """Every op schema of csrc/ops/ops.cpp has a CUDA registration in glue.cpp and a launcher in kernels.h."""
+    ops = set(re.findall(r'm\.def\("(\w+)\(', (CSRC / "ops" / "ops.cpp").read_text()))
+    glue = (CSRC / "cuda" / "glue.cpp").read_text()
+    registered = set(re.findall(r'm\.impl\("(\w+)"', glue.split("TORCH_LIBRARY_IMPL(sylvie_comm, CUDA")[1]))
+    assert ops and registered == ops, (ops - registered, registered - ops)
+    header = (CSRC / "cuda" / "kernels.h").read_text()
+    for name in ("onebit_feedback_encode", "lowrank_project", "lowrank_gram", "lowrank_outer_into"):
+        assert re.search(rf"cudaError_t {name}\(", header), name
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

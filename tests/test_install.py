@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from sylvie_comm.demo import DDP_RUNS, GNN_RUNS, HOROVOD_RUN, ddp_table, gnn_table
+from sylvie_comm.demo import DDP_RUNS, GNN_RUNS, HOROVOD_RUN, LAB_CODECS, ddp_table, gnn_table, lab_table
 
 pytestmark = pytest.mark.slow  # builds the extension (about a minute), then trains on several processes
 
@@ -190,7 +191,7 @@ def test_installed_package_imports_its_own_copy(venv: Path, outside: Path) -> No
 
 def test_demo_runs_from_the_installed_package(venv: Path, outside: Path) -> None:
     cmd = [str(venv / "bin" / "sylvie-comm"), "demo", "--steps", "20", "--epochs", "3", "--gnn-nproc", "2",
-           "--out", "demo.json"]  # fmt: skip
+           "--lab-workers", "2", "--lab-steps", "2", "--lab-model", "small", "--out", "demo.json"]  # fmt: skip
     proc = _run(cmd, cwd=outside, timeout=900)
     res = json.loads((outside / "demo.json").read_text())
 
@@ -208,8 +209,21 @@ def test_demo_runs_from_the_installed_package(venv: Path, outside: Path) -> None
     assert all(r["world_size"] == 2 and r["epochs"] == 3 for r in res["gnn"])
     assert 0 < res["gnn"][1]["halo_bytes_per_epoch"] < res["gnn"][0]["halo_bytes_per_epoch"]  # 1-bit halos
 
+    # The lab part: S-SGD and three of ours on one link, in namespaces as root and on loopback
+    # otherwise, saying which in its first line; a plot next to the JSON where matplotlib is installed.
+    lab = res["lab"]
+    assert list(lab["codecs"]) == list(LAB_CODECS) and lab["workers"] == 2 and lab["link"] == "1gbit"
+    assert all(len(c["step_s"]) == 2 and c["median_s"] > 0 for c in lab["codecs"].values())
+    assert lab["codecs"]["acpsgd"]["hook_bytes_per_step"] < lab["codecs"]["onebit"]["hook_bytes_per_step"]
+    assert set(lab["codecs"]["auto"]["auto_choices"].values()) <= {"none", "fp16", "bf16", "acpsgd", "onebit"}
+    banner = "lab: 2 workers in network namespaces" if lab["lab"]["shaped"] else "lab: LOOPBACK FALLBACK"
+    assert f"   {banner}" in proc.stdout
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert lab["plot"] and (outside / lab["plot"]).stat().st_size > 0
+
     # The tables it printed are those of the results it wrote.
     assert ddp_table(res["ddp"]) in proc.stdout
     assert gnn_table(res["gnn"]) in proc.stdout
+    assert lab_table(lab) in proc.stdout
     assert proc.stdout.startswith("1) data-parallel training: 2 processes")
     assert proc.stdout.rstrip().endswith("wrote demo.json")

@@ -157,6 +157,110 @@ at::Tensor qbit_decode_cuda(const at::Tensor& packed, const at::Tensor& scale, c
   return out;
 }
 
+// ---------------------------------------------------------------- fused fp32 ops
+// The checks of the CPU registrations (csrc/cpu/kernels.cpp), with CUDA in place of CPU, and every tensor on the
+// residual's device.
+
+bool has_tensor(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+void contiguous_numel(const at::Tensor& t, at::ScalarType dtype, int64_t numel, const at::Tensor& ref, const char* op,
+                      const char* what) {
+  TORCH_CHECK(t.device().type() == kCUDA && t.is_contiguous() && t.scalar_type() == dtype && t.numel() == numel, op,
+              ": ", what, " must be a contiguous CUDA ", dtype, " tensor of ", numel, " elements, got ",
+              t.scalar_type(), " of shape ", t.sizes());
+  check_same_device(t, ref, what, op);
+}
+
+void onebit_feedback_encode_cuda(const at::Tensor& residual, const c10::optional<at::Tensor>& grad,
+                                 int64_t chunk_size, bool norm_scale, const at::Tensor& packed,
+                                 const at::Tensor& scales) {
+  const char* op = "onebit_feedback_encode";
+  checks::chunk_size(chunk_size, op);
+  checks::f32_contiguous(residual, kCUDA, op, "residual");
+  const int64_t n = residual.numel();
+  const bool with_grad = has_tensor(grad);
+  if (with_grad) {
+    checks::f32_contiguous(*grad, kCUDA, op, "grad");
+    TORCH_CHECK(grad->numel() == n, op, ": grad has ", grad->numel(), " elements, residual ", n);
+    check_same_device(*grad, residual, "grad", op);
+  }
+  const int64_t chunks = (n + chunk_size - 1) / chunk_size;
+  contiguous_numel(packed, at::kByte, (n + 7) / 8, residual, op, "packed");
+  contiguous_numel(scales, at::kFloat, chunks, residual, op, "scales");
+  c10::cuda::CUDAGuard device_guard(residual.device());
+  // Float64 partial sums when a chunk is split over several warps (empty otherwise), as onebit_encode.
+  at::Tensor workspace =
+      at::empty({onebit_encode_workspace_bytes(n, chunk_size)}, residual.options().dtype(at::kByte));
+  cudaError_t err = onebit_feedback_encode(residual.data_ptr<float>(), with_grad ? grad->data_ptr<float>() : nullptr,
+                                           n, chunk_size, norm_scale, packed.data_ptr<uint8_t>(),
+                                           scales.data_ptr<float>(),
+                                           workspace.numel() > 0 ? workspace.data_ptr() : nullptr,
+                                           at::cuda::getCurrentCUDAStream());
+  check_launch(err, op);
+}
+
+void lowrank_checks(const at::Tensor& mat, const c10::optional<at::Tensor>& grad, const at::Tensor& a,
+                    const at::Tensor& b, const char* op, const char* a_name, const char* b_name) {
+  checks::f32_contiguous(mat, kCUDA, op, "residual");
+  TORCH_CHECK(mat.dim() == 2, op, ": expected a 2-D residual, got shape ", mat.sizes());
+  if (has_tensor(grad)) {
+    checks::f32_contiguous(*grad, kCUDA, op, "grad");
+    TORCH_CHECK(grad->numel() == mat.numel(), op, ": grad has ", grad->numel(), " elements, residual ",
+                mat.numel());
+    check_same_device(*grad, mat, "grad", op);
+  }
+  checks::f32_contiguous(a, kCUDA, op, a_name);
+  checks::f32_contiguous(b, kCUDA, op, b_name);
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1) && a.size(1) > 0, op, ": ", a_name, " and ",
+              b_name, " must be 2-D with the same number (> 0) of columns, got ", a.sizes(), " and ", b.sizes());
+  check_same_device(a, mat, a_name, op);
+  check_same_device(b, mat, b_name, op);
+}
+
+void lowrank_project_cuda(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& q,
+                          const at::Tensor& p, bool subtract) {
+  const char* op = "lowrank_project";
+  lowrank_checks(residual, grad, q, p, op, "q", "p");
+  const int64_t n = residual.size(0), k = residual.size(1), r = q.size(1);
+  TORCH_CHECK(q.size(0) == k && p.size(0) == n, op, ": residual ", residual.sizes(), " needs q of ", k,
+              " rows and p of ", n, " rows, got ", q.sizes(), " and ", p.sizes());
+  c10::cuda::CUDAGuard device_guard(residual.device());
+  cudaError_t err = lowrank_project(residual.data_ptr<float>(), has_tensor(grad) ? grad->data_ptr<float>() : nullptr,
+                                    n, k, q.data_ptr<float>(), r, p.data_ptr<float>(), subtract,
+                                    at::cuda::getCurrentCUDAStream());
+  check_launch(err, op);
+}
+
+void lowrank_gram_cuda(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& p,
+                       const at::Tensor& q) {
+  const char* op = "lowrank_gram";
+  lowrank_checks(residual, grad, p, q, op, "p", "q");
+  const int64_t n = residual.size(0), k = residual.size(1), r = p.size(1);
+  TORCH_CHECK(p.size(0) == n && q.size(0) == k, op, ": residual ", residual.sizes(), " needs p of ", n,
+              " rows and q of ", k, " rows, got ", p.sizes(), " and ", q.sizes());
+  c10::cuda::CUDAGuard device_guard(residual.device());
+  // Fp32 partial sums of row slabs when the rows are split (empty otherwise).
+  at::Tensor workspace = at::empty({lowrank_gram_workspace_bytes(n, k, r)}, residual.options().dtype(at::kByte));
+  cudaError_t err = lowrank_gram(residual.data_ptr<float>(), has_tensor(grad) ? grad->data_ptr<float>() : nullptr, n,
+                                 k, p.data_ptr<float>(), r, q.data_ptr<float>(),
+                                 workspace.numel() > 0 ? workspace.data_ptr() : nullptr,
+                                 at::cuda::getCurrentCUDAStream());
+  check_launch(err, op);
+}
+
+void lowrank_outer_into_cuda(const at::Tensor& out, const at::Tensor& p, const at::Tensor& q, double alpha,
+                             bool accumulate) {
+  const char* op = "lowrank_outer_into";
+  lowrank_checks(out, c10::nullopt, p, q, op, "p", "q");
+  const int64_t n = out.size(0), k = out.size(1), r = p.size(1);
+  TORCH_CHECK(p.size(0) == n && q.size(0) == k, op, ": out ", out.sizes(), " needs p of ", n, " rows and q of ",
+              k, " rows, got ", p.sizes(), " and ", q.sizes());
+  c10::cuda::CUDAGuard device_guard(out.device());
+  cudaError_t err = lowrank_outer_into(out.data_ptr<float>(), n, k, p.data_ptr<float>(), q.data_ptr<float>(), r,
+                                       static_cast<float>(alpha), accumulate, at::cuda::getCurrentCUDAStream());
+  check_launch(err, op);
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace sylvie_comm
@@ -170,4 +274,8 @@ TORCH_LIBRARY_IMPL(sylvie_comm, CUDA, m) {
   m.impl("qbit_encode", &sylvie_comm::cuda::qbit_encode_cuda);
   m.impl("qbit_decode", &sylvie_comm::cuda::qbit_decode_cuda);
   m.impl("qbit_decode_into", &sylvie_comm::cuda::qbit_decode_into_cuda);
+  m.impl("onebit_feedback_encode", &sylvie_comm::cuda::onebit_feedback_encode_cuda);
+  m.impl("lowrank_project", &sylvie_comm::cuda::lowrank_project_cuda);
+  m.impl("lowrank_gram", &sylvie_comm::cuda::lowrank_gram_cuda);
+  m.impl("lowrank_outer_into", &sylvie_comm::cuda::lowrank_outer_into_cuda);
 }

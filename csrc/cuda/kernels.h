@@ -57,5 +57,38 @@ cudaError_t qbit_encode(const void* x, ScDType dt, int64_t rows, int64_t cols, i
 cudaError_t qbit_decode(const uint8_t* packed, const float* scale, const float* minimum, int64_t rows,
                         int64_t cols, int bits, void* out, ScDType out_dt, cudaStream_t stream);
 
+// ------------------------------------------------------------ fused fp32 ops
+// In-place steps of error-fed one-bit and the low-rank algorithms on contiguous
+// fp32 buffers (the CPU kernels take fp32 only too). A null grad means none.
+
+// Error-fed one-bit encode: residual (n values) += grad, then sign bits and
+// per-chunk scales exactly as onebit_encode of the sum, then residual -= its
+// decode. workspace: onebit_encode_workspace_bytes(n, chunk_size) bytes, or null
+// when that is 0. Bits and residual match the CPU kernel given the scales, and
+// the scales match to one fp32 ulp (float64 sums in another order).
+cudaError_t onebit_feedback_encode(float* residual, const float* grad, int64_t n, int64_t chunk_size,
+                                   bool norm_scale, uint8_t* packed, float* scales, void* workspace,
+                                   cudaStream_t stream);
+
+// residual: (n, k), q: (k, r), p: (n, r), r > 0. residual += grad, p = residual q
+// and, with subtract, residual -= p q^T (the terms of each element left to right).
+cudaError_t lowrank_project(float* residual, const float* grad, int64_t n, int64_t k, const float* q, int64_t r,
+                            float* p, bool subtract, cudaStream_t stream);
+
+// Bytes of device scratch memory lowrank_gram needs (0 when its rows are not
+// split into slabs, always when n < 128).
+int64_t lowrank_gram_workspace_bytes(int64_t n, int64_t k, int64_t r);
+
+// residual: (n, k), p: (n, r), q: (k, r). residual += grad, q = residual^T p
+// (rows summed in order, by slabs when the workspace is used). workspace:
+// lowrank_gram_workspace_bytes(n, k, r) bytes, or null when that is 0.
+cudaError_t lowrank_gram(float* residual, const float* grad, int64_t n, int64_t k, const float* p, int64_t r,
+                         float* q, void* workspace, cudaStream_t stream);
+
+// out: (n, k), p: (n, r), q: (k, r). out = p (alpha q)^T, or out += p (alpha q)^T
+// with accumulate; the same arithmetic in the same order as the CPU kernel.
+cudaError_t lowrank_outer_into(float* out, int64_t n, int64_t k, const float* p, const float* q, int64_t r,
+                               float alpha, bool accumulate, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace sylvie_comm

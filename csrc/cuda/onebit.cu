@@ -15,6 +15,12 @@
 // Pieces start at multiples of 8 elements, so no two groups write the same byte.
 //
 // Decode: one thread per packed byte writes its 8 values with one vector store.
+//
+// Error-fed encode (onebit_feedback_encode, fp32): the encode scheme on
+// residual + grad, then residual = residual + grad - decode in the same kernel
+// (a second pass of each group over its chunk, from cache) when a chunk is one
+// piece; otherwise the partial-sum reduction and then an element-wise kernel.
+// The residual is written once, in the last pass.
 #include "common/sc_math.h"
 #include "cuda/device.cuh"
 
@@ -118,6 +124,96 @@ __global__ void onebit_reduce_kernel(const double* __restrict__ partial, int64_t
   }
 }
 
+// Error-fed encode (fp32): the encode kernel's scheme on e = residual + grad
+// (recomputed from the inputs, never stored until the end). With one piece per
+// chunk the group then knows the chunk's scale and makes a second pass over its
+// elements (from cache): residual = e - (e >= 0 ? scale : -scale), one write.
+// With several pieces it leaves the residual to onebit_feedback_residual_kernel.
+__device__ __forceinline__ float feedback_value(const float* __restrict__ res, const float* __restrict__ grad,
+                                                int64_t e) {
+  return grad == nullptr ? res[e] : __fadd_rn(res[e], grad[e]);
+}
+
+template <int G>
+__global__ void onebit_feedback_kernel(float* __restrict__ res, const float* __restrict__ grad, int64_t n,
+                                       int64_t chunk_size, int64_t piece_len, int64_t pieces_per_chunk,
+                                       int64_t items, bool norm_scale, uint8_t* __restrict__ packed,
+                                       float* __restrict__ scales, double* __restrict__ partial) {
+  static_assert(G == 8 || G == 32, "a group is 8 or 32 lanes");
+  constexpr int kGroups = kWarpSize / G;
+  const int lane = threadIdx.x % kWarpSize;
+  const int gl = lane % G;
+  const int gbase = lane - gl;
+  const int64_t tiles = (piece_len + G - 1) / G;
+
+  for (int64_t w = global_warp(); w * kGroups < items; w += warp_count()) {
+    const int64_t item = w * kGroups + lane / G;
+    const bool active = item < items;
+    const int64_t chunk = pieces_per_chunk == 1 ? item : item / pieces_per_chunk;
+    const int64_t piece = item - chunk * pieces_per_chunk;
+    const int64_t chunk_start = chunk * chunk_size;
+    const int64_t chunk_end = min(chunk_start + chunk_size, n);
+    const int64_t start = chunk_start + piece * piece_len;
+    const int64_t end = active ? min(start + piece_len, chunk_end) : start;
+
+    double sum = 0.0;
+    for (int64_t t0 = 0; t0 < tiles; t0 += kUnroll) {
+      float v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t e = start + (t0 + u) * G + gl;
+        v[u] = e < end ? feedback_value(res, grad, e) : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (t0 + u >= tiles) break;  // uniform across the warp
+        const int64_t tile_start = start + (t0 + u) * G;
+        const bool valid = tile_start + gl < end;
+        const unsigned signs = __ballot_sync(kFullMask, valid && v[u] >= 0.0f);
+        if (gl < G / 8 && tile_start + 8 * gl < end)
+          packed[tile_start / 8 + gl] = static_cast<uint8_t>(signs >> (gbase + 8 * gl));
+        const double d = static_cast<double>(v[u]);
+        sum += norm_scale ? d * d : fabs(d);
+      }
+    }
+    sum = group_sum(sum, G);  // every lane of the group gets the sum
+    if (pieces_per_chunk != 1) {
+      if (active && gl == 0) partial[item] = sum;
+      continue;
+    }
+    if (!active) continue;
+    const float s = onebit_scale(sum, chunk_end - chunk_start, norm_scale);
+    if (gl == 0) scales[chunk] = s;
+    // The lane's own elements again (kUnroll loads in flight, then the stores): the sign decides the decoded
+    // value as it decided the bit.
+    for (int64_t t0 = 0; t0 < tiles; t0 += kUnroll) {
+      float v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t e = start + (t0 + u) * G + gl;
+        v[u] = e < end ? feedback_value(res, grad, e) : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t e = start + (t0 + u) * G + gl;
+        if (e < end) res[e] = __fsub_rn(v[u], v[u] >= 0.0f ? s : -s);
+      }
+    }
+  }
+}
+
+// residual = residual + grad - decode, one thread per element (chunks split into pieces).
+__global__ void onebit_feedback_residual_kernel(float* __restrict__ res, const float* __restrict__ grad, int64_t n,
+                                                int64_t chunk_size, const uint8_t* __restrict__ packed,
+                                                const float* __restrict__ scales) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
+    const float s = scales[split_index(e, chunk_size).r];
+    const bool bit = (packed[e >> 3] >> (e & 7)) & 1u;
+    res[e] = __fsub_rn(feedback_value(res, grad, e), bit ? s : -s);
+  }
+}
+
 // One thread per packed byte; `vec`: out is aligned for an 8-element vector store.
 template <typename T>
 __global__ void onebit_decode_kernel(const uint8_t* __restrict__ packed, const float* __restrict__ scales, int64_t n,
@@ -203,6 +299,38 @@ cudaError_t onebit_decode(const uint8_t* packed, const float* scales, int64_t n,
                                                                                  vec, op);
     return cudaGetLastError();
   });
+}
+
+cudaError_t onebit_feedback_encode(float* residual, const float* grad, int64_t n, int64_t chunk_size,
+                                   bool norm_scale, uint8_t* packed, float* scales, void* workspace,
+                                   cudaStream_t stream) {
+  if (n < 0 || chunk_size <= 0 || chunk_size % 8 != 0) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  if (onebit_encode_workspace_bytes(n, chunk_size) > 0 && workspace == nullptr) return cudaErrorInvalidValue;
+  const int64_t chunks = ceil_div(n, chunk_size);
+  int64_t ppc = 0, piece_len = 0;
+  onebit_split(chunk_size, &ppc, &piece_len);
+  const int64_t items = chunks * ppc;
+  double* partial = static_cast<double*>(workspace);
+  if (chunk_size < kSmallChunk) {
+    constexpr int G = 8;
+    const int64_t warps = ceil_div(items, kWarpSize / G);
+    onebit_feedback_kernel<G><<<grid_for(warps, kWarpsPerBlock), kThreads, 0, stream>>>(
+        residual, grad, n, chunk_size, piece_len, ppc, items, norm_scale, packed, scales, partial);
+  } else {
+    constexpr int G = 32;
+    onebit_feedback_kernel<G><<<grid_for(items, kWarpsPerBlock), kThreads, 0, stream>>>(
+        residual, grad, n, chunk_size, piece_len, ppc, items, norm_scale, packed, scales, partial);
+  }
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || ppc == 1) return err;
+  onebit_reduce_kernel<<<grid_for(chunks, kWarpsPerBlock), kThreads, 0, stream>>>(partial, n, chunk_size, chunks, ppc,
+                                                                                   norm_scale, scales);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  onebit_feedback_residual_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(residual, grad, n, chunk_size,
+                                                                                  packed, scales);
+  return cudaGetLastError();
 }
 
 }  // namespace cuda

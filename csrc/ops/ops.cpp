@@ -18,10 +18,10 @@ TORCH_LIBRARY(sylvie_comm, m) {
   // out: a contiguous (rows, cols) tensor.
   m.def("qbit_decode_into(Tensor packed, Tensor scale, Tensor minimum, int bits, Tensor(a!) out) -> ()");
   // Error-fed one-bit encode in place: residual += grad (when given), encode it into packed and scales,
-  // residual -= its decode. CPU only (other devices use the reference).
+  // residual -= its decode. CPU and CUDA kernels (fp32, contiguous).
   m.def("onebit_feedback_encode(Tensor(a!) residual, Tensor? grad, int chunk_size, bool norm_scale, "
         "Tensor(b!) packed, Tensor(c!) scales) -> ()");
-  // Low-rank steps (CPU only): residual += grad (when given), p = residual q, and with subtract
+  // Low-rank steps (CPU and CUDA kernels, fp32): residual += grad (when given), p = residual q, and with subtract
   // residual -= p q^T, all in one pass over the residual.
   m.def("lowrank_project(Tensor(a!) residual, Tensor? grad, Tensor q, Tensor(b!) p, bool subtract) -> ()");
   // residual += grad (when given), q = residual^T p.

@@ -14,6 +14,9 @@ each setting trains in fresh processes (so peak memory is its training's own):
 Reported per setting: mean epoch time (epoch 0, always synchronous, excluded),
 halo bytes rank 0 sent per epoch, weight-gradient bytes per epoch, the largest
 peak RSS over ranks, and test accuracy after the run; ratios against vanilla.
+
+The settings, the graph, the model and one rank's training (:func:`train_rank`) are shared with
+:mod:`sylvie_comm.bench.gnn_link`, the same benchmark on shaped links in the network lab.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,47 +38,118 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "sylvie": {"forward": "q1", "backward": "q1", "staleness": 1},
     "ours": {"forward": "q1", "backward": "q1", "staleness": 1, "error_feedback": True},
 }
+LABELS: dict[str, str] = {
+    "vanilla": "fp32, synchronous",
+    "pipegcn": "fp32, staleness 1 (PipeGCN-like)",
+    "onebit-sync": "1-bit, synchronous",
+    "sylvie": "1-bit, staleness 1 (Sylvie)",
+    "ours": "1-bit, staleness 1, bounded error feedback",
+}
+BREAKDOWN = ("compute_s", "halo_wait_s", "halo_exchange_s", "halo_hidden_s")
+
+
+def check_settings(settings: Sequence[str] | None) -> list[str]:
+    """``settings`` (default: all five) without repeats; ValueError naming a bad one and the valid ones."""
+    if settings is None:
+        return list(SETTINGS)
+    out: list[str] = []
+    for name in settings:
+        if name not in SETTINGS:
+            raise ValueError(f"unknown GNN setting {name!r}; valid: {', '.join(SETTINGS)}")
+        if name not in out:
+            out.append(name)
+    if not out:
+        raise ValueError(f"no GNN setting given; valid: {', '.join(SETTINGS)}")
+    return out
+
+
+def graph_config(nodes: int, features: int, degree: float = 10.0, seed: int = 0) -> dict[str, Any]:
+    """The CSBM graph's arguments (:func:`sylvie_comm.gnn.data.csbm`): one community per 1,000 nodes."""
+    return {"num_nodes": nodes, "feat_dim": features, "avg_degree": degree, "num_classes": 16, "signal": 0.5,
+            "communities": max(nodes // 1000, 1), "locality": 0.8, "seed": seed}  # fmt: skip
+
+
+def model_config(layers: int = 3, hidden: int = 256) -> dict[str, Any]:
+    """The model's part of :class:`~sylvie_comm.gnn.train.TrainConfig` (GraphSAGE, Adam lr 0.01)."""
+    return {"model": "sage", "layers": layers, "hidden": hidden, "dropout": 0.0, "lr": 0.01, "backend": "torch"}
+
+
+def make_partitions(graph: dict[str, Any], world: int, folder: str | Path, seed: int = 0) -> dict[str, Any]:
+    """Generate the graph and save its METIS partition into ``folder`` (same arguments: same partition).
+
+    Done once, in the calling process: the workers load their part (their peak memory is then
+    their training's alone). Returns the partition's sizes (halo rows per rank).
+    """
+    from sylvie_comm.gnn import data as gdata
+    from sylvie_comm.gnn.partition import partition, save_partitions
+
+    g = gdata.csbm(**graph)
+    parts = partition((g.src, g.dst), world, "metis", num_nodes=g.num_nodes, ndata=g.ndata, seed=seed)
+    save_partitions(parts, folder)
+    return {"edges": int(g.src.numel()), "inner_rows": [p.n_inner for p in parts],
+            "halo_rows": [p.n_halo for p in parts]}  # fmt: skip
+
+
+def train_rank(
+    folder: str | Path,
+    rank: int,
+    setting: dict[str, Any],
+    model: dict[str, Any],
+    epochs: int,
+    on_epoch: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Train this rank's partition (loaded from ``folder``) for ``epochs``; its figures and its epochs.
+
+    A collective call (every rank of the default process group). Means are over epochs
+    1..N-1 (epoch 0 is synchronous in every setting); ``epochs`` holds every epoch's
+    seconds, breakdown and bytes.
+    """
+    from sylvie_comm.gnn.partition import load_partition
+    from sylvie_comm.gnn.train import TrainConfig, Trainer
+
+    part = load_partition(folder, rank)
+    trainer = Trainer(part, TrainConfig(**model, **setting))
+    try:
+        history = []
+        t0 = time.perf_counter()
+        for _ in range(epochs):
+            history.append(trainer.train_epoch())
+            if on_epoch is not None:
+                on_epoch(history[-1])
+        wall = time.perf_counter() - t0
+        final = trainer.evaluate()
+        stats = trainer.stats()
+    finally:
+        trainer.close()
+    measured = history[1:] or history
+
+    def mean(key: str) -> float:
+        return sum(float(h[key]) for h in measured) / len(measured)
+
+    return {
+        "epoch_seconds": mean("seconds"),
+        # The same mean of each part of the epoch (see Trainer.train_epoch's breakdown).
+        **{f"{k}_per_epoch": mean(k) for k in BREAKDOWN},
+        "wall_seconds": wall,
+        "halo_bytes_per_epoch": sum(h["halo_bytes"] for h in history) / len(history),
+        "grad_bytes_per_epoch": sum(h["grad_bytes"] for h in history) / len(history),
+        "peak_rss_mb": stats["peak_rss_mb"],
+        "max_observed_staleness": stats.get("max_observed_staleness", 0),
+        "test_acc": final["test_acc"],
+        "val_acc": final["val_acc"],
+        "epochs": [{k: h[k] for k in ("seconds", *BREAKDOWN, "halo_bytes", "grad_bytes", "loss")} for h in history],
+    }
 
 
 def _worker(rank: int, world: int, port: int, setting: dict[str, Any], model: dict[str, Any], epochs: int,
             folder: str, queue: Any) -> None:  # fmt: skip
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    from sylvie_comm.gnn.partition import load_partition
-    from sylvie_comm.gnn.train import TrainConfig, Trainer
-
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        part = load_partition(folder, rank)
-        trainer = Trainer(part, TrainConfig(**model, **setting))
-        history = []
-        t0 = time.perf_counter()
-        for _ in range(epochs):
-            history.append(trainer.train_epoch())
-        wall = time.perf_counter() - t0
-        final = trainer.evaluate()
-        stats = trainer.stats()
-        trainer.close()
-        queue.put(
-            (
-                rank,
-                {
-                    "epoch_seconds": sum(h["seconds"] for h in history[1:]) / max(len(history) - 1, 1),
-                    # The same mean of each part of the epoch (see Trainer.train_epoch's breakdown).
-                    **{
-                        f"{k}_per_epoch": sum(h[k] for h in history[1:]) / max(len(history) - 1, 1)
-                        for k in ("compute_s", "halo_wait_s", "halo_hidden_s")
-                    },
-                    "wall_seconds": wall,
-                    "halo_bytes_per_epoch": sum(h["halo_bytes"] for h in history) / len(history),
-                    "grad_bytes_per_epoch": sum(h["grad_bytes"] for h in history) / len(history),
-                    "peak_rss_mb": stats["peak_rss_mb"],
-                    "max_observed_staleness": stats.get("max_observed_staleness", 0),
-                    "test_acc": final["test_acc"],
-                    "val_acc": final["val_acc"],
-                },
-            )
-        )
+        res = train_rank(folder, rank, setting, model, epochs)
+        res.pop("epochs")
+        queue.put((rank, res))
     finally:
         dist.destroy_process_group()
 
@@ -101,19 +177,12 @@ def run(
     nodes: int = 200_000, features: int = 128, degree: float = 10.0, world: int = 4, epochs: int = 10,
     layers: int = 3, hidden: int = 256, settings: list[str] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    graph: dict[str, Any] = {"num_nodes": nodes, "feat_dim": features, "avg_degree": degree, "num_classes": 16,
-             "signal": 0.5, "communities": max(nodes // 1000, 1), "locality": 0.8}  # fmt: skip
-    model = {"model": "sage", "layers": layers, "hidden": hidden, "dropout": 0.0, "lr": 0.01, "backend": "torch"}
+    graph = graph_config(nodes, features, degree)
+    model = model_config(layers, hidden)
     out: dict[str, Any] = {"graph": graph, "model": model, "world": world, "epochs": epochs, "settings": {}}
-    from sylvie_comm.gnn import data as gdata
-    from sylvie_comm.gnn.partition import partition, save_partitions
-
     with tempfile.TemporaryDirectory() as folder:
-        # Partition once, here: the workers' peak memory is then their training's alone.
-        g = gdata.csbm(**graph)
-        save_partitions(partition((g.src, g.dst), world, "metis", num_nodes=g.num_nodes, ndata=g.ndata), folder)
-        del g
-        for name in settings or list(SETTINGS):
+        make_partitions(graph, world, folder)
+        for name in check_settings(settings):
             per_rank = _spawn(world, SETTINGS[name], model, epochs, folder)
             first = per_rank[0]
             out["settings"][name] = {**first, "peak_rss_mb": max(r["peak_rss_mb"] for r in per_rank)}

@@ -1,12 +1,22 @@
-"""The DDP benchmark's model and measure under Horovod: ``horovodrun -np 2 python -m sylvie_comm.bench.horovod OUT``.
+"""Horovod rows for the DDP benchmarks, on loopback and in the network lab.
 
-Same 17.9M-parameter MLP, batch and seed as :mod:`sylvie_comm.bench.ddp`; per step, the time of
-``loss.backward()`` plus the optimizer's ``synchronize()`` (the wait for the averaged gradients,
-as DDP's backward includes the wait for its hook), the encode + decode seconds and the bytes of
-rank 0. Runs: Horovod's own ``DistributedOptimizer`` without compression (fp32) and with
-``Compression.fp16`` and our ``Compression.acpsgd``, then ``sylvie_comm.horovod.DistributedOptimizer``
-with each algorithm of the DDP benchmark. Rank 0 writes the JSON to ``OUT``.
-:func:`run` launches it (``sylvie-comm bench ddp`` does, when Horovod is installed).
+Two uses:
+
+* ``sylvie-comm bench ddp`` (no ``--link``): ``horovodrun -np 2 -H localhost:2 --gloo python -m
+  sylvie_comm.bench.horovod OUT``. Same 17.9M-parameter MLP, batch and seed as
+  :mod:`sylvie_comm.bench.ddp`; per step, the time of ``loss.backward()`` plus the optimizer's
+  ``synchronize()`` (the wait for the averaged gradients, as DDP's backward includes the wait for
+  its hook), the encode + decode seconds and the bytes of rank 0. Runs: Horovod's own
+  ``DistributedOptimizer`` without compression (fp32) and with ``Compression.fp16`` and our
+  ``Compression.acpsgd``, then ``sylvie_comm.horovod.DistributedOptimizer`` with each algorithm of
+  the DDP benchmark. Rank 0 writes the JSON to ``OUT``. :func:`run` launches it.
+* ``sylvie-comm bench ddp --link ...`` (:mod:`sylvie_comm.bench.link`): the rows of
+  :data:`LAB_ROWS` on the lab's workers and link, started by ``horovodrun -H <addr0>:1,<addr1>:1,...
+  --network-interface eth0`` from worker 0 (:meth:`~sylvie_comm.bench.lab.Lab.run` with
+  ``launcher="horovodrun"``), running :func:`lab_worker_main` (``python -m sylvie_comm.bench.horovod
+  --lab-worker CONFIG``). Same workload, batches, seeds and optimizer (SGD, momentum 0.9) as the DDP
+  rows, and the same step (barrier, then ``zero_grad`` + forward + backward + ``optimizer.step()``,
+  which waits for the averaged gradients) and figures (:func:`sylvie_comm.bench.link._merge`).
 """
 
 from __future__ import annotations
@@ -14,12 +24,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +39,150 @@ import torch.nn.functional as F
 from sylvie_comm.bench.ddp import batch, mlp_17m
 
 RUNS = ("hvd fp32", "hvd fp16", "hvd+acpsgd", "ours none", "ours acpsgd", "ours powersgd", "ours onebit")
+
+# The lab's Horovod rows (sylvie-comm bench ddp --link): name -> what it is, for the table.
+LAB_ROWS: dict[str, str] = {
+    "hvd-fp32": "Horovod DistributedOptimizer (fp32)",
+    "hvd-fp16": "Horovod DistributedOptimizer, Compression.fp16",
+    "hvd-acpsgd": "Horovod DistributedOptimizer, sylvie Compression.acpsgd",
+    "hvd-sylvie-acpsgd": "sylvie_comm.horovod.DistributedOptimizer acpsgd",
+    "hvd-sylvie-onebit": "sylvie_comm.horovod.DistributedOptimizer onebit",
+    "hvd-sylvie-powersgd": "sylvie_comm.horovod.DistributedOptimizer powersgd",
+}
+DEFAULT_LAB_ROWS = ("hvd-fp32", "hvd-fp16", "hvd-acpsgd", "hvd-sylvie-acpsgd", "hvd-sylvie-onebit")
+_LOW_RANK = ("hvd-acpsgd", "hvd-sylvie-acpsgd", "hvd-sylvie-powersgd")
+
+
+def available() -> str | None:
+    """Why the Horovod rows cannot run here (Horovod with its PyTorch part, and horovodrun), or None."""
+    import importlib.util
+
+    from sylvie_comm.bench.lab import horovodrun_executable
+
+    try:
+        if importlib.util.find_spec("horovod.torch") is None:
+            return "Horovod is not installed (scripts/horovod.sh builds it with gloo)"
+    except (ImportError, ValueError):
+        return "Horovod is not installed (scripts/horovod.sh builds it with gloo)"
+    if horovodrun_executable() is None:
+        return "horovodrun not found"
+    return None
+
+
+def check_rows(rows: Sequence[str]) -> list[str]:
+    """``rows`` without repeats; ValueError naming the bad one and listing :data:`LAB_ROWS` otherwise."""
+    out: list[str] = []
+    for name in rows:
+        if name not in LAB_ROWS:
+            raise ValueError(f"unknown Horovod row {name!r}; valid: {', '.join(LAB_ROWS)}")
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def lab_label(name: str, rank: int) -> str:
+    """What a lab row is, in words, for the table."""
+    return LAB_ROWS[name] + (f" r{rank}" if name in _LOW_RANK else "")
+
+
+def _lab_row(name: str, cfg: dict[str, Any], progress: Callable[[], None]) -> dict[str, Any]:
+    """One row on this rank: the figures :func:`sylvie_comm.bench.link._merge` expects from a DDP codec."""
+    import horovod.torch as hvd
+
+    import sylvie_comm.horovod as sh
+    from sylvie_comm.bench.link import HOOK_WARMUP, LR, MOMENTUM, _eth0_tx_bytes
+    from sylvie_comm.bench.workloads import WORKLOADS
+
+    r = int(cfg["rank"])
+    work = WORKLOADS[cfg["model"]]
+    model = work.model(0)  # same weights as every DDP codec
+    base = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    stats: Any = None
+    opt: Any
+    if name in ("hvd-fp32", "hvd-fp16", "hvd-acpsgd"):
+        compression: Any = hvd.Compression.fp16 if name == "hvd-fp16" else hvd.Compression.none
+        if name == "hvd-acpsgd":
+            compression = stats = sh.Compression.acpsgd(model.named_parameters(), rank=r, warmup_steps=HOOK_WARMUP)
+        opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression)
+    else:
+        codec = name.removeprefix("hvd-sylvie-")
+        opts: dict[str, Any] = {"rank": r} if name in _LOW_RANK else {}
+        opt = stats = sh.DistributedOptimizer(base, model.named_parameters(), codec, warmup_steps=HOOK_WARMUP,
+                                              **opts)  # fmt: skip
+    gen = torch.Generator().manual_seed(1000 + hvd.rank())  # the DDP rows' data
+    warmup, steps = int(cfg["warmup"]), int(cfg["steps"])
+    times: list[float] = []
+    enc_dec: list[float] = []
+    hook_bytes: list[int] = []
+    losses: list[float] = []
+    tx0 = None
+    try:
+        for step in range(warmup + steps):
+            x, y = work.batch(gen)
+            hvd.barrier()
+            if step == warmup:
+                tx0 = _eth0_tx_bytes()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = work.loss(model(x), y)
+            loss.backward()  # type: ignore[no-untyped-call]
+            opt.step()  # waits for the averaged gradients (synchronize), then SGD
+            dt = time.perf_counter() - t0
+            losses.append(float(loss))
+            if step >= warmup:
+                times.append(dt)
+                if stats is not None:
+                    last = stats.stats()["last_step"]
+                    enc_dec.append(last["encode_seconds"] + last["decode_seconds"])
+                    hook_bytes.append(int(last["bytes_sent"]))
+            progress()
+        hvd.barrier()
+        tx1 = _eth0_tx_bytes()
+    finally:
+        if hasattr(opt, "close"):
+            opt.close()
+    return {
+        "step_s": times,
+        "encode_decode_s": statistics.median(enc_dec) if enc_dec else None,
+        "hook_bytes": statistics.fmean(hook_bytes) if hook_bytes else None,
+        "eth0_tx_bytes": None if tx0 is None or tx1 is None else (tx1 - tx0) / steps,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    }
+
+
+def lab_worker_main(config_path: str) -> int:
+    """One Horovod worker of the lab: every row of ``cfg["horovod"]`` in turn; rank 0 writes the merged record."""
+    import horovod.torch as hvd
+
+    from sylvie_comm.bench.link import _merge
+    from sylvie_comm.bench.workloads import WORKLOADS
+
+    cfg = json.loads(Path(config_path).read_text())
+    torch.set_num_threads(1)
+    hvd.init()
+    rank, world = hvd.rank(), hvd.size()
+    progress_file = open(cfg["progress"], "a") if rank == 0 else None  # noqa: SIM115
+
+    def progress() -> None:
+        if progress_file is not None:
+            progress_file.write(".")
+            progress_file.flush()
+
+    try:
+        rows: dict[str, list[list[Any]]] = {name: [] for name in cfg["horovod"]}
+        for _ in range(int(cfg["rounds"])):
+            for name in cfg["horovod"]:
+                rows[name].append(hvd.allgather_object(_lab_row(name, cfg, progress), name=f"bench.{name}"))
+        batch = WORKLOADS[cfg["model"]].batch_size
+        merged = {name: _merge(name, rows[name], world, int(cfg["rank"]), batch) for name in cfg["horovod"]}
+        if rank == 0:
+            Path(cfg["result"]).write_text(json.dumps(merged))
+    finally:
+        if progress_file is not None:
+            progress_file.close()
+        hvd.shutdown()
+    return 0
 
 
 def _measure(label: str, rank_r: int, steps: int, warmup: int) -> dict[str, Any]:
@@ -90,7 +244,9 @@ def main(out: str, rank_r: int, steps: int, warmup: int) -> None:
 
 def run(rank: int = 4, steps: int = 5, warmup: int = 2, world: int = 2) -> dict[str, Any] | None:
     """Launch :func:`main` under horovodrun; its results, or None where Horovod is not installed."""
-    launcher = shutil.which("horovodrun")
+    from sylvie_comm.bench.lab import horovodrun_executable
+
+    launcher = horovodrun_executable()  # the one beside this Python (a venv's, not on PATH), else PATH's
     if launcher is None:
         return None
     with tempfile.TemporaryDirectory(prefix="sylvie-comm-bench-") as tmp:
@@ -117,4 +273,6 @@ def format_rows(res: dict[str, Any]) -> list[str]:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--lab-worker"]:
+        sys.exit(lab_worker_main(sys.argv[2]))
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

@@ -15,8 +15,20 @@ on the egress of both ends, so a worker sends and receives at the rate asked for
 namespaces the lab creates; the root namespace gets nothing.
 
 Workers are started with :meth:`Lab.spawn` (one rank) or :meth:`Lab.run` (all
-ranks, waited for with a bound on run time) with the ``torch.distributed``
-environment set (``MASTER_ADDR`` is worker 0's address, ``GLOO_SOCKET_IFNAME=eth0``).
+ranks, waited for with a bound on run time), by one of three launchers:
+
+* ``plain`` (default): ``argv`` itself in namespace i, with the ``torch.distributed``
+  environment set (``MASTER_ADDR`` is worker 0's address, ``RANK=i``, ``GLOO_SOCKET_IFNAME=eth0``);
+* ``torchrun``: in namespace i, ``torchrun --nnodes N --node-rank i --nproc-per-node 1
+  --master-addr <worker 0> --master-port P argv...`` (:meth:`Lab.torchrun_command`): the command
+  one runs on each of N machines, one static rendezvous at worker 0's address, rank i on node i;
+* ``horovodrun``: in namespace 0 only, ``horovodrun --gloo -np N -H <addr0>:1,<addr1>:1,...
+  --network-interface eth0 argv...`` (:meth:`Lab.horovodrun_command`), the command one runs on
+  the first of N machines. horovodrun reaches the other hosts with ``ssh HOST 'command'``; the
+  lab puts an ``ssh`` of its own first on horovodrun's PATH (:meth:`Lab.ssh_shim`) that runs the
+  command in the namespace that holds HOST's address (``ip netns exec``), as sshd would on HOST.
+
+Both launchers also start on the loopback fallback (``127.0.0.1``, interface ``lo``).
 
 The namespaces go when the lab closes: on exit, on an error, on SIGINT/SIGTERM
 (the handlers clean up, then hand the signal on). :func:`cleanup` removes what a
@@ -31,13 +43,16 @@ Example::
 
     with Lab(4, "1gbit") as lab:
         results = lab.run([sys.executable, "train.py"], timeout=600)
+        results = lab.run([sys.executable, "train.py"], timeout=600, launcher="torchrun")
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -67,7 +82,15 @@ LINK_RATES_BPS: dict[str, float | None] = {"100mbit": 100e6, "1gbit": 1e9, "10gb
 TBF_LATENCY = "50ms"
 MASTER_PORT = 29500  # free in a fresh namespace; the loopback fallback picks a free port instead
 GRACE_SECONDS = 10.0  # how long the other ranks get to exit after one fails
+LAUNCHERS = ("plain", "torchrun", "horovodrun")
+# Set by the lab for a plain rank; torchrun and horovodrun set what their workers need themselves.
+_DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+              "GROUP_RANK", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+              "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_GLOO_RENDEZVOUS_ADDR",
+              "HOROVOD_GLOO_RENDEZVOUS_PORT")  # fmt: skip
+_HVD_LINE = re.compile(r"^\[(\d+)\]<(?:stdout|stderr)>:(.*)$")
 _IP_TIMEOUT = 20.0  # seconds one ip/tc command may take
+NETNS_ETC = Path("/etc/netns")  # ip netns exec NS bind-mounts /etc/netns/NS/<file> over /etc/<file>
 
 
 class LabError(RuntimeError):
@@ -119,9 +142,34 @@ def _kill_namespace_processes(name: str) -> None:
 
 
 def _delete_namespace(name: str) -> bool:
-    """Kill the processes in namespace ``name`` and delete it (its veths and bridge go with it)."""
+    """Kill the processes in namespace ``name`` and delete it (its veths and bridge go with it) and its
+    ``/etc/netns/<name>`` (the hosts file ``ip netns exec`` shows there)."""
     _kill_namespace_processes(name)
-    return _ip("ip", "netns", "del", name, check=False).returncode == 0
+    deleted = _ip("ip", "netns", "del", name, check=False).returncode == 0
+    shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
+    return deleted
+
+
+def _hosts_file(address: str) -> str:
+    """An ``/etc/hosts`` for a worker whose host name resolves to its own ``eth0`` address.
+
+    Every namespace shares the host's name (one UTS namespace), which ``/etc/hosts`` usually maps to a
+    loopback address (127.0.0.1, or 127.0.1.1 on Debian). Programs that find their address from
+    their host name would then tell their peers 127.0.0.1: Horovod 0.28's gloo process-set contexts
+    do (``GlooContext::InitializeForProcessSet`` creates its device without the interface,
+    ignoring ``HOROVOD_GLOO_IFACE``), and ``hvd.init()`` aborts with ``connect [127.0.0.1]:PORT:
+    Connection refused``. A machine whose host name resolves to its network address is what they
+    expect; ``ip netns exec`` shows ``/etc/netns/<ns>/hosts`` as ``/etc/hosts``.
+    """
+    name = socket.gethostname()
+    names = {name, name.split(".")[0]}
+    try:
+        lines = Path("/etc/hosts").read_text().splitlines()
+    except OSError:
+        lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
+    kept = [ln for ln in lines if not names & set(ln.split("#", 1)[0].split()[1:])]
+    head = f"{address} {' '.join(sorted(names, key=len, reverse=True))}  # sylvie_comm lab: this worker's eth0"
+    return "\n".join([head, *kept]) + "\n"
 
 
 def _owner_alive(name: str) -> bool:
@@ -147,7 +195,12 @@ def cleanup(prefix: str = LAB_PREFIX, *, force: bool = False) -> list[str]:
     """
     if not prefix.startswith(LAB_PREFIX):
         raise ValueError(f"cleanup: prefix {prefix!r} must start with {LAB_PREFIX!r} (only labs' namespaces go)")
-    return [name for name in namespaces(prefix) if (force or not _owner_alive(name)) and _delete_namespace(name)]
+    removed = [name for name in namespaces(prefix) if (force or not _owner_alive(name)) and _delete_namespace(name)]
+    with contextlib.suppress(OSError):  # hosts files of namespaces already gone
+        for folder in NETNS_ETC.glob(f"{prefix}*"):
+            if (force or not _owner_alive(folder.name)) and folder.name not in namespaces(prefix):
+                shutil.rmtree(folder, ignore_errors=True)
+    return removed
 
 
 def unavailable_reason() -> str | None:
@@ -170,6 +223,60 @@ def _free_port() -> int:
 
 def _tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def check_launcher(launcher: str) -> str:
+    """``launcher`` if it names one of :data:`LAUNCHERS`; ValueError listing them otherwise."""
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"unknown launcher {launcher!r}; valid: {', '.join(LAUNCHERS)}")
+    return launcher
+
+
+def _process_tree(root: int) -> list[int]:
+    """``root`` and every process below it (from /proc; launchers start their workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def _kill_tree(root: int) -> None:
+    """SIGKILL ``root``'s process group and every process below it, with their groups."""
+    for pid in _process_tree(root):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)  # a group leader's group (torchrun's and horovodrun's workers lead theirs)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def split_horovod_output(text: str, workers: int) -> list[str]:
+    """horovodrun's output (lines ``[rank]<stdout>:...``) as each rank's own lines."""
+    out: list[list[str]] = [[] for _ in range(workers)]
+    for line in text.splitlines():
+        m = _HVD_LINE.match(line)
+        if m and int(m.group(1)) < workers:
+            out[int(m.group(1))].append(m.group(2))
+    return ["\n".join(lines) + ("\n" if lines else "") for lines in out]
+
+
+def horovodrun_executable() -> str | None:
+    """The ``horovodrun`` beside this Python (a virtual environment's), else the one on PATH; None without Horovod."""
+    beside = Path(sys.executable).parent / "horovodrun"
+    if beside.exists():
+        return str(beside)
+    return shutil.which("horovodrun")
 
 
 class Lab:
@@ -301,6 +408,9 @@ class Lab:
             _ip("ip", "-n", self.switch, "link", "set", port, "master", "br0")
             _ip("ip", "-n", self.switch, "link", "set", port, "up")
             _ip("ip", "-n", ns, "addr", "add", f"10.231.{self.subnet}.{i + 1}/24", "dev", "eth0")
+            with contextlib.suppress(OSError):  # best effort: only programs that resolve the host name need it
+                (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
+                (NETNS_ETC / ns / "hosts").write_text(_hosts_file(f"10.231.{self.subnet}.{i + 1}"))
             _ip("ip", "-n", ns, "link", "set", "eth0", "up")
             _ip("ip", "-n", ns, "link", "set", "lo", "up")
             if shape is not None:
@@ -311,21 +421,28 @@ class Lab:
 
     # ------------------------------------------------------------------ workers
 
-    def env(self, rank: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The environment of rank ``rank``: ``os.environ``, ``env``, then the torch.distributed variables."""
+    def env(self, rank: int, env: Mapping[str, str] | None = None, launcher: str = "plain") -> dict[str, str]:
+        """The environment of rank ``rank``: ``os.environ``, ``env``, then the lab's variables.
+
+        ``plain``: the torch.distributed variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+        ``WORLD_SIZE``, ``LOCAL_RANK``). ``torchrun`` and ``horovodrun``: none of those (the
+        launcher sets its workers' own; any inherited ones are dropped), and for horovodrun the
+        lab's ``ssh`` first on ``PATH``. All: ``OMP_NUM_THREADS=1``, ``GLOO_SOCKET_IFNAME``
+        (``eth0``; ``lo`` on loopback) and ``SYLVIE_LAB_LINK``/``SYLVIE_LAB_SHAPED``.
+        """
         self._check_rank(rank)
+        check_launcher(launcher)
         out = dict(os.environ)
         out.update(env or {})
-        out.update(
-            MASTER_ADDR=self.addresses[0],
-            MASTER_PORT=str(self.master_port),
-            RANK=str(rank),
-            WORLD_SIZE=str(self.workers),
-            LOCAL_RANK=str(rank),
-            OMP_NUM_THREADS="1",
-            SYLVIE_LAB_LINK=self.link,
-            SYLVIE_LAB_SHAPED="1" if self.shaped else "0",
-        )
+        if launcher == "plain":
+            out.update(MASTER_ADDR=self.addresses[0], MASTER_PORT=str(self.master_port), RANK=str(rank),
+                       WORLD_SIZE=str(self.workers), LOCAL_RANK=str(rank))  # fmt: skip
+        else:
+            for key in _DIST_VARS:
+                out.pop(key, None)
+        if launcher == "horovodrun" and self.shaped:
+            out["PATH"] = os.pathsep.join([str(self.ssh_shim().parent), out.get("PATH", os.defpath)])
+        out.update(OMP_NUM_THREADS="1", SYLVIE_LAB_LINK=self.link, SYLVIE_LAB_SHAPED="1" if self.shaped else "0")
         if self.shaped:
             out["GLOO_SOCKET_IFNAME"] = "eth0"
         elif Path("/sys/class/net/lo").exists():
@@ -334,22 +451,100 @@ class Lab:
             out.pop("GLOO_SOCKET_IFNAME", None)
         return out
 
-    def command(self, rank: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` as run in rank ``rank``'s namespace (unchanged on loopback)."""
+    @property
+    def interface(self) -> str:
+        """The workers' network interface: ``eth0`` in the lab, ``lo`` on loopback."""
+        return "eth0" if self.shaped else "lo"
+
+    def torchrun_command(self, rank: int, argv: Sequence[str]) -> list[str]:
+        """torchrun on node ``rank`` of N, one process per node, static rendezvous at worker 0's address.
+
+        ``argv`` is ``[sys.executable, script.py, args...]`` or ``[sys.executable, -m, module, args...]``
+        (torchrun runs it with this Python), or any other command (run with ``--no-python``). The
+        ``torchrun`` is ``sys.executable -m torch.distributed.run``, the same program.
+        """
         self._check_rank(rank)
+        argv = list(argv)
         if not argv:
             raise ValueError("Lab: empty command")
+        python = argv[0] == sys.executable and len(argv) > 1 and argv[1] != "-c"
+        script = argv[1:] if python else ["--no-python", *argv]
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.workers), "--node-rank",
+                str(rank), "--nproc-per-node", "1", "--master-addr", self.addresses[0], "--master-port",
+                str(self.master_port), *script]  # fmt: skip
+
+    def horovodrun_command(self, argv: Sequence[str]) -> list[str]:
+        """horovodrun over every worker, one slot each, gloo on the workers' interface (run in namespace 0)."""
+        if not argv:
+            raise ValueError("Lab: empty command")
+        exe = horovodrun_executable()
+        if exe is None:
+            raise LabError("Lab: horovodrun not found (pip install horovod with gloo)")
+        hosts = ",".join(f"{a}:1" for a in self.addresses) if self.shaped else f"127.0.0.1:{self.workers}"
+        # --disable-cache: horovodrun would otherwise remember under ~/.horovod that these addresses answered ssh.
+        return [exe, "--gloo", "-np", str(self.workers), "-H", hosts, "--network-interface", self.interface,
+                "--disable-cache", *argv]  # fmt: skip
+
+    def ssh_shim(self) -> Path:
+        """The lab's ``ssh`` (written once per lab): ``ssh [options] HOST COMMAND`` runs COMMAND with
+        ``/bin/sh -c`` in the namespace holding HOST's address, as sshd on HOST would; other hosts fail
+        (exit 255, as ssh does)."""
+        if self._logdir is None or not self.shaped:
+            raise LabError("Lab: the ssh shim needs an open lab with namespaces")
+        path = Path(self._logdir.name) / "bin" / "ssh"
+        if path.exists():
+            return path
+        cases = "\n".join(f"  {a}) ns={shlex.quote(ns)} ;;" for a, ns in zip(self.addresses, self.worker_namespaces,
+                                                                           strict=True))  # fmt: skip
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(f"""#!/bin/sh
+# sylvie_comm lab: "ssh [options] HOST COMMAND" runs COMMAND in the network namespace of HOST
+# (options may come before and after HOST, as horovodrun puts them: ssh -o A=b HOST -o C=d true)
+host=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -[BbcDEeFIiJLlmOoPpQRSWw]) shift 2 ;;
+    -*) shift ;;
+    *) [ -z "$host" ] || break; host=${{1#*@}}; shift ;;
+  esac
+done
+[ -n "$host" ] || {{ echo "lab ssh: no host" >&2; exit 255; }}
+case "$host" in
+{cases}
+  *) echo "lab ssh: $host is not a worker of this lab" >&2; exit 255 ;;
+esac
+exec ip netns exec "$ns" /bin/sh -c "$*"
+""")
+        path.chmod(0o755)
+        return path
+
+    def command(self, rank: int, argv: Sequence[str], launcher: str = "plain") -> list[str]:
+        """``argv`` as started for rank ``rank`` by ``launcher``, in its namespace (none on loopback)."""
+        self._check_rank(rank)
+        check_launcher(launcher)
+        if not argv:
+            raise ValueError("Lab: empty command")
+        if launcher == "torchrun":
+            argv = self.torchrun_command(rank, argv)
+        elif launcher == "horovodrun":
+            if rank != 0:
+                raise ValueError("Lab: horovodrun starts from worker 0 only (it starts every rank)")
+            argv = self.horovodrun_command(argv)
         if self.shaped:
             return ["ip", "netns", "exec", self.worker_namespaces[rank], *argv]
         return list(argv)
 
-    def spawn(self, rank: int, argv: Sequence[str], env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
-        """Start ``argv`` as rank ``rank`` (in its namespace); its output goes to a log :meth:`output` reads."""
+    def spawn(
+        self, rank: int, argv: Sequence[str], env: Mapping[str, str] | None = None, *, launcher: str = "plain"
+    ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` as rank ``rank`` (in its namespace) by ``launcher`` (see :meth:`run`); its output
+        goes to a log :meth:`output` reads."""
         if self._logdir is None or self._closed:
             raise LabError("Lab: spawn() needs an open lab (use it as a context manager)")
         old = self._procs.get(rank)
         if old is not None and old.poll() is None:
             raise LabError(f"Lab: rank {rank} is still running (pid {old.pid})")
+        cmd, full_env = self.command(rank, argv, launcher), self.env(rank, env, launcher)
         log = open(Path(self._logdir.name) / f"rank{rank}.log", "w+b")  # noqa: SIM115  # closed in close()
         if rank in self._logs:
             self._logs[rank].close()
@@ -357,8 +552,7 @@ class Lab:
         # A session of its own: the lab kills the whole process group, and a Ctrl-C meant for
         # the parent reaches the workers through the parent's cleanup, once.
         proc = subprocess.Popen(
-            self.command(rank, argv), env=self.env(rank, env), stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            cmd, env=full_env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         self._procs[rank] = proc
         return proc
@@ -377,6 +571,7 @@ class Lab:
         *,
         timeout: float = 600.0,
         poll: Callable[[], None] | None = None,
+        launcher: str = "plain",
     ) -> list[WorkerResult]:
         """Start every rank and wait for all of them, at most ``timeout`` seconds.
 
@@ -384,12 +579,27 @@ class Lab:
         second while waiting (a progress bar). Raises :class:`LabError` with the tail of
         every rank's output when one fails (the others get ``GRACE_SECONDS``, then are
         killed) or when the time is up (all are killed).
+
+        ``launcher``: ``plain`` starts ``argv`` as each rank; ``torchrun`` starts
+        :meth:`torchrun_command` in each namespace; ``horovodrun`` starts :meth:`horovodrun_command`
+        in namespace 0 (``argv`` and ``env`` of rank 0), which starts every rank. With horovodrun
+        each result holds that rank's lines of horovodrun's output (without the ``[i]<stdout>:``
+        prefixes) and horovodrun's exit status; :meth:`output` (0) has the whole of it.
         """
-        for rank in range(self.workers):
+        check_launcher(launcher)
+        for rank in [r for r, p in self._procs.items() if p.poll() is not None]:
+            del self._procs[rank]  # an earlier run's: this run waits for its own
+        for rank in range(1 if launcher == "horovodrun" else self.workers):
             a = argv(rank) if callable(argv) else argv
             e = env(rank) if callable(env) else env
-            self.spawn(rank, a, e)
-        return self.wait(timeout=timeout, poll=poll)
+            self.spawn(rank, a, e, launcher=launcher)
+        results = self.wait(timeout=timeout, poll=poll)
+        if launcher != "horovodrun":
+            return results
+        code = results[0].returncode
+        return [
+            WorkerResult(r, code, out) for r, out in enumerate(split_horovod_output(results[0].output, self.workers))
+        ]
 
     def wait(self, *, timeout: float = 600.0, poll: Callable[[], None] | None = None) -> list[WorkerResult]:
         """Wait for every spawned rank (see :meth:`run`)."""
@@ -426,11 +636,14 @@ class Lab:
         return results
 
     def kill(self) -> None:
-        """SIGKILL every process the lab started (their whole process groups)."""
+        """SIGKILL every process the lab started: their process groups, every process below them (torchrun's
+        and horovodrun's workers run in sessions of their own) and, in the lab, whatever runs in its namespaces."""
         for proc in self._procs.values():
             if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+                _kill_tree(proc.pid)
+        if self.shaped:
+            for name in self.worker_namespaces:
+                _kill_namespace_processes(name)
         for proc in self._procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)

@@ -2,7 +2,9 @@
 
 ``sylvie-comm bench ddp --link 1gbit --workers 4`` builds a :class:`~sylvie_comm.bench.lab.Lab`
 (N worker network namespaces behind a bridge, the link shaped with ``tc tbf`` both ways,
-or loopback where that cannot be built) and starts one process per worker. Each worker
+or loopback where that cannot be built) and starts one process per worker, with one
+``torchrun --nnodes N --node-rank i --nproc-per-node 1 --master-addr <worker 0>`` per worker
+namespace (``Lab.run(..., launcher="torchrun")``, the command one runs on N machines). Each worker
 joins one gloo process group and trains the 17.9M-parameter MLP of
 :mod:`sylvie_comm.bench.ddp` (batch 32 per worker, SGD with momentum 0.9) under every
 codec in turn, on the same seeds:
@@ -23,6 +25,12 @@ each worker's ``eth0`` per step (headers and gloo's control included; lab only),
 encode + decode seconds per step (ours), and the speedups, ratios of median step
 times, over S-SGD and over PyTorch's PowerSGD hook. On a machine whose cores are
 shared, ``--rounds 2`` runs the codecs twice, interleaved, and pools the steps.
+
+Where Horovod is installed (``--no-horovod``: not), the same lab then runs the Horovod rows of
+:mod:`sylvie_comm.bench.horovod` (Horovod's ``DistributedOptimizer`` in fp32, with
+``Compression.fp16`` and with our ``Compression.acpsgd``; ``sylvie_comm.horovod.DistributedOptimizer``
+with acpsgd and onebit) on the same workload, seeds and optimizer, started by one ``horovodrun -H
+<addr0>:1,...  --network-interface eth0`` from worker 0; the table's ``launcher`` column tells them apart.
 
 Example::
 
@@ -45,31 +53,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from sylvie_comm.bench.ddp import mlp_17m
-from sylvie_comm.bench.lab import Lab, check_link
+from sylvie_comm.bench.lab import Lab, LabError, check_link
+from sylvie_comm.bench.workloads import WORKLOADS, check_workload
 
 TORCH_CODECS: dict[str, str] = {
     "ddp": "DDP all-reduce (S-SGD)",
     "torch-fp16": "PyTorch fp16_compress_hook",
     "torch-powersgd": "PyTorch powerSGD_hook (1 bucket)",
 }
-BATCH = 32
-IN_FEATURES = 512
 HOOK_WARMUP = 2  # the hooks' uncompressed steps (PyTorch's start_powerSGD_iter, our warmup_steps)
 WARMUP = 3  # steps not measured: the hooks' warm-up and one compressed step
 LR = 0.01
 MOMENTUM = 0.9
-
-
-def small_mlp(seed: int = 0) -> nn.Module:
-    """A 0.2M-parameter MLP (512 -> 256 -> 256 -> 10) for quick checks of the benchmark itself."""
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN_FEATURES, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
-
-
-MODELS: dict[str, Callable[[int], nn.Module]] = {"mlp_17m": mlp_17m, "small": small_mlp}
 
 
 def all_codecs() -> list[str]:
@@ -94,8 +90,7 @@ def check_codecs(codecs: Sequence[str]) -> list[str]:
 
 
 def check_model(model: str) -> str:
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
+    check_workload(model)
     return model
 
 
@@ -103,6 +98,10 @@ def label(name: str, rank: int) -> str:
     """What a codec is, in words, for the table."""
     if name in TORCH_CODECS:
         return TORCH_CODECS[name].replace("(1 bucket)", f"r{rank}, 1 bucket")
+    from sylvie_comm.bench.horovod import LAB_ROWS, lab_label
+
+    if name in LAB_ROWS:
+        return lab_label(name, rank)
     from sylvie_comm.algorithms import ALGORITHMS
 
     low_rank = "rank" in ALGORITHMS[name].option_defaults
@@ -127,14 +126,14 @@ def _eth0_tx_bytes() -> int | None:
 
 def _run_codec(name: str, cfg: dict[str, Any], rank: int, world: int, progress: Callable[[], None]) -> dict[str, Any]:
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import sylvie_comm.ddp
     from sylvie_comm.algorithms import ALGORITHMS
 
     r = int(cfg["rank"])
-    model = MODELS[cfg["model"]](0)  # same weights for every codec
+    work = WORKLOADS[cfg["model"]]
+    model = work.model(0)  # same weights for every codec
     ddp = DDP(model, bucket_cap_mb=1024 if name == "torch-powersgd" else 25)
     state = None
     if name == "torch-fp16":
@@ -163,14 +162,13 @@ def _run_codec(name: str, cfg: dict[str, Any], rank: int, world: int, progress: 
     tx0 = None
     try:
         for step in range(warmup + steps):
-            x = torch.randn(BATCH, IN_FEATURES, generator=gen)
-            y = torch.randint(0, 10, (BATCH,), generator=gen)
+            x, y = work.batch(gen)
             dist.barrier()
             if step == warmup:
                 tx0 = _eth0_tx_bytes()
             t0 = time.perf_counter()
             opt.zero_grad()
-            loss = F.cross_entropy(ddp(x), y)
+            loss = work.loss(ddp(x), y)
             loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
             dt = time.perf_counter() - t0
@@ -199,7 +197,7 @@ def _run_codec(name: str, cfg: dict[str, Any], rank: int, world: int, progress: 
     }
 
 
-def _merge(name: str, rounds: list[list[dict[str, Any]]], world: int, rank: int) -> dict[str, Any]:
+def _merge(name: str, rounds: list[list[dict[str, Any]]], world: int, rank: int, batch: int) -> dict[str, Any]:
     """One codec's figures from every round's of every rank's: a step takes as long as its slowest rank."""
     per_round = [[max(col) for col in zip(*(p["step_s"] for p in per_rank), strict=True)] for per_rank in rounds]
     steps = [t for r in per_round for t in r]
@@ -222,7 +220,7 @@ def _merge(name: str, rounds: list[list[dict[str, Any]]], world: int, rank: int)
         "max_s": max(steps),
         "q1_s": q1,
         "q3_s": q3,
-        "samples_per_s": world * BATCH / med,
+        "samples_per_s": world * batch / med,
         "hook_bytes_per_step": mean("hook_bytes"),
         "eth0_tx_bytes_per_step": mean("eth0_tx_bytes"),
         "encode_decode_s": mean("encode_decode_s"),
@@ -256,7 +254,8 @@ def worker_main(config_path: str) -> int:
                 gathered: list[Any] = [None] * world
                 dist.all_gather_object(gathered, mine)
                 rounds[name].append(gathered)
-        codecs = {name: _merge(name, rounds[name], world, int(cfg["rank"])) for name in cfg["codecs"]}
+        batch = WORKLOADS[cfg["model"]].batch_size
+        codecs = {name: _merge(name, rounds[name], world, int(cfg["rank"]), batch) for name in cfg["codecs"]}
         if rank == 0:
             Path(cfg["result"]).write_text(json.dumps(codecs))
     finally:
@@ -314,8 +313,16 @@ def run(
     shaped: bool | None = None,
     echo: Callable[[str], None] | None = print,
     progress: bool = True,
+    horovod: bool | None = None,
+    horovod_rows: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Run every codec in one lab; return the full record (see the module's docstring).
+
+    The DDP codecs' workers are started by torchrun, one node per worker namespace
+    (``Lab.run(..., launcher="torchrun")``). ``horovod``: then run the Horovod rows
+    (``horovod_rows``, default :data:`sylvie_comm.bench.horovod.DEFAULT_LAB_ROWS`) on the same lab,
+    started by horovodrun from worker 0; None (default): when Horovod is installed (a failure of
+    theirs is reported in ``horovod_error``, the DDP rows are kept), True: required, False: not run.
 
     ``rounds`` > 1 runs the codecs that many times, interleaved (a b c a b c), and pools their steps.
     ``timeout`` bounds the whole run: past it every worker is killed and
@@ -337,12 +344,22 @@ def run(
             f"bench ddp --link: warmup must be >= {HOOK_WARMUP + 1} (got {warmup}): the hooks send plain "
             f"gradients for their first {HOOK_WARMUP} steps, which should not be measured"
         )
-    params = sum(p.numel() for p in MODELS[model](0).parameters())
+    from sylvie_comm.bench import horovod as bh
+
+    hvd_rows = bh.check_rows(list(horovod_rows) if horovod_rows is not None else bh.DEFAULT_LAB_ROWS)
+    hvd_skipped = "--no-horovod" if horovod is False else bh.available()
+    if horovod is True and hvd_skipped is not None:
+        raise ValueError(f"bench ddp --link --horovod: {hvd_skipped}")
+    if hvd_skipped is not None:
+        hvd_rows = []
+    elif warmup < HOOK_WARMUP + 1:  # as for the DDP hooks: the compressed rows' warm-up must not be measured
+        hvd_rows = [n for n in hvd_rows if n in ("hvd-fp32", "hvd-fp16")]
+    params = sum(p.numel() for p in WORKLOADS[model].model(0).parameters())
     from sylvie_comm.algorithms import ALGORITHMS
 
     auto = ALGORITHMS["auto"].option_defaults
     probes = auto["probe_steps"] * len({"none", *auto["candidates"]}) if "auto" in names else 0
-    total = rounds * (len(names) * (warmup + steps) + probes)
+    total = rounds * ((len(names) + len(hvd_rows)) * (warmup + steps) + probes)
     with tempfile.TemporaryDirectory(prefix="sylvie-link-") as tmp, Lab(workers, link, shaped=shaped, echo=echo) as lab:
         cfg: dict[str, Any] = {"codecs": names, "steps": steps, "warmup": warmup, "rounds": rounds, "model": model,
                "rank": rank,
@@ -364,16 +381,34 @@ def run(
                     bar.update(done - bar.n)
 
         t0 = time.perf_counter()
+        ddp_argv = [sys.executable, "-m", "sylvie_comm.bench.link", "--worker", str(cfg_path)]
+        hvd_argv = [sys.executable, "-m", "sylvie_comm.bench.horovod", "--lab-worker", str(Path(tmp) / "hvd.json")]
+        launch = {"torchrun": " ".join(lab.command(0, ddp_argv, "torchrun"))}
+        hvd_error = None
         try:
-            lab.run([sys.executable, "-m", "sylvie_comm.bench.link", "--worker", str(cfg_path)], timeout=timeout,
-                    poll=poll)  # fmt: skip
+            lab.run(ddp_argv, timeout=timeout, poll=poll, launcher="torchrun")
+            results = json.loads(Path(cfg["result"]).read_text())
+            for res in results.values():
+                res["launcher"] = "torchrun"
+            if hvd_rows:
+                hvd_cfg = {**cfg, "horovod": hvd_rows, "result": str(Path(tmp) / "result-hvd.json")}
+                Path(hvd_argv[-1]).write_text(json.dumps(hvd_cfg))
+                launch["horovodrun"] = " ".join(lab.command(0, hvd_argv, "horovodrun"))
+                try:
+                    left = max(1.0, timeout - (time.perf_counter() - t0))
+                    lab.run(hvd_argv, timeout=left, poll=poll, launcher="horovodrun")
+                    for name, res in json.loads(Path(hvd_cfg["result"]).read_text()).items():
+                        results[name] = {**res, "launcher": "horovodrun"}
+                except LabError as exc:
+                    if horovod is True:
+                        raise
+                    hvd_error = str(exc)
         finally:
             if bar is not None:
                 bar.close()
         wall = time.perf_counter() - t0
-        results = json.loads(Path(cfg["result"]).read_text())
         lab_info = {"shaped": lab.shaped, "fallback_reason": lab.fallback_reason, "banner": lab.banner,
-                    "namespaces": lab.worker_namespaces if lab.shaped else None}  # fmt: skip
+                    "namespaces": lab.worker_namespaces if lab.shaped else None, "launch": launch}  # fmt: skip
     baselines = _speedups(results)
     return {
         "benchmark": "ddp-link",
@@ -383,7 +418,8 @@ def run(
         "lab": lab_info,
         "model": model,
         "parameters": params,
-        "batch_per_worker": BATCH,
+        "batch_per_worker": WORKLOADS[model].batch_size,
+        "workload": WORKLOADS[model].describe,
         "optimizer": f"SGD lr={LR} momentum={MOMENTUM}",
         "rank": rank,
         "steps": steps,
@@ -399,6 +435,8 @@ def run(
             "the slowest rank's",
         ],
         "codecs": results,
+        "horovod_skipped": hvd_skipped,
+        "horovod_error": hvd_error,
     }
 
 
@@ -418,19 +456,22 @@ def format_table(rec: dict[str, Any]) -> str:
     base = rec["baselines"]
     r = rec.get("rounds", 1)
     rounds = f", x {r} rounds (codecs interleaved)" if r > 1 else ""
+    hvd = any(c.get("launcher") == "horovodrun" for c in rec["codecs"].values())
     lines = [
-        f"DDP on {where}, {rec['workers']} workers, {rec['model']} ({rec['parameters']:,} parameters), "
+        f"{'DDP and Horovod' if hvd else 'DDP'} on {where}, {rec['workers']} workers, {rec['model']} "
+        f"({rec['parameters']:,} parameters), "
         f"batch {rec['batch_per_worker']}/worker, {rec['optimizer']}, median of {rec['steps']} steps after "
         f"{rec['warmup']} warm-up{rounds}; {m['cpu_count']} CPUs ({m['cpu_model']}), torch {m['torch']}",
         "",
-        f"| codec | step s (median) | min-max s | samples/s | hook MB/step | eth0 MB/step | enc+dec s "
+        f"| codec | launcher | step s (median) | min-max s | samples/s | hook MB/step | eth0 MB/step | enc+dec s "
         f"| x S-SGD ({base['s-sgd'] or '-'}) | x torch PowerSGD |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in rec["codecs"].values():
         ed = "-" if c["encode_decode_s"] is None else f"{c['encode_decode_s']:.4f}"
         lines.append(
-            f"| {c['label']} | {c['median_s']:.3f} | {c['min_s']:.3f}-{c['max_s']:.3f} | {c['samples_per_s']:.1f} "
+            f"| {c['label']} | {c.get('launcher', '-')} | {c['median_s']:.3f} | {c['min_s']:.3f}-{c['max_s']:.3f} "
+            f"| {c['samples_per_s']:.1f} "
             f"| {_mb(c['hook_bytes_per_step'])} | {_mb(c['eth0_tx_bytes_per_step'])} | {ed} "
             f"| {_x(c['speedup_vs_ssgd'])} | {_x(c['speedup_vs_torch_powersgd'])} |"
         )
@@ -446,8 +487,20 @@ def format_table(rec: dict[str, Any]) -> str:
         "PyTorch's powerSGD_hook runs with one bucket (bucket_cap_mb=1024): with several buckets it aborts on gloo.",
         "auto: its probe steps (probe_steps x candidates, after the hooks' warm-up) are not measured; its choices "
         "are in the JSON.",
+        "launcher: torchrun (one node per worker, static rendezvous at worker 0) or horovodrun (-H one slot per "
+        "worker, gloo, from worker 0); the commands are in the JSON (lab.launch). Horovod rows: the same step, "
+        "opt.step() waiting for the averaged gradients; hook MB/step is what our compressor or optimizer reports.",
     ]
+    if rec.get("horovod_skipped"):
+        lines.append(f"no Horovod rows: {rec['horovod_skipped']}")
+    if rec.get("horovod_error"):
+        lines.append(f"the Horovod rows FAILED: {_tail_line(rec['horovod_error'])}")
     return "\n".join(lines)
+
+
+def _tail_line(text: str) -> str:
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return first + " (whole error in the JSON: horovod_error)"
 
 
 def save(rec: dict[str, Any], out: str | Path) -> Path:

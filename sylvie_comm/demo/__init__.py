@@ -1,4 +1,4 @@
-"""The demo: data-parallel training under three gradient hooks (and Horovod), then full-graph GNN training.
+"""The demo: data-parallel training under three gradient hooks (and Horovod), full-graph GNN training, a shaped link.
 
 Both workloads are modules of this package, each a command line that runs
 under torchrun or horovodrun (and in a single process without either)::
@@ -9,7 +9,10 @@ under torchrun or horovodrun (and in a single process without either)::
 
 ``examples/ddp_train.py`` and ``examples/gnn_full_graph.py`` are the same two
 commands as scripts. :func:`run` (``sylvie-comm demo``) launches them one
-configuration at a time and compares what rank 0 reports.
+configuration at a time and compares what rank 0 reports. Its last part runs the
+communication-heavy MLP on a network lab link (:mod:`sylvie_comm.bench.link`, 1 Gbit/s,
+4 workers in network namespaces when run as root, loopback otherwise, said so): S-SGD
+against ``acpsgd``, ``onebit`` and ``auto``, a table and a plot.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from sylvie_comm.demo.launch import horovodrun, torchrun
@@ -33,6 +37,8 @@ GNN_RUNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("fp32, synchronous", ()),
     ("1-bit, staleness 1", ("--bits-fwd", "1", "--bits-bwd", "1", "--staleness", "1")),
 )
+# The lab part: DDP's own all-reduce (S-SGD) against three of ours, on one shaped link.
+LAB_CODECS = ("ddp", "acpsgd", "onebit", "auto")
 
 
 def ddp_table(rows: list[dict[str, Any]]) -> str:
@@ -62,14 +68,34 @@ def gnn_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def lab_table(rec: dict[str, Any]) -> str:
+    """Step time, speedup over S-SGD and bytes per step of the lab part (a record of ``bench.link.run``)."""
+    lines = [f"   {'codec':<22}{'step s':>8}{'x S-SGD':>9}{'MB/step':>9}  chose"]
+    for name, c in rec["codecs"].items():
+        sent = c["eth0_tx_bytes_per_step"] if c["eth0_tx_bytes_per_step"] is not None else c["hook_bytes_per_step"]
+        mb = "-" if sent is None else f"{sent / 1e6:.2f}"
+        chose = ", ".join(sorted(set(c["auto_choices"].values()))) if c.get("auto_choices") else ""
+        speedup = "-" if c["speedup_vs_ssgd"] is None else f"{c['speedup_vs_ssgd']:.2f}x"
+        label = "S-SGD (DDP all-reduce)" if name == "ddp" else name
+        lines.append(f"   {label:<22}{c['median_s']:>8.3f}{speedup:>9}{mb:>9}  {chose}".rstrip())
+    return "\n".join(lines)
+
+
 def run(
     steps: int = 1000,
     nproc: int = 2,
     epochs: int = 100,
     gnn_nproc: int = 4,
     echo: Callable[[str], None] = print,
-) -> dict[str, list[dict[str, Any]]]:
-    """Run every configuration of both workloads; ``echo`` each section and table as it completes.
+    *,
+    lab: bool = True,
+    lab_link: str = "1gbit",
+    lab_workers: int = 4,
+    lab_steps: int = 8,
+    lab_model: str = "mlp_17m",
+    plot: str | Path | None = None,
+) -> dict[str, Any]:
+    """Run every configuration of both workloads, then the lab part; ``echo`` each section and table as it completes.
 
     Args:
         steps: DDP training steps per hook (default 1000).
@@ -77,11 +103,26 @@ def run(
         epochs: GNN epochs per configuration (default 100).
         gnn_nproc: GNN processes, one graph partition each (default 4).
         echo: receives the report, a few lines at a time.
+        lab: run the lab part (DDP on a shaped link; default True).
+        lab_link, lab_workers, lab_steps, lab_model: its link (``100mbit``, ``1gbit``, ``10gbit``,
+            ``none``), workers, measured steps per codec and workload (``mlp_17m``, ``lm``, ``small``).
+        plot: where the lab part saves its plot of speedup over S-SGD (PNG; None: no plot).
 
     Returns:
-        ``{"ddp": [...], "gnn": [...]}``: rank 0's results of each run, in order.
+        ``{"ddp": [...], "gnn": [...], "lab": record}``: rank 0's results of each run, in order,
+        and the lab's full record (``lab``: None when not run).
     """
-    results: dict[str, list[dict[str, Any]]] = {"ddp": [], "gnn": []}
+    from sylvie_comm.bench import link as bench_link
+    from sylvie_comm.bench.lab import check_link
+    from sylvie_comm.bench.workloads import check_workload
+
+    if lab:  # bad lab options fail before the first run, not after ten minutes of it
+        check_link(lab_link)
+        check_workload(lab_model)
+        for what, value in (("lab_workers", lab_workers), ("lab_steps", lab_steps)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"demo: {what} must be a positive integer, got {value!r}")
+    results: dict[str, Any] = {"ddp": [], "gnn": [], "lab": None}
     echo(f"1) data-parallel training: {nproc} processes (gloo), scikit-learn digits, {steps} steps, "
          "the same model and data under three gradient hooks")  # fmt: skip
     for codec, extra in DDP_RUNS:
@@ -105,4 +146,25 @@ def run(
             results["gnn"].append({"label": label, **r})
     echo("\n" + gnn_table(results["gnn"]))
     echo("\nMB: bytes rank 0 put on the wire (ring all-reduce/all-gather/all-to-all volumes).")
+    if not lab:
+        return results
+
+    echo(f"\n3) the same kind of training where the network is the bottleneck: {lab_workers} workers on a "
+         f"{lab_link} link, {lab_model}, S-SGD vs {', '.join(LAB_CODECS[1:])}")  # fmt: skip
+    rec = bench_link.run(lab_link, workers=lab_workers, steps=lab_steps, codecs=LAB_CODECS, model=lab_model,
+                         horovod=False, echo=lambda line: echo("   " + line), progress=False)  # fmt: skip
+    results["lab"] = rec
+    echo("\n" + lab_table(rec))
+    echo(
+        f"\n   step s: median of {lab_steps} steps after warm-up, the slowest worker's; MB/step: bytes that "
+        "left each worker's network interface per step (lab) or that the hook sent (loopback);"
+    )
+    echo(
+        "   auto times the candidates on its first steps, then keeps the fastest per fusion group "
+        "(its choices in the last column)."
+    )
+    if plot is not None:
+        path, said = bench_link.plot(rec, plot)
+        rec["plot"] = None if path is None else str(path)
+        echo(f"   {said}")
     return results

@@ -117,13 +117,26 @@ def qbit_decode(
     return out.copy_(result.view(out.shape))
 
 
-def _fused_cpu(*tensors: torch.Tensor | None) -> bool:
-    """Whether the fused CPU-only kernels take these tensors: built, all CPU, fp32 and contiguous."""
+def _fused(*tensors: torch.Tensor | None) -> bool:
+    """Whether the fused kernels take these tensors: fp32, contiguous, all on one device that has them.
+
+    CPU tensors take the CPU kernels where the extension is built; CUDA tensors take the CUDA
+    kernels where the extension was built with them (``_ops.WITH_CUDA_OPS``). Anything else
+    (another device, another dtype, a strided view, tensors on different devices) runs the
+    pure-torch reference.
+    """
     if not _ops.HAS_EXTENSION:
         return False
-    return all(
-        t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()) for t in tensors
-    )
+    present = [t for t in tensors if t is not None]
+    if not present:
+        return False
+    device = present[0].device
+    if device.type == "cuda":
+        if not _ops.WITH_CUDA_OPS:
+            return False
+    elif device.type != "cpu":
+        return False
+    return all(t.device == device and t.dtype == torch.float32 and t.is_contiguous() for t in present)
 
 
 def onebit_feedback_encode(
@@ -135,7 +148,7 @@ def onebit_feedback_encode(
     scales: torch.Tensor,
 ) -> None:
     """``residual += grad``; encode it into ``packed``/``scales`` (contiguous); ``residual -= decode``: one pass."""
-    if _fused_cpu(residual, grad, scales) and packed.is_contiguous():
+    if _fused(residual, grad, scales) and packed.is_contiguous():
         torch.ops.sylvie_comm.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales)
     else:
         reference.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales)
@@ -145,7 +158,7 @@ def lowrank_project(
     residual: torch.Tensor, grad: torch.Tensor | None, q: torch.Tensor, p: torch.Tensor, subtract: bool
 ) -> None:
     """``residual += grad``, ``p = residual q`` and (``subtract``) ``residual -= p q^T``: one pass."""
-    if _fused_cpu(residual, grad, q, p):
+    if _fused(residual, grad, q, p):
         torch.ops.sylvie_comm.lowrank_project(residual, grad, q, p, subtract)
     else:
         reference.lowrank_project(residual, grad, q, p, subtract)
@@ -153,7 +166,7 @@ def lowrank_project(
 
 def lowrank_gram(residual: torch.Tensor, grad: torch.Tensor | None, p: torch.Tensor, q: torch.Tensor) -> None:
     """``residual += grad``, ``q = residual^T p``: one pass."""
-    if _fused_cpu(residual, grad, p, q):
+    if _fused(residual, grad, p, q):
         torch.ops.sylvie_comm.lowrank_gram(residual, grad, p, q)
     else:
         reference.lowrank_gram(residual, grad, p, q)
@@ -161,7 +174,7 @@ def lowrank_gram(residual: torch.Tensor, grad: torch.Tensor | None, p: torch.Ten
 
 def lowrank_outer_into(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor, alpha: float, accumulate: bool) -> None:
     """``out = p (alpha q)^T`` (or ``+=`` with ``accumulate``), written in place: one pass."""
-    if _fused_cpu(out, p, q):
+    if _fused(out, p, q):
         torch.ops.sylvie_comm.lowrank_outer_into(out, p, q, alpha, accumulate)
     else:
         reference.lowrank_outer_into(out, p, q, alpha, accumulate)

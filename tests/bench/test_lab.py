@@ -134,6 +134,7 @@ def test_cleanup_removes_the_leftovers_of_a_killed_owner():
         assert owner.stdout is not None
         prefix, worker = owner.stdout.readline().split()
         assert len(bl.namespaces(prefix)) == 3
+        assert (bl.NETNS_ETC / f"{prefix}1" / "hosts").exists()  # the worker's host name -> its eth0
         assert bl.cleanup(prefix) == []  # the owner is alive: its lab is not a leftover
     finally:
         owner.kill()
@@ -141,8 +142,26 @@ def test_cleanup_removes_the_leftovers_of_a_killed_owner():
     assert len(bl.namespaces(prefix)) == 3  # SIGKILL left them behind
     assert {f"{prefix}{n}" for n in ("0", "1", "sw")} <= set(bl.cleanup())
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert prefix not in out
+    assert prefix not in out and not list(bl.NETNS_ETC.glob(f"{prefix}*"))
     assert _gone(int(worker))  # the worker in the namespace went with it
+
+
+@needs_netns
+def test_cleanup_removes_hosts_files_whose_namespace_is_gone():
+    dead = bl.NETNS_ETC / f"{LAB_PREFIX}999999999-dead-0"  # no such owner pid
+    dead.mkdir(parents=True)
+    (dead / "hosts").write_text("10.231.0.1 host\n")
+    bl.cleanup(f"{LAB_PREFIX}999999999-dead-")
+    assert not dead.exists()
+
+
+def test_hosts_file_names_this_host_at_the_workers_address_first():
+    import socket
+
+    text = bl._hosts_file("10.231.7.3")
+    first = text.splitlines()[0].split("#")[0].split()
+    assert first[0] == "10.231.7.3" and socket.gethostname() in first
+    assert not [ln for ln in text.splitlines()[1:] if socket.gethostname() in ln.split("#")[0].split()[1:]]
 
 
 def _gone(pid: int, wait: float = 5.0) -> bool:
