@@ -76,6 +76,15 @@ EOF
       esac
     done
     mkdir -p "$tmp/bin"
+    if [ -z "$cmake_bin" ]; then
+      # No CMake 3.13+ on this machine: a CMake 3 from PyPI, into the build's own folder
+      # (the wheel carries the binary under cmake/data/bin).
+      echo "horovod.sh: no CMake 3.13+ found, installing cmake<4 from PyPI for this build" >&2
+      if python -m pip install --quiet --target "$tmp/cmake3" "cmake>=3.13,<4"; then
+        c="$(find "$tmp/cmake3" -path '*/data/bin/cmake' -type f | head -n1)"
+        if [ -n "$c" ] && "$c" --version >/dev/null 2>&1; then cmake_bin="$c"; fi
+      fi
+    fi
     if [ -n "$cmake_bin" ]; then
       ln -s "$cmake_bin" "$tmp/bin/cmake"
     elif command -v cmake >/dev/null; then
