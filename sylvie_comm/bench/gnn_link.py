@@ -236,8 +236,9 @@ def run(
                                 bar.update(done - bar.n)
 
                     t0 = time.perf_counter()
+                    # Started as on N machines: torchrun, one node per namespace (see Lab.torchrun_command).
                     lab.run([sys.executable, "-m", "sylvie_comm.bench.gnn_link", "--worker", str(cfg_path)],
-                            timeout=timeout, poll=poll)  # fmt: skip
+                            timeout=timeout, poll=poll, launcher="torchrun")  # fmt: skip
                     wall = time.perf_counter() - t0
                     raw[link].append(json.loads(Path(cfg["result"]).read_text()))
                     lab_info = {"shaped": lab.shaped, "fallback_reason": lab.fallback_reason, "banner": lab.banner,
