@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -46,7 +45,7 @@ from typing import Any, NoReturn
 import torch
 
 from sylvie_comm.bench import gnn as bg
-from sylvie_comm.bench.lab import LINK_RATES_BPS, Lab, check_link
+from sylvie_comm.bench.lab import LINK_RATES_BPS, Lab, check_link, leave_worker
 from sylvie_comm.bench.link import machine
 
 DEFAULT_LINKS = ("100mbit", "1gbit", "none")
@@ -102,13 +101,7 @@ def worker_main(config_path: str) -> NoReturn:
         if progress_file is not None:
             progress_file.close()
         dist.destroy_process_group()
-    # Everything is closed and written. Leave without the interpreter's teardown: after trainers have run,
-    # about one exit in ten aborted there ("terminate called without an active exception": a gloo worker
-    # thread, still alive at Py_Finalize, released a collective's work holding a Python tensor and needed
-    # the GIL), and the lab reports a worker that aborts as a failed run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_worker(0)  # closed and written: skip the interpreter's teardown (see leave_worker)
 
 
 # ---------------------------------------------------------------------- driver side

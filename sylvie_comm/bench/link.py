@@ -50,11 +50,11 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from sylvie_comm.bench.lab import Lab, LabError, check_link
+from sylvie_comm.bench.lab import Lab, LabError, check_link, leave_worker
 from sylvie_comm.bench.workloads import WORKLOADS, check_workload
 
 TORCH_CODECS: dict[str, str] = {
@@ -229,7 +229,7 @@ def _merge(name: str, rounds: list[list[dict[str, Any]]], world: int, rank: int,
     }
 
 
-def worker_main(config_path: str) -> int:
+def worker_main(config_path: str) -> NoReturn:
     """One worker: every codec in turn on one process group; rank 0 writes the merged record."""
     import torch.distributed as dist
 
@@ -262,7 +262,7 @@ def worker_main(config_path: str) -> int:
         if progress_file is not None:
             progress_file.close()
         dist.destroy_process_group()
-    return 0
+    leave_worker(0)  # closed and written: skip the interpreter's teardown (see leave_worker)
 
 
 # ---------------------------------------------------------------------- driver side
@@ -539,12 +539,12 @@ def plot(rec: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
     return path, f"wrote {path}"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> NoReturn:
     parser = argparse.ArgumentParser(prog="python -m sylvie_comm.bench.link", description=__doc__)
     parser.add_argument("--worker", metavar="CONFIG", required=True, help="run one worker (started by the lab)")
     args = parser.parse_args(argv)
-    return worker_main(args.worker)
+    worker_main(args.worker)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
