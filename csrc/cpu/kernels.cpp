@@ -61,6 +61,9 @@ namespace avx512 {
 
 namespace {
 
+// Rows the low-rank kernels take at a time (each chunk of Q^T is loaded once for all of them).
+constexpr int64_t kLowRankRows = SC_LR_ROWS;
+
 struct Impl {
   const char* name;
   decltype(&base::onebit_encode_f32) onebit_encode;
@@ -70,25 +73,25 @@ struct Impl {
   decltype(&base::qbit_dequantize_f32) dequantize;
   decltype(&base::pack_f) pack;
   decltype(&base::unpack_f) unpack;
-  decltype(&base::lowrank_project_row_f32) lr_project;
+  decltype(&base::lowrank_project_rows_f32) lr_project;
   decltype(&base::lowrank_gram_tile_f32) lr_gram;
-  decltype(&base::lowrank_outer_row_f32) lr_outer;
+  decltype(&base::lowrank_outer_rows_f32) lr_outer;
   decltype(&base::add_into_f32) add_into;
   decltype(&base::onebit_residual_f32) onebit_residual;
 };
 
 const Impl kBase{"baseline",         base::onebit_encode_f32, base::onebit_decode_f32, base::minmax_f32,
                  base::qbit_quantize_f32, base::qbit_dequantize_f32, base::pack_f, base::unpack_f,
-                 base::lowrank_project_row_f32, base::lowrank_gram_tile_f32, base::lowrank_outer_row_f32,
+                 base::lowrank_project_rows_f32, base::lowrank_gram_tile_f32, base::lowrank_outer_rows_f32,
                  base::add_into_f32, base::onebit_residual_f32};
 #if SC_HAVE_AVX2_BUILD
 const Impl kAvx2{"avx2",             avx2::onebit_encode_f32, avx2::onebit_decode_f32, avx2::minmax_f32,
                  avx2::qbit_quantize_f32, avx2::qbit_dequantize_f32, avx2::pack_f, avx2::unpack_f,
-                 avx2::lowrank_project_row_f32, avx2::lowrank_gram_tile_f32, avx2::lowrank_outer_row_f32,
+                 avx2::lowrank_project_rows_f32, avx2::lowrank_gram_tile_f32, avx2::lowrank_outer_rows_f32,
                  avx2::add_into_f32, avx2::onebit_residual_f32};
 const Impl kAvx512{"avx512",       avx512::onebit_encode_f32, avx512::onebit_decode_f32, avx512::minmax_f32,
                    avx512::qbit_quantize_f32, avx512::qbit_dequantize_f32, avx512::pack_f, avx512::unpack_f,
-                   avx512::lowrank_project_row_f32, avx512::lowrank_gram_tile_f32, avx512::lowrank_outer_row_f32,
+                   avx512::lowrank_project_rows_f32, avx512::lowrank_gram_tile_f32, avx512::lowrank_outer_rows_f32,
                    avx512::add_into_f32, avx512::onebit_residual_f32};
 #endif
 
@@ -506,8 +509,11 @@ void lowrank_project_cpu(const at::Tensor& residual, const c10::optional<at::Ten
   float* pp = p.data_ptr<float>();
   const Impl& f = impl();
   at::parallel_for(0, n, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(k, 1)), [&](int64_t b, int64_t end) {
-    for (int64_t i = b; i < end; ++i)
-      f.lr_project(e + i * k, g == nullptr ? nullptr : g + i * k, k, qt.data(), ldq, r, rp, pp + i * r, subtract);
+    for (int64_t i = b; i < end; i += kLowRankRows) {
+      const int64_t nb = std::min<int64_t>(kLowRankRows, end - i);
+      f.lr_project(e + i * k, g == nullptr ? nullptr : g + i * k, k, nb, k, qt.data(), ldq, r, rp, pp + i * r,
+                   subtract);
+    }
   });
 }
 
@@ -519,9 +525,10 @@ void lowrank_gram_cpu(const at::Tensor& residual, const c10::optional<at::Tensor
   TORCH_CHECK(p.size(0) == n && q.size(0) == k, op, ": residual ", residual.sizes(), " needs p of ", n,
               " rows and q of ", k, " rows, got ", p.sizes(), " and ", q.sizes());
   // Column tiles: each element of Q^T sums the rows in order whatever the tiling, so any thread count
-  // gives the same bits. A tile's accumulators (r x width floats) stay within 64 KiB.
+  // gives the same bits. A tile's accumulators (r x width floats) stay within 16 KiB, half of a
+  // common L1, so they stay there while the rows stream past.
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  int64_t width = std::max<int64_t>(64, (16384 / r) / 16 * 16);
+  int64_t width = std::max<int64_t>(64, (4096 / r) / 16 * 16);
   width = std::min(width, std::max<int64_t>(16, ((k + threads - 1) / threads + 15) / 16 * 16));
   const int64_t tiles = (k + width - 1) / width;
   const int64_t ldq = padded_stride(k);
@@ -554,7 +561,10 @@ void lowrank_outer_into_cpu(const at::Tensor& out, const at::Tensor& p, const at
   const float* pp = p.data_ptr<float>();
   const Impl& f = impl();
   at::parallel_for(0, n, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(k, 1)), [&](int64_t b, int64_t end) {
-    for (int64_t i = b; i < end; ++i) f.lr_outer(o + i * k, pp + i * r, qt.data(), k, ldq, r, accumulate, false);
+    for (int64_t i = b; i < end; i += kLowRankRows) {
+      const int64_t nb = std::min<int64_t>(kLowRankRows, end - i);
+      f.lr_outer(o + i * k, k, nb, pp + i * r, qt.data(), k, ldq, r, accumulate, false);
+    }
   });
 }
 

@@ -80,7 +80,7 @@ def test_outer(isa: str, n: int, k: int, r: int, alpha: float, accumulate: bool)
     _ops.set_cpu_isa(isas()[-1])
 
 
-@pytest.mark.parametrize(("n", "k", "r"), [(300, 500, 4), (64, 2048, 3)])
+@pytest.mark.parametrize(("n", "k", "r"), [(300, 500, 4), (64, 2048, 3), (131, 77, 5), (7, 2049, 8), (3, 33, 1)])
 def test_same_bits_every_isa_and_thread_count(n: int, k: int, r: int) -> None:
     e, m, q, p = data(n, k, r, seed=3)
     results = []
