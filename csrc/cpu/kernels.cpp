@@ -479,28 +479,10 @@ std::vector<float> transposed(const at::Tensor& q, int64_t rp, int64_t ldq, floa
   return qt;
 }
 
-void lowrank_checks(const at::Tensor& mat, const c10::optional<at::Tensor>& grad, const at::Tensor& a,
-                    const at::Tensor& b, const char* op, const char* a_name, const char* b_name) {
-  checks::f32_contiguous(mat, kCPU, op, "residual");
-  TORCH_CHECK(mat.dim() == 2, op, ": expected a 2-D residual, got shape ", mat.sizes());
-  if (grad.has_value() && grad->defined()) {
-    checks::f32_contiguous(*grad, kCPU, op, "grad");
-    TORCH_CHECK(grad->numel() == mat.numel(), op, ": grad has ", grad->numel(), " elements, residual ",
-                mat.numel());
-  }
-  checks::f32_contiguous(a, kCPU, op, a_name);
-  checks::f32_contiguous(b, kCPU, op, b_name);
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1) && a.size(1) > 0, op, ": ", a_name, " and ",
-              b_name, " must be 2-D with the same number (> 0) of columns, got ", a.sizes(), " and ", b.sizes());
-}
-
 void lowrank_project_cpu(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& q,
                          const at::Tensor& p, bool subtract) {
-  const char* op = "lowrank_project";
-  lowrank_checks(residual, grad, q, p, op, "q", "p");
+  checks::lowrank_project(residual, grad, q, p, kCPU);
   const int64_t n = residual.size(0), k = residual.size(1), r = q.size(1);
-  TORCH_CHECK(q.size(0) == k && p.size(0) == n, op, ": residual ", residual.sizes(), " needs q of ", k,
-              " rows and p of ", n, " rows, got ", q.sizes(), " and ", p.sizes());
   const int64_t rp = (r + 3) / 4 * 4;
   const int64_t ldq = padded_stride(k);
   const std::vector<float> qt = transposed(q, rp, ldq, 1.0f);
@@ -519,11 +501,8 @@ void lowrank_project_cpu(const at::Tensor& residual, const c10::optional<at::Ten
 
 void lowrank_gram_cpu(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& p,
                       const at::Tensor& q) {
-  const char* op = "lowrank_gram";
-  lowrank_checks(residual, grad, p, q, op, "p", "q");
+  checks::lowrank_gram(residual, grad, p, q, kCPU);
   const int64_t n = residual.size(0), k = residual.size(1), r = p.size(1);
-  TORCH_CHECK(p.size(0) == n && q.size(0) == k, op, ": residual ", residual.sizes(), " needs p of ", n,
-              " rows and q of ", k, " rows, got ", p.sizes(), " and ", q.sizes());
   // Column tiles: each element of Q^T sums the rows in order whatever the tiling, so any thread count
   // gives the same bits. A tile's accumulators (r x width floats) stay within 16 KiB, half of a
   // common L1, so they stay there while the rows stream past.
@@ -550,11 +529,8 @@ void lowrank_gram_cpu(const at::Tensor& residual, const c10::optional<at::Tensor
 
 void lowrank_outer_into_cpu(const at::Tensor& out, const at::Tensor& p, const at::Tensor& q, double alpha,
                             bool accumulate) {
-  const char* op = "lowrank_outer_into";
-  lowrank_checks(out, c10::nullopt, p, q, op, "p", "q");
+  checks::lowrank_outer_into(out, p, q, kCPU);
   const int64_t n = out.size(0), k = out.size(1), r = p.size(1);
-  TORCH_CHECK(p.size(0) == n && q.size(0) == k, op, ": out ", out.sizes(), " needs p of ", n, " rows and q of ",
-              k, " rows, got ", p.sizes(), " and ", q.sizes());
   const int64_t ldq = padded_stride(k);
   const std::vector<float> qt = transposed(q, r, ldq, static_cast<float>(alpha));
   float* o = out.data_ptr<float>();

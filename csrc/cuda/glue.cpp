@@ -199,31 +199,11 @@ void onebit_feedback_encode_cuda(const at::Tensor& residual, const c10::optional
   check_launch(err, op);
 }
 
-void lowrank_checks(const at::Tensor& mat, const c10::optional<at::Tensor>& grad, const at::Tensor& a,
-                    const at::Tensor& b, const char* op, const char* a_name, const char* b_name) {
-  checks::f32_contiguous(mat, kCUDA, op, "residual");
-  TORCH_CHECK(mat.dim() == 2, op, ": expected a 2-D residual, got shape ", mat.sizes());
-  if (has_tensor(grad)) {
-    checks::f32_contiguous(*grad, kCUDA, op, "grad");
-    TORCH_CHECK(grad->numel() == mat.numel(), op, ": grad has ", grad->numel(), " elements, residual ",
-                mat.numel());
-    check_same_device(*grad, mat, "grad", op);
-  }
-  checks::f32_contiguous(a, kCUDA, op, a_name);
-  checks::f32_contiguous(b, kCUDA, op, b_name);
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1) && a.size(1) > 0, op, ": ", a_name, " and ",
-              b_name, " must be 2-D with the same number (> 0) of columns, got ", a.sizes(), " and ", b.sizes());
-  check_same_device(a, mat, a_name, op);
-  check_same_device(b, mat, b_name, op);
-}
-
 void lowrank_project_cuda(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& q,
                           const at::Tensor& p, bool subtract) {
   const char* op = "lowrank_project";
-  lowrank_checks(residual, grad, q, p, op, "q", "p");
+  checks::lowrank_project(residual, grad, q, p, kCUDA);
   const int64_t n = residual.size(0), k = residual.size(1), r = q.size(1);
-  TORCH_CHECK(q.size(0) == k && p.size(0) == n, op, ": residual ", residual.sizes(), " needs q of ", k,
-              " rows and p of ", n, " rows, got ", q.sizes(), " and ", p.sizes());
   c10::cuda::CUDAGuard device_guard(residual.device());
   cudaError_t err = lowrank_project(residual.data_ptr<float>(), has_tensor(grad) ? grad->data_ptr<float>() : nullptr,
                                     n, k, q.data_ptr<float>(), r, p.data_ptr<float>(), subtract,
@@ -234,10 +214,8 @@ void lowrank_project_cuda(const at::Tensor& residual, const c10::optional<at::Te
 void lowrank_gram_cuda(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& p,
                        const at::Tensor& q) {
   const char* op = "lowrank_gram";
-  lowrank_checks(residual, grad, p, q, op, "p", "q");
+  checks::lowrank_gram(residual, grad, p, q, kCUDA);
   const int64_t n = residual.size(0), k = residual.size(1), r = p.size(1);
-  TORCH_CHECK(p.size(0) == n && q.size(0) == k, op, ": residual ", residual.sizes(), " needs p of ", n,
-              " rows and q of ", k, " rows, got ", p.sizes(), " and ", q.sizes());
   c10::cuda::CUDAGuard device_guard(residual.device());
   // Fp32 partial sums of row slabs when the rows are split (empty otherwise).
   at::Tensor workspace = at::empty({lowrank_gram_workspace_bytes(n, k, r)}, residual.options().dtype(at::kByte));
@@ -251,10 +229,8 @@ void lowrank_gram_cuda(const at::Tensor& residual, const c10::optional<at::Tenso
 void lowrank_outer_into_cuda(const at::Tensor& out, const at::Tensor& p, const at::Tensor& q, double alpha,
                              bool accumulate) {
   const char* op = "lowrank_outer_into";
-  lowrank_checks(out, c10::nullopt, p, q, op, "p", "q");
+  checks::lowrank_outer_into(out, p, q, kCUDA);
   const int64_t n = out.size(0), k = out.size(1), r = p.size(1);
-  TORCH_CHECK(p.size(0) == n && q.size(0) == k, op, ": out ", out.sizes(), " needs p of ", n, " rows and q of ",
-              k, " rows, got ", p.sizes(), " and ", q.sizes());
   c10::cuda::CUDAGuard device_guard(out.device());
   cudaError_t err = lowrank_outer_into(out.data_ptr<float>(), n, k, p.data_ptr<float>(), q.data_ptr<float>(), r,
                                        static_cast<float>(alpha), accumulate, at::cuda::getCurrentCUDAStream());

@@ -114,5 +114,59 @@ inline void decode_alloc(at::ScalarType dtype, int64_t count, const char* what, 
   TORCH_CHECK(count >= 0, op, ": ", what, " must be >= 0, got ", count);
 }
 
+// The low-rank ops: a 2-D fp32 contiguous residual (or output) `mat`, an optional grad of as many
+// elements, and the factors `a` and `b`: 2-D, fp32, contiguous, the same number (> 0) of columns;
+// every tensor on mat's device, of type `type`.
+inline void lowrank(const at::Tensor& mat, const c10::optional<at::Tensor>& grad, const at::Tensor& a,
+                    const at::Tensor& b, c10::DeviceType type, const char* op, const char* a_name, const char* b_name) {
+  auto same_device = [&](const at::Tensor& t, const char* what) {
+    TORCH_CHECK(t.device() == mat.device(), op, ": ", what, " must be on ", mat.device(), ", got ", t.device());
+  };
+  f32_contiguous(mat, type, op, "residual");
+  TORCH_CHECK(mat.dim() == 2, op, ": expected a 2-D residual, got shape ", mat.sizes());
+  if (grad.has_value() && grad->defined()) {
+    f32_contiguous(*grad, type, op, "grad");
+    TORCH_CHECK(grad->numel() == mat.numel(), op, ": grad has ", grad->numel(), " elements, residual ",
+                mat.numel());
+    same_device(*grad, "grad");
+  }
+  f32_contiguous(a, type, op, a_name);
+  f32_contiguous(b, type, op, b_name);
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1) && a.size(1) > 0, op, ": ", a_name, " and ",
+              b_name, " must be 2-D with the same number (> 0) of columns, got ", a.sizes(), " and ", b.sizes());
+  same_device(a, a_name);
+  same_device(b, b_name);
+}
+
+// lowrank_project(residual, grad, q, p): q is (cols x r), p (rows x r).
+inline void lowrank_project(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& q,
+                            const at::Tensor& p, c10::DeviceType type) {
+  const char* op = "lowrank_project";
+  lowrank(residual, grad, q, p, type, op, "q", "p");
+  const int64_t n = residual.size(0), k = residual.size(1);
+  TORCH_CHECK(q.size(0) == k && p.size(0) == n, op, ": residual ", residual.sizes(), " needs q of ", k,
+              " rows and p of ", n, " rows, got ", q.sizes(), " and ", p.sizes());
+}
+
+// lowrank_gram(residual, grad, p, q): p is (rows x r), q (cols x r).
+inline void lowrank_gram(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& p,
+                         const at::Tensor& q, c10::DeviceType type) {
+  const char* op = "lowrank_gram";
+  lowrank(residual, grad, p, q, type, op, "p", "q");
+  const int64_t n = residual.size(0), k = residual.size(1);
+  TORCH_CHECK(p.size(0) == n && q.size(0) == k, op, ": residual ", residual.sizes(), " needs p of ", n,
+              " rows and q of ", k, " rows, got ", p.sizes(), " and ", q.sizes());
+}
+
+// lowrank_outer_into(out, p, q): p is (rows x r), q (cols x r).
+inline void lowrank_outer_into(const at::Tensor& out, const at::Tensor& p, const at::Tensor& q,
+                               c10::DeviceType type) {
+  const char* op = "lowrank_outer_into";
+  lowrank(out, c10::nullopt, p, q, type, op, "p", "q");
+  const int64_t n = out.size(0), k = out.size(1);
+  TORCH_CHECK(p.size(0) == n && q.size(0) == k, op, ": out ", out.sizes(), " needs p of ", n, " rows and q of ",
+              k, " rows, got ", p.sizes(), " and ", q.sizes());
+}
+
 }  // namespace checks
 }  // namespace sylvie_comm
