@@ -157,6 +157,7 @@ def _bench_gnn_link(args: argparse.Namespace) -> int:
     """``bench gnn --link``: every halo setting on every link, one lab per link (sylvie_comm.bench.gnn_link)."""
     from sylvie_comm.bench import gnn_link as gl
     from sylvie_comm.bench import lab as bl
+    from sylvie_comm.bench import link as bk
 
     if args.cleanup:
         removed = bl.cleanup()
@@ -172,7 +173,7 @@ def _bench_gnn_link(args: argparse.Namespace) -> int:
         return 1
     table = gl.format_table(rec)
     print(table)
-    print(f"\nwrote {gl.save(rec, out)}")
+    print(f"\nwrote {bk.save(rec, out)}")
     out.with_suffix(".md").write_text(table + "\n")
     print(f"wrote {out.with_suffix('.md')}")
     _png, message = gl.plot(rec, out.with_suffix(".png"))

@@ -46,7 +46,7 @@ import torch
 
 from sylvie_comm.bench import gnn as bg
 from sylvie_comm.bench.lab import LINK_RATES_BPS, Lab, check_link, leave_worker
-from sylvie_comm.bench.link import machine
+from sylvie_comm.bench.link import NO_MATPLOTLIB, machine, pyplot, save_figure
 
 DEFAULT_LINKS = ("100mbit", "1gbit", "none")
 GOAL_SETTING, GOAL_LINK, GOAL_RATIO = "sylvie", "100mbit", 1.1
@@ -334,23 +334,11 @@ def format_table(rec: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def save(rec: dict[str, Any], out: str | Path) -> Path:
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(rec, indent=2))
-    return path
-
-
 def plot(rec: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
     """Stacked bars per link and setting: compute and exposed halo wait (PNG); ``(None, why)`` without matplotlib."""
-    import importlib
-
-    try:
-        mpl = importlib.import_module("matplotlib")
-    except ImportError:
-        return None, "matplotlib is not installed: no plot (pip install matplotlib to get one)"
-    mpl.use("Agg")
-    plt = importlib.import_module("matplotlib.pyplot")
+    plt = pyplot()
+    if plt is None:
+        return None, NO_MATPLOTLIB
     links = list(rec["results"])
     names = rec["settings"]
     fig, axes = plt.subplots(1, len(links), figsize=(3.2 * len(links) + 1, 4), sharey=True, squeeze=False)
@@ -371,11 +359,7 @@ def plot(rec: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
     axes[0][-1].legend(fontsize=7)
     fig.suptitle(f"GNN, {rec['graph']['num_nodes']:,} nodes, {rec['workers']} workers")
     fig.tight_layout()
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path, f"wrote {path}"
+    return save_figure(plt, fig, out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -90,7 +90,7 @@ def _lab_row(name: str, cfg: dict[str, Any], progress: Callable[[], None]) -> di
     import horovod.torch as hvd
 
     import sylvie_comm.horovod as sh
-    from sylvie_comm.bench.link import HOOK_WARMUP, LR, MOMENTUM, _eth0_tx_bytes
+    from sylvie_comm.bench.link import HOOK_WARMUP, LR, MOMENTUM, measure_steps
     from sylvie_comm.bench.workloads import WORKLOADS
 
     r = int(cfg["rank"])
@@ -110,45 +110,12 @@ def _lab_row(name: str, cfg: dict[str, Any], progress: Callable[[], None]) -> di
         opt = stats = sh.DistributedOptimizer(base, model.named_parameters(), codec, warmup_steps=HOOK_WARMUP,
                                               **opts)  # fmt: skip
     gen = torch.Generator().manual_seed(1000 + hvd.rank())  # the DDP rows' data
-    warmup, steps = int(cfg["warmup"]), int(cfg["steps"])
-    times: list[float] = []
-    enc_dec: list[float] = []
-    hook_bytes: list[int] = []
-    losses: list[float] = []
-    tx0 = None
     try:
-        for step in range(warmup + steps):
-            x, y = work.batch(gen)
-            hvd.barrier()
-            if step == warmup:
-                tx0 = _eth0_tx_bytes()
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            loss = work.loss(model(x), y)
-            loss.backward()  # type: ignore[no-untyped-call]
-            opt.step()  # waits for the averaged gradients (synchronize), then SGD
-            dt = time.perf_counter() - t0
-            losses.append(float(loss))
-            if step >= warmup:
-                times.append(dt)
-                if stats is not None:
-                    last = stats.stats()["last_step"]
-                    enc_dec.append(last["encode_seconds"] + last["decode_seconds"])
-                    hook_bytes.append(int(last["bytes_sent"]))
-            progress()
-        hvd.barrier()
-        tx1 = _eth0_tx_bytes()
+        return measure_steps(model, opt, work, gen, int(cfg["warmup"]), int(cfg["steps"]), hvd.barrier, stats,
+                             progress)  # fmt: skip
     finally:
         if hasattr(opt, "close"):
             opt.close()
-    return {
-        "step_s": times,
-        "encode_decode_s": statistics.median(enc_dec) if enc_dec else None,
-        "hook_bytes": statistics.fmean(hook_bytes) if hook_bytes else None,
-        "eth0_tx_bytes": None if tx0 is None or tx1 is None else (tx1 - tx0) / steps,
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
-    }
 
 
 def lab_worker_main(config_path: str) -> int:

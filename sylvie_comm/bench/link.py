@@ -155,39 +155,50 @@ def _run_codec(name: str, cfg: dict[str, Any], rank: int, world: int, progress: 
     warmup, steps = int(cfg["warmup"]), int(cfg["steps"])
     if name == "auto" and state is not None:  # its probe steps are warm-up too: measure the choice it settles on
         warmup += state.algorithm.options["probe_steps"] * len(state.algorithm.names)
+    try:
+        rec = measure_steps(ddp, opt, work, gen, warmup, steps, dist.barrier, state, progress)
+        extra = {"auto": state.stats()["auto"]} if name == "auto" and state is not None else {}
+    finally:
+        if state is not None:
+            state.close()
+    return {**extra, **rec}
+
+
+def measure_steps(model: Any, opt: Any, work: Any, gen: torch.Generator, warmup: int, steps: int,
+                  barrier: Callable[[], Any], stats: Any, progress: Callable[[], None]) -> dict[str, Any]:  # fmt: skip
+    """``warmup + steps`` training steps, each after ``barrier()``; the figures of the last ``steps``.
+
+    A step is ``zero_grad``, forward, backward and ``opt.step()`` (which, for DDP and Horovod alike,
+    includes the wait for the averaged gradients). ``stats``: an object whose ``stats()["last_step"]``
+    reports our encode/decode seconds and bytes (None for PyTorch's and Horovod's own).
+    """
     times: list[float] = []
     enc_dec: list[float] = []
     hook_bytes: list[int] = []
     losses: list[float] = []
     tx0 = None
-    try:
-        for step in range(warmup + steps):
-            x, y = work.batch(gen)
-            dist.barrier()
-            if step == warmup:
-                tx0 = _eth0_tx_bytes()
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            loss = work.loss(ddp(x), y)
-            loss.backward()  # type: ignore[no-untyped-call]
-            opt.step()
-            dt = time.perf_counter() - t0
-            losses.append(float(loss))
-            if step >= warmup:
-                times.append(dt)
-                if state is not None:
-                    last = state.stats()["last_step"]
-                    enc_dec.append(last["encode_seconds"] + last["decode_seconds"])
-                    hook_bytes.append(int(last["bytes_sent"]))
-            progress()
-        dist.barrier()
-        tx1 = _eth0_tx_bytes()
-        extra = {"auto": state.stats()["auto"]} if name == "auto" and state is not None else {}
-    finally:
-        if state is not None:
-            state.close()
+    for step in range(warmup + steps):
+        x, y = work.batch(gen)
+        barrier()
+        if step == warmup:
+            tx0 = _eth0_tx_bytes()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = work.loss(model(x), y)
+        loss.backward()
+        opt.step()
+        dt = time.perf_counter() - t0
+        losses.append(float(loss))
+        if step >= warmup:
+            times.append(dt)
+            if stats is not None:
+                last = stats.stats()["last_step"]
+                enc_dec.append(last["encode_seconds"] + last["decode_seconds"])
+                hook_bytes.append(int(last["bytes_sent"]))
+        progress()
+    barrier()
+    tx1 = _eth0_tx_bytes()
     return {
-        **extra,
         "step_s": times,
         "encode_decode_s": statistics.median(enc_dec) if enc_dec else None,
         "hook_bytes": statistics.fmean(hook_bytes) if hook_bytes else None,  # mean, as eth0's: total / steps
@@ -510,16 +521,34 @@ def save(rec: dict[str, Any], out: str | Path) -> Path:
     return path
 
 
-def plot(rec: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
-    """A bar chart of the speedup over S-SGD per codec (PNG); ``(None, why)`` without matplotlib."""
+NO_MATPLOTLIB = "matplotlib is not installed: no plot (pip install matplotlib to get one)"
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or None where matplotlib is not installed."""
     import importlib
 
     try:
         mpl = importlib.import_module("matplotlib")
     except ImportError:
-        return None, "matplotlib is not installed: no plot (pip install matplotlib to get one)"
+        return None
     mpl.use("Agg")
-    plt = importlib.import_module("matplotlib.pyplot")
+    return importlib.import_module("matplotlib.pyplot")
+
+
+def save_figure(plt: Any, fig: Any, out: str | Path) -> tuple[Path, str]:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path, f"wrote {path}"
+
+
+def plot(rec: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
+    """A bar chart of the speedup over S-SGD per codec (PNG); ``(None, why)`` without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None, NO_MATPLOTLIB
     codecs = rec["codecs"]
     names = [c["label"] for c in codecs.values()]
     key = "speedup_vs_ssgd" if rec["baselines"]["s-sgd"] else None
@@ -532,11 +561,7 @@ def plot(rec: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
     ax.set_ylabel(f"speedup over S-SGD ({rec['baselines']['s-sgd']})" if key else "steps per second")
     ax.set_title(f"DDP, {rec['workers']} workers, link {rec['link'] if rec['lab']['shaped'] else 'loopback'}")
     fig.tight_layout()
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path, f"wrote {path}"
+    return save_figure(plt, fig, out)
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
