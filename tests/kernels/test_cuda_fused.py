@@ -24,6 +24,7 @@ import torch
 
 from sylvie_comm import _ops
 from sylvie_comm.kernels import reference as ref
+from tests.kernels.test_fused import bound, data
 
 pytestmark = [
     pytest.mark.gpu,
@@ -60,17 +61,6 @@ SHAPES = [
     (300, 500, 8),
     (2000, 64, 3),
 ]
-
-
-def data(n: int, k: int, r: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, k, generator=g), torch.randn(n, k, generator=g),
-            torch.randn(k, r, generator=g), torch.randn(n, r, generator=g))  # fmt: skip
-
-
-def bound(a: torch.Tensor, b: torch.Tensor, terms: int) -> torch.Tensor:
-    """2 terms eps |a| |b| (elementwise |a| @ |b|): the rounding two orders of a sum may differ by."""
-    return 2 * terms * EPS * (a.abs().double() @ b.abs().double())
 
 
 def within(got: torch.Tensor, want: torch.Tensor, tol: torch.Tensor | float) -> None:
