@@ -328,7 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_bench_ddp)
 
     fl = bench_sub.add_parser("floor", help="hook encode + decode against the memory-traffic floor (17.9M MLP)")
-    fl.add_argument("--repeats", type=_positive, default=11, help="interleaved repeats, medians (default 11)")
+    fl.add_argument(
+        "--repeats", type=_positive, default=12, help="interleaved steps, in pairs (odd rounds up; default 12)"
+    )
     fl.add_argument("--threads", type=_positive, default=1, help="intra-op threads (default 1)")
     fl.add_argument("--out", default="bench-results/floor.json", help="where to write the JSON results")
     fl.set_defaults(func=_bench_floor)

@@ -21,8 +21,8 @@ constexpr uint32_t kHashM1 = 0x21F0AAADu;
 constexpr uint32_t kHashM2 = 0x735A2D97u;
 constexpr uint32_t kSeedK0 = 0x9E3779B9u;
 constexpr uint32_t kSeedK1 = 0x85EBCA6Bu;
-// 2**-24: turns the top 24 bits of a hash into a float in [0, 1) exactly.
-constexpr float kU24 = 5.9604644775390625e-08f;
+// 2**-16: turns 16 bits of a hash into a float in [0, 1) exactly.
+constexpr float kU16 = 1.52587890625e-05f;
 
 SC_HD uint32_t sc_mix32(uint32_t x) {
   x ^= x >> 16;
@@ -45,12 +45,18 @@ SC_HD ScSeedKeys sc_seed_keys(uint64_t seed) {
   return k;
 }
 
-// Uniform noise in [0, 1) for a 64-bit counter.
+// Noise: counter c takes one 16-bit half (c & 1) of a hash of its pair index
+// p = c >> 1, so one hash serves two values. The pair index's high word is
+// folded into the key once (sc_pair_key); its low word goes through one round.
+SC_HD uint32_t sc_pair_key(ScSeedKeys k, uint32_t pair_hi) { return sc_mix32(pair_hi ^ k.k1) ^ k.k0; }
+
+SC_HD uint32_t sc_pair_hash(uint32_t key, uint32_t pair_lo) { return sc_mix32(pair_lo ^ key); }
+
+// Uniform noise in [0, 1), a multiple of 2**-16, for a 64-bit counter.
 SC_HD float sc_uniform(ScSeedKeys k, uint64_t counter) {
-  uint32_t lo = static_cast<uint32_t>(counter);
-  uint32_t hi = static_cast<uint32_t>(counter >> 32);
-  uint32_t h = sc_mix32(sc_mix32(lo ^ k.k0) ^ hi ^ k.k1);
-  return static_cast<float>(h >> 8) * kU24;
+  const uint64_t p = counter >> 1;
+  const uint32_t h = sc_pair_hash(sc_pair_key(k, static_cast<uint32_t>(p >> 32)), static_cast<uint32_t>(p));
+  return static_cast<float>((h >> (16 * static_cast<uint32_t>(counter & 1u))) & 0xFFFFu) * kU16;
 }
 
 SC_HD uint32_t sc_float_bits(float x) {

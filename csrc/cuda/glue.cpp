@@ -200,11 +200,19 @@ void onebit_feedback_encode_cuda(const at::Tensor& residual, const c10::optional
 }
 
 void lowrank_project_cuda(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& q,
-                          const at::Tensor& p, bool subtract) {
+                          const at::Tensor& p, bool subtract, const c10::optional<at::Tensor>& pending_p,
+                          const c10::optional<at::Tensor>& pending_q) {
   const char* op = "lowrank_project";
-  checks::lowrank_project(residual, grad, q, p, kCUDA);
+  checks::lowrank_project(residual, grad, q, p, pending_p, pending_q, kCUDA);
   const int64_t n = residual.size(0), k = residual.size(1), r = q.size(1);
   c10::cuda::CUDAGuard device_guard(residual.device());
+  if (has_tensor(pending_p)) {
+    // The pending update first, as lowrank_outer_into(residual, pending_p, pending_q, -1, true).
+    cudaError_t perr = lowrank_outer_into(residual.data_ptr<float>(), n, k, pending_p->data_ptr<float>(),
+                                          pending_q->data_ptr<float>(), pending_p->size(1), -1.0f, true,
+                                          at::cuda::getCurrentCUDAStream());
+    check_launch(perr, op);
+  }
   cudaError_t err = lowrank_project(residual.data_ptr<float>(), has_tensor(grad) ? grad->data_ptr<float>() : nullptr,
                                     n, k, q.data_ptr<float>(), r, p.data_ptr<float>(), subtract,
                                     at::cuda::getCurrentCUDAStream());

@@ -138,14 +138,26 @@ inline void lowrank(const at::Tensor& mat, const c10::optional<at::Tensor>& grad
   same_device(b, b_name);
 }
 
-// lowrank_project(residual, grad, q, p): q is (cols x r), p (rows x r).
+// lowrank_project(residual, grad, q, p, pending_p, pending_q): q is (cols x r), p (rows x r); the
+// pending factors both or neither, pending_p (rows x r') and pending_q (cols x r').
 inline void lowrank_project(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& q,
-                            const at::Tensor& p, c10::DeviceType type) {
+                            const at::Tensor& p, const c10::optional<at::Tensor>& pending_p,
+                            const c10::optional<at::Tensor>& pending_q, c10::DeviceType type) {
   const char* op = "lowrank_project";
   lowrank(residual, grad, q, p, type, op, "q", "p");
   const int64_t n = residual.size(0), k = residual.size(1);
   TORCH_CHECK(q.size(0) == k && p.size(0) == n, op, ": residual ", residual.sizes(), " needs q of ", k,
               " rows and p of ", n, " rows, got ", q.sizes(), " and ", p.sizes());
+  const bool has_pp = pending_p.has_value() && pending_p->defined();
+  const bool has_pq = pending_q.has_value() && pending_q->defined();
+  TORCH_CHECK(has_pp == has_pq, op, ": pending_p and pending_q go together, got ", has_pp ? "pending_p" : "pending_q",
+              " alone");
+  if (has_pp) {
+    lowrank(residual, c10::nullopt, *pending_p, *pending_q, type, op, "pending_p", "pending_q");
+    TORCH_CHECK(pending_p->size(0) == n && pending_q->size(0) == k, op, ": residual ", residual.sizes(),
+                " needs pending_p of ", n, " rows and pending_q of ", k, " rows, got ", pending_p->sizes(), " and ",
+                pending_q->sizes());
+  }
 }
 
 // lowrank_gram(residual, grad, p, q): p is (rows x r), q (cols x r).

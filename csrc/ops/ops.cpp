@@ -21,9 +21,11 @@ TORCH_LIBRARY(sylvie_comm, m) {
   // residual -= its decode. CPU and CUDA kernels (fp32, contiguous).
   m.def("onebit_feedback_encode(Tensor(a!) residual, Tensor? grad, int chunk_size, bool norm_scale, "
         "Tensor(b!) packed, Tensor(c!) scales) -> ()");
-  // Low-rank steps (CPU and CUDA kernels, fp32): residual += grad (when given), p = residual q, and with subtract
-  // residual -= p q^T, all in one pass over the residual.
-  m.def("lowrank_project(Tensor(a!) residual, Tensor? grad, Tensor q, Tensor(b!) p, bool subtract) -> ()");
+  // Low-rank steps (CPU and CUDA kernels, fp32): residual -= pending_p pending_q^T (when given; the same bits
+  // as lowrank_outer_into(residual, pending_p, pending_q, -1, true)), residual += grad (when given),
+  // p = residual q, and with subtract residual -= p q^T, all in one pass over the residual.
+  m.def("lowrank_project(Tensor(a!) residual, Tensor? grad, Tensor q, Tensor(b!) p, bool subtract, "
+        "Tensor? pending_p=None, Tensor? pending_q=None) -> ()");
   // residual += grad (when given), q = residual^T p.
   m.def("lowrank_gram(Tensor(a!) residual, Tensor? grad, Tensor p, Tensor(b!) q) -> ()");
   // out = p (alpha q)^T, or out += p (alpha q)^T with accumulate.

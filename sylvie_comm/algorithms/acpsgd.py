@@ -20,6 +20,11 @@ class ACPSGDAlgorithm(LowRankAlgorithm):
     becomes ``P Q^T / w``. One collective per group per step: the factors and
     the raw 1-D/small tensors share a buffer. Even steps are P steps.
 
+    The Q step's ``E <- E - P Q^T`` needs every row of ``E`` twice (``Q`` sums
+    all of them first), so it is owed, with copies of ``P`` and this rank's
+    ``Q``, and applied row by row in the next P step's one pass over ``E``
+    (``state_dict`` applies it to the copy it returns, with the same bits).
+
     Each step projects on the subspace found the step before, so it keeps less
     of the gradient than PowerSGD at the same rank: with Adam, or plain SGD at a
     large learning rate, rank 8 is safer than the default 4 (see the README).
@@ -39,11 +44,15 @@ class ACPSGDAlgorithm(LowRankAlgorithm):
             for m in comp:
                 p, q = self._factors[m.name]
                 res = self._residuals[m.name]
-                if p_step:  # E <- M + E, P <- E Q, E <- E - P Q^T: one pass (a row of P needs a row of E)
-                    kernels.lowrank_project(res, self._matrix(m), q, p, subtract=True)
-                else:  # E <- M + E, Q <- E^T P (one pass), E <- E - P Q^T (a second: Q needs every row)
+                if p_step:  # E <- E - P' Q'^T (owed), E <- M + E, P <- E Q, E <- E - P Q^T: one pass
+                    owed = self._pending.pop(m.name, None)
+                    kernels.lowrank_project(res, self._matrix(m), q, p, subtract=True, pending=owed)
+                else:  # E <- M + E, Q <- E^T P: one pass; E <- E - P Q^T is owed to the next P step
+                    owed = self._pending.pop(m.name, None)
+                    if owed is not None:  # a tensor that missed the P step (absent from its bucket then)
+                        kernels.lowrank_outer_into(res, owed[0], owed[1], -1.0, accumulate=True)
                     kernels.lowrank_gram(res, self._matrix(m), p, q)
-                    kernels.lowrank_outer_into(res, p, q, -1.0, accumulate=True)
+                    self._defer_update(m.name, p, q)
             self._fill_raw(group, buf, raw_at)
 
         meter.timed("encode", encode)

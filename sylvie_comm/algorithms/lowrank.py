@@ -39,6 +39,10 @@ class LowRankAlgorithm(Algorithm):
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         self._factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (P, Q), views into buffers
         self._residuals: dict[str, torch.Tensor] = {}
+        # name -> (P', Q'): an update E <- E - P' Q'^T not yet applied to _residuals[name] (ACP-SGD
+        # defers its Q step's to the next P step's pass over E); _pending_bufs holds the storage.
+        self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending_bufs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._loaded: dict[str, Mapping[str, torch.Tensor]] = {}
         super().__init__(transport, options, seed=seed)
 
@@ -116,13 +120,31 @@ class LowRankAlgorithm(Algorithm):
 
     def persistent_tensors(self) -> list[torch.Tensor]:
         bufs = [t for _, f in self._layouts.values() for t in (f.pbuf, f.qbuf)]
-        return bufs + list(self._residuals.values())
+        pending = [t for pq in self._pending_bufs.values() for t in pq]
+        return bufs + list(self._residuals.values()) + pending
+
+    def _defer_update(self, name: str, p: torch.Tensor, q: torch.Tensor) -> None:
+        """Owe ``E <- E - p q^T`` on ``name``'s residual (copies of p and q): the next consumer applies it."""
+        bufs = self._pending_bufs.get(name)
+        if bufs is None or bufs[0].shape != p.shape or bufs[1].shape != q.shape:
+            bufs = self._pending_bufs[name] = (torch.empty_like(p), torch.empty_like(q))
+        bufs[0].copy_(p)
+        bufs[1].copy_(q)
+        self._pending[name] = bufs
+
+    def _residual(self, name: str) -> torch.Tensor:
+        """A copy of ``name``'s residual with any owed update applied (the same bits as applying it in place)."""
+        res = self._residuals[name].clone()
+        owed = self._pending.get(name)
+        if owed is not None:
+            kernels.lowrank_outer_into(res, owed[0], owed[1], -1.0, accumulate=True)
+        return res
 
     def state_dict(self) -> dict[str, Any]:
         """``{name: {"p", "q", "residual"}}``, including state loaded but not yet placed in a group."""
         out: dict[str, Any] = {n: {"p": p.clone(), "q": q.clone()} for n, (p, q) in self._factors.items()}
-        for n, r in self._residuals.items():
-            out.setdefault(n, {})["residual"] = r.clone()
+        for n in self._residuals:
+            out.setdefault(n, {})["residual"] = self._residual(n)
         for n, s in self._loaded.items():
             out.setdefault(n, {k: v.clone() for k, v in s.items()})
         return out
@@ -136,3 +158,4 @@ class LowRankAlgorithm(Algorithm):
         self._layouts.clear()
         self._factors.clear()
         self._residuals.clear()
+        self._pending.clear()

@@ -12,8 +12,11 @@ an algorithm's encode + decode can take when each byte it must touch moves once:
 Then it runs the algorithm on the same tensors, one rank in-process
 (:func:`sylvie_comm.collectives.local.run_local`), and reads each step's encode + decode seconds
 from the algorithm's :class:`~sylvie_comm.collectives.Stats`. Floor passes and algorithm steps are
-interleaved and each figure is the median over ``repeats``, so a shared machine's drift hits both.
-``hook / floor`` is the ratio to quote. One thread by default (``threads``).
+interleaved, so a shared machine's drift hits both. ACP-SGD alternates two kinds of step (P on
+even steps, Q on odd ones), so an algorithm's figure per step is the median over consecutive
+pairs of steps of the pair's mean (``repeats`` is rounded up to whole pairs); the medians of the
+even and of the odd steps are reported beside it. ``hook / floor`` is the ratio to quote. One
+thread by default (``threads``).
 
 Run ``python -m sylvie_comm.bench.floor`` for the table.
 """
@@ -40,11 +43,9 @@ def _passes_of(name: str, world: int) -> tuple[float, float]:
     return 2.0, 2.0
 
 
-def _gradients(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
-    from sylvie_comm.bench.ddp import mlp_17m
-
+def _gradients(model: torch.nn.Module, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
-    return [(n, torch.randn(p.shape, generator=gen) * 0.01) for n, p in mlp_17m(seed).named_parameters()]
+    return [(n, torch.randn(p.shape, generator=gen) * 0.01) for n, p in model.named_parameters()]
 
 
 def _passes(grads: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple[float, float]:
@@ -60,13 +61,30 @@ def _passes(grads: list[torch.Tensor], outs: list[torch.Tensor]) -> tuple[float,
 
 
 def run(
-    algorithms: tuple[str, ...] = ALGORITHMS, repeats: int = 11, warmup: int = 3, threads: int = 1, seed: int = 0
+    algorithms: tuple[str, ...] = ALGORITHMS,
+    repeats: int = 12,
+    warmup: int = 2,
+    threads: int = 1,
+    seed: int = 0,
+    model: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
-    """Floor and algorithm seconds per step; ``{"read_s", "copy_s", "write_s", "bytes", "algorithms": {...}}``."""
+    """Floor and algorithm seconds per step; ``{"read_s", "copy_s", "write_s", "bytes", "algorithms": {...}}``.
+
+    ``model`` (default :func:`sylvie_comm.bench.ddp.mlp_17m`) gives the gradients' names and shapes.
+    ``warmup`` is rounded up to even and ``repeats`` to whole pairs of steps.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    warmup += warmup % 2  # timed steps start on an even (P) step
+    repeats += repeats % 2
+    if model is None:
+        from sylvie_comm.bench.ddp import mlp_17m
+
+        model = mlp_17m(seed)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        named = _gradients(seed)
+        named = _gradients(model, seed)
         grads = [g for _, g in named]
         outs = [torch.empty_like(g) for g in grads]
         total = sum(g.numel() * g.element_size() for g in grads)
@@ -110,9 +128,11 @@ def run(
     for name in algorithms:
         n_read, n_write = _passes_of(name, 1)
         floor = n_read * read_s + n_write * write_s
-        hook = statistics.median(seconds[name])
+        s = seconds[name]
+        hook = statistics.median((a + b) / 2 for a, b in zip(s[0::2], s[1::2], strict=True))
         table[name] = {"floor_s": floor, "hook_s": hook, "ratio": hook / floor if floor > 0 else float("inf"),
-                       "reads": n_read, "writes": n_write}  # fmt: skip
+                       "even_s": statistics.median(s[0::2]), "odd_s": statistics.median(s[1::2]),
+                       "steps_s": s, "reads": n_read, "writes": n_write}  # fmt: skip
     out["algorithms"] = table
     return out
 
@@ -123,12 +143,15 @@ def format_table(result: dict[str, Any]) -> str:
         f"gradients: {result['bytes'] / 2**20:.1f} MiB fp32 (mlp_17m), {result['threads']} thread(s), 1 rank",
         f"read pass {result['read_s'] * 1e3:.2f} ms ({gb / result['read_s']:.1f} GB/s), "
         f"read+write pass {result['copy_s'] * 1e3:.2f} ms, write share {result['write_s'] * 1e3:.2f} ms",
-        f"{'algorithm':<10} {'floor':>16} {'floor ms':>9} {'enc+dec ms':>11} {'hook/floor':>11}",
+        "enc+dec: the median over pairs of consecutive steps of their mean; even and odd steps' medians beside",
+        f"{'algorithm':<10} {'floor':>16} {'floor ms':>9} {'enc+dec ms':>11} {'even ms':>8} {'odd ms':>8}"
+        f" {'hook/floor':>11}",
     ]
     for name, row in result["algorithms"].items():
         passes = f"{row['reads']:g}R + {row['writes']:g}W"
         lines.append(
-            f"{name:<10} {passes:>16} {row['floor_s'] * 1e3:>9.2f} {row['hook_s'] * 1e3:>11.2f} {row['ratio']:>11.2f}"
+            f"{name:<10} {passes:>16} {row['floor_s'] * 1e3:>9.2f} {row['hook_s'] * 1e3:>11.2f}"
+            f" {row['even_s'] * 1e3:>8.2f} {row['odd_s'] * 1e3:>8.2f} {row['ratio']:>11.2f}"
         )
     return "\n".join(lines)
 

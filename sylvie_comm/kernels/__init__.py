@@ -155,13 +155,23 @@ def onebit_feedback_encode(
 
 
 def lowrank_project(
-    residual: torch.Tensor, grad: torch.Tensor | None, q: torch.Tensor, p: torch.Tensor, subtract: bool
+    residual: torch.Tensor,
+    grad: torch.Tensor | None,
+    q: torch.Tensor,
+    p: torch.Tensor,
+    subtract: bool,
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """``residual += grad``, ``p = residual q`` and (``subtract``) ``residual -= p q^T``: one pass."""
-    if _fused(residual, grad, q, p):
-        torch.ops.sylvie_comm.lowrank_project(residual, grad, q, p, subtract)
+    """``residual -= P' Q'^T`` (``pending = (P', Q')``), ``residual += grad``, ``p = residual q`` and
+    (``subtract``) ``residual -= p q^T``: one pass.
+
+    The pending update has the bits of ``lowrank_outer_into(residual, P', Q', -1.0, accumulate=True)``.
+    """
+    pp, pq = pending if pending is not None else (None, None)
+    if _fused(residual, grad, q, p, pp, pq):
+        torch.ops.sylvie_comm.lowrank_project(residual, grad, q, p, subtract, pp, pq)
     else:
-        reference.lowrank_project(residual, grad, q, p, subtract)
+        reference.lowrank_project(residual, grad, q, p, subtract, pending)
 
 
 def lowrank_gram(residual: torch.Tensor, grad: torch.Tensor | None, p: torch.Tensor, q: torch.Tensor) -> None:

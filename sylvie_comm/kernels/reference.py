@@ -12,7 +12,8 @@ Conventions shared with ``csrc/common/sc_math.h``:
   bytes with zero bits.
 * The stochastic-rounding noise is a counter-based hash of ``(seed, counter)``
   with ``counter = offset + row * cols + col`` (64-bit), turned into a float in
-  ``[0, 1)`` on a 2**-24 grid, so every implementation draws identical noise.
+  ``[0, 1)`` on a 2**-16 grid (one hash serves two counters, see :func:`uniform`),
+  so every implementation draws identical noise.
 * A group (a one-bit chunk or a quantized row) that holds NaN or +-Inf gets a
   NaN scale, so it decodes to NaN: non-finite values are never hidden.
 """
@@ -28,7 +29,7 @@ _HASH_M1 = 0x21F0AAAD
 _HASH_M2 = 0x735A2D97
 _SEED_K0 = 0x9E3779B9
 _SEED_K1 = 0x85EBCA6B
-_U24 = 2.0**-24
+_U16 = 2.0**-16
 
 SUPPORTED_BITS = (1, 2, 4, 8)
 
@@ -65,13 +66,20 @@ def seed_keys(seed: int) -> tuple[int, int]:
 
 
 def uniform(seed: int, offset: int, numel: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Counter-based uniform noise in ``[0, 1)``: element ``i`` uses counter ``offset + i``."""
+    """Counter-based uniform noise in ``[0, 1)``: element ``i`` uses counter ``c = offset + i``.
+
+    One hash serves two counters: ``c`` takes the 16-bit half ``c & 1`` of
+    ``mix32(lo ^ mix32(hi ^ k1) ^ k0)``, where ``lo`` and ``hi`` are the words of
+    the pair index ``c >> 1``. The noise is a multiple of ``2**-16``.
+    """
     k0, k1 = seed_keys(seed)
     ctr = torch.arange(numel, dtype=torch.int64, device=device) + offset
-    lo = ctr & MASK32
-    hi = (ctr >> 32) & MASK32
-    h = _mix32(_mix32(lo ^ k0) ^ hi ^ k1)
-    return (h >> 8).to(torch.float32) * _U24
+    # The words of the unsigned pair index c >> 1 (int64 holds c in two's complement).
+    lo = (ctr >> 1) & MASK32
+    hi = (ctr >> 33) & 0x7FFFFFFF
+    h = _mix32(lo ^ _mix32(hi ^ k1) ^ k0)
+    half = (h >> ((ctr & 1) * 16)) & 0xFFFF
+    return half.to(torch.float32) * _U16
 
 
 def _check_bits(bits: int) -> int:
@@ -251,9 +259,18 @@ def onebit_feedback_encode(
 
 
 def lowrank_project(
-    residual: torch.Tensor, grad: torch.Tensor | None, q: torch.Tensor, p: torch.Tensor, subtract: bool
+    residual: torch.Tensor,
+    grad: torch.Tensor | None,
+    q: torch.Tensor,
+    p: torch.Tensor,
+    subtract: bool,
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """``residual += grad`` (when given), ``p = residual q``; with ``subtract``, ``residual -= p q^T``."""
+    """``residual -= P' Q'^T`` (``pending = (P', Q')``, as :func:`lowrank_outer_into` with ``alpha=-1``
+    and ``accumulate``), ``residual += grad`` (when given), ``p = residual q``; with ``subtract``,
+    ``residual -= p q^T``."""
+    if pending is not None:
+        lowrank_outer_into(residual, pending[0], pending[1], -1.0, True)
     if grad is not None:
         residual.add_(grad.view(residual.shape))
     torch.matmul(residual, q, out=p)

@@ -73,6 +73,20 @@ def cuda(*ts: torch.Tensor | None) -> list[torch.Tensor | None]:
 
 
 @pytest.mark.parametrize(("n", "k", "r"), SHAPES)
+def test_project_with_pending_update(n: int, k: int, r: int) -> None:
+    """The owed E -= P' Q'^T has the bits of lowrank_outer_into(E, P', Q', -1, True) before the projection."""
+    e, m, q, _ = data(n, k, r)
+    g = torch.Generator().manual_seed(1)
+    pp, pq = torch.randn(n, 2, generator=g), torch.randn(k, 2, generator=g)
+    e1, e2, m_gpu, q_gpu, pp_gpu, pq_gpu = cuda(e, e, m, q, pp, pq)
+    p1, p2 = torch.empty(n, r, device="cuda"), torch.empty(n, r, device="cuda")
+    OPS.lowrank_project(e1, m_gpu, q_gpu, p1, True, pp_gpu, pq_gpu)
+    OPS.lowrank_outer_into(e2, pp_gpu, pq_gpu, -1.0, True)
+    OPS.lowrank_project(e2, m_gpu, q_gpu, p2, True)
+    assert torch.equal(e1, e2) and torch.equal(p1, p2)
+
+
+@pytest.mark.parametrize(("n", "k", "r"), SHAPES)
 @pytest.mark.parametrize("subtract", [True, False])
 @pytest.mark.parametrize("with_grad", [True, False])
 def test_project(n: int, k: int, r: int, subtract: bool, with_grad: bool) -> None:

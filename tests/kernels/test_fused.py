@@ -55,6 +55,43 @@ def test_project(isa: str, n: int, k: int, r: int, subtract: bool) -> None:
 
 @pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize(("n", "k", "r"), SHAPES)
+@pytest.mark.parametrize("rpend", [1, 3])
+def test_project_with_pending_update(isa: str, n: int, k: int, r: int, rpend: int) -> None:
+    """An owed E -= P' Q'^T inside the pass has the bits of lowrank_outer_into(E, P', Q', -1, True) before it;
+    the reference does the same in pure torch."""
+    _ops.set_cpu_isa(isa)
+    e, m, q, _ = data(n, k, r)
+    g = torch.Generator().manual_seed(1)
+    pp, pq = torch.randn(n, rpend, generator=g), torch.randn(k, rpend, generator=g)
+    e1, e2, e3, p1, p2, p3 = e.clone(), e.clone(), e.clone(), torch.empty(n, r), torch.empty(n, r), torch.empty(n, r)
+    torch.ops.sylvie_comm.lowrank_project(e1, m, q, p1, True, pp, pq)
+    torch.ops.sylvie_comm.lowrank_outer_into(e2, pp, pq, -1.0, True)
+    torch.ops.sylvie_comm.lowrank_project(e2, m, q, p2, True)
+    assert torch.equal(e1, e2) and torch.equal(p1, p2)
+    kernels.lowrank_project(e3, m, q, p3, True, pending=(pp, pq))
+    assert torch.equal(e1, e3) and torch.equal(p1, p3)
+    e4, p4 = e.clone(), torch.empty(n, r)
+    ref.lowrank_project(e4, m, q, p4, True, pending=(pp, pq))
+    owed = e - pp @ pq.T
+    comp = owed + m
+    tol_p = bound(comp, q, k) + bound(pp, pq.T, rpend).abs() @ q.abs().double() * 2
+    assert ((p1.double() - p4.double()).abs() <= tol_p + 1e-30).all()
+    _ops.set_cpu_isa(isas()[-1])
+
+
+def test_project_pending_arguments_are_checked() -> None:
+    e, m, q, _ = data(8, 6, 2)
+    p = torch.empty(8, 2)
+    with pytest.raises(RuntimeError, match="pending_p and pending_q go together, got pending_p alone"):
+        torch.ops.sylvie_comm.lowrank_project(e, m, q, p, True, torch.zeros(8, 1), None)
+    with pytest.raises(RuntimeError, match=r"needs pending_p of 8 rows and pending_q of 6 rows, got \[7, 1\]"):
+        torch.ops.sylvie_comm.lowrank_project(e, m, q, p, True, torch.zeros(7, 1), torch.zeros(6, 1))
+    with pytest.raises(RuntimeError, match="same number"):
+        torch.ops.sylvie_comm.lowrank_project(e, m, q, p, True, torch.zeros(8, 2), torch.zeros(6, 1))
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize(("n", "k", "r"), SHAPES)
 def test_gram(isa: str, n: int, k: int, r: int) -> None:
     _ops.set_cpu_isa(isa)
     e, m, _, p = data(n, k, r)

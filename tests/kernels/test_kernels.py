@@ -74,9 +74,14 @@ def test_qbit_matches_reference(cpu_isa, dtype, bits, meta, rows, cols):
     assert_same(into, out)
 
 
-@pytest.mark.parametrize("seed,offset", [(0, 0), (-1, 5), (2**64 - 1, 2**32 - 100), (7, 2**40 + 3)])
+@pytest.mark.parametrize(
+    "seed,offset",
+    [(0, 0), (-1, 5), (2**64 - 1, 2**32 - 100), (7, 2**40 + 3), (3, 2**33 - 100), (3, 2**33 - 101), (5, -300)],
+)
 def test_qbit_noise_counter_edges(cpu_isa, seed, offset):
-    # Offsets straddling 2**32 take the kernel's carry path; negative and 64-bit seeds wrap the same way.
+    # Counters straddling 2**33 (the pair index's low word wraps) take the kernel's carry
+    # path, from even and odd starts; counters straddling 2**64 (a negative offset) and
+    # negative and 64-bit seeds wrap the same way.
     x = torch.randn(3, 300)
     got = kernels.qbit_encode(x, 4, seed, offset)
     want = ref.qbit_encode(x, 4, seed, offset)

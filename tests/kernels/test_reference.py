@@ -12,16 +12,20 @@ from sylvie_comm.kernels import reference as ref
 def scalar_uniform(seed: int, counter: int) -> float:
     """The generator written out with Python integers, independently of the tensor code."""
     k0, k1 = ref.seed_keys(seed)
-    lo, hi = counter & 0xFFFFFFFF, (counter >> 32) & 0xFFFFFFFF
-    h = ref.mix32_int(ref.mix32_int(lo ^ k0) ^ hi ^ k1)
-    return (h >> 8) / 2**24
+    c = counter & 0xFFFFFFFFFFFFFFFF
+    pair = c >> 1
+    lo, hi = pair & 0xFFFFFFFF, pair >> 32
+    h = ref.mix32_int(lo ^ ref.mix32_int(hi ^ k1) ^ k0)
+    return ((h >> (16 * (c & 1))) & 0xFFFF) / 2**16
 
 
 def test_uniform_matches_scalar_definition():
-    for seed, offset in [(0, 0), (12345, 2**32 - 3), (-7, 2**45)]:
+    # Even and odd starts, a pair index whose low word wraps, and counters >= 2**63
+    # (a negative int64 offset).
+    for seed, offset in [(0, 0), (5, 1), (12345, 2**33 - 3), (-7, 2**45 + 1), (9, -5), (1, 2**62 - 2)]:
         got = ref.uniform(seed, offset, 6)
         want = torch.tensor([scalar_uniform(seed, offset + i) for i in range(6)], dtype=torch.float32)
-        assert torch.equal(got, want)
+        assert torch.equal(got, want), (seed, offset)
 
 
 def test_uniform_statistics():
@@ -35,6 +39,12 @@ def test_uniform_statistics():
     assert chi2 < 120  # 63 degrees of freedom: p < 1e-5 above this
     # Neighbouring counters are uncorrelated.
     corr = torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1].item()
+    assert abs(corr) < 0.01
+    # The two halves of one hash (even counter, next odd counter) are uncorrelated.
+    corr = torch.corrcoef(torch.stack([u[0::2], u[1::2]]))[0, 1].item()
+    assert abs(corr) < 0.01
+    # Successive seeds (successive steps of a codec) draw uncorrelated noise.
+    corr = torch.corrcoef(torch.stack([u, ref.uniform(4, 0, 1 << 20).double()]))[0, 1].item()
     assert abs(corr) < 0.01
 
 
