@@ -491,7 +491,7 @@ void lowrank_project_cpu(const at::Tensor& residual, const c10::optional<at::Ten
   const float* g = grad.has_value() && grad->defined() ? grad->data_ptr<float>() : nullptr;
   float* pp = p.data_ptr<float>();
   // The pending update, as lowrank_outer_into(residual, pending_p, pending_q, -1, true) computes it,
-  // on each block of rows just before its projection, while the rows are in cache.
+  // on each block of rows inside its projection (AVX-512) or just before it, while the rows are in cache.
   const bool pending = pending_p.has_value() && pending_p->defined();
   const int64_t rpend = pending ? pending_p->size(1) : 0;
   const std::vector<float> qt_pend = pending ? transposed(*pending_q, rpend, ldq, -1.0f) : std::vector<float>();
@@ -500,9 +500,8 @@ void lowrank_project_cpu(const at::Tensor& residual, const c10::optional<at::Ten
   at::parallel_for(0, n, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(k, 1)), [&](int64_t b, int64_t end) {
     for (int64_t i = b; i < end; i += kLowRankRows) {
       const int64_t nb = std::min<int64_t>(kLowRankRows, end - i);
-      if (pending) f.lr_outer(e + i * k, k, nb, p_pend + i * rpend, qt_pend.data(), k, ldq, rpend, true, false);
       f.lr_project(e + i * k, g == nullptr ? nullptr : g + i * k, k, nb, k, qt.data(), ldq, r, rp, pp + i * r,
-                   subtract);
+                   subtract, pending ? p_pend + i * rpend : nullptr, qt_pend.data(), rpend);
     }
   });
 }
