@@ -142,6 +142,14 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         b = bits[:, slot.bits_at : slot.bits_at + slot.n_bytes].reshape(-1)
         return slot.layout.decode_units(b, s, n * slot.per_rank)
 
+    @staticmethod
+    def _mean_of(parts: torch.Tensor) -> torch.Tensor:
+        """``parts.sum(0) / w`` (ranks added in order) in the first part's memory: in place, no reduction kernel."""
+        mean = parts[0]
+        for j in range(1, parts.shape[0]):
+            mean.add_(parts[j])
+        return mean.div_(parts.shape[0]) if parts.shape[0] > 1 else mean
+
     def _encode_fused(
         self, slot: _Slot, feedback: ErrorFeedback, key: str, values: torch.Tensor, real: int, parts: int,
         scales: torch.Tensor, bits: torch.Tensor,
@@ -216,7 +224,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                 for slot in layout.slots:
                     units, first = slot.layout, rank * slot.per_rank
                     key = f"{slot.name}@{rank}"
-                    avg = self._decode_from(slot, rs, rb).view(w, slot.per_rank, units.width).sum(0).div_(w)
+                    avg = self._mean_of(self._decode_from(slot, rs, rb).view(w, slot.per_rank, units.width))
                     if _exact(units, avg):
                         self._encode_fused(slot, self.server_feedback, key, units.zero_padding_(avg, first),
                                            slot.per_rank, 1, ms, mb)  # fmt: skip

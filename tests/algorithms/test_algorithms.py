@@ -389,3 +389,16 @@ def test_a_failed_collective_is_never_decoded(name):
     alg.close()
     for n, v in outputs(group).items():
         assert torch.equal(v, values[n]), (name, n)
+
+
+@pytest.mark.parametrize("w", [1, 2, 3, 5])
+def test_onebit_server_mean_adds_the_ranks_in_order(w):
+    from sylvie_comm.algorithms.onebit import OneBitAlgorithm
+
+    parts = torch.randn(w, 3, 50)
+    want = parts[0].clone()
+    for j in range(1, w):
+        want = want + parts[j]
+    want = want / w if w > 1 else want
+    got = OneBitAlgorithm._mean_of(parts.clone())
+    assert torch.equal(got, want)
