@@ -106,7 +106,8 @@ def _residual_worker(rank: int, world: int) -> list[tuple[float, float]]:
         opt.zero_grad()
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
-        for name, res in state._residuals.items():
+        for name in state._residuals:
+            res = state._residual(name)  # with the update owed to the next step applied
             p, _ = state._factors[name]  # orthonormal until the next step's P <- (M + E) Q
             out.append((float((p.T @ res).norm()), float(res.norm())))
     state.close()
