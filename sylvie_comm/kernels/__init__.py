@@ -165,13 +165,16 @@ def lowrank_project(
     """``residual -= P' Q'^T`` (``pending = (P', Q')``), ``residual += grad``, ``p = residual q`` and
     (``subtract``) ``residual -= p q^T``: one pass.
 
-    The pending update has the bits of ``lowrank_outer_into(residual, P', Q', -1.0, accumulate=True)``.
+    The pending update has the bits of :func:`lowrank_outer_into` ``(residual, P', Q', -1.0, accumulate=True)``
+    on the same tensors, whichever path the rest takes (an fp16 ``grad`` sends the rest to the reference).
     """
     pp, pq = pending if pending is not None else (None, None)
     if _fused(residual, grad, q, p, pp, pq):
         torch.ops.sylvie_comm.lowrank_project(residual, grad, q, p, subtract, pp, pq)
-    else:
-        reference.lowrank_project(residual, grad, q, p, subtract, pending)
+        return
+    if pending is not None:
+        lowrank_outer_into(residual, pending[0], pending[1], -1.0, accumulate=True)
+    reference.lowrank_project(residual, grad, q, p, subtract)
 
 
 def lowrank_gram(residual: torch.Tensor, grad: torch.Tensor | None, p: torch.Tensor, q: torch.Tensor) -> None:

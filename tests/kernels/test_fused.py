@@ -79,6 +79,21 @@ def test_project_with_pending_update(isa: str, n: int, k: int, r: int, rpend: in
     _ops.set_cpu_isa(isas()[-1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_project_pending_update_has_the_same_bits_with_a_half_precision_grad(dtype: torch.dtype) -> None:
+    """A half-precision grad sends the projection to the reference; the owed update still takes the path
+    lowrank_outer_into takes on its own (what state_dict applies), so a resume keeps the bits."""
+    e, m, q, _ = data(40, 70, 4)
+    g = torch.Generator().manual_seed(2)
+    pp, pq = torch.randn(40, 2, generator=g), torch.randn(70, 2, generator=g)
+    half = m.to(dtype)
+    e1, e2, p1, p2 = e.clone(), e.clone(), torch.empty(40, 4), torch.empty(40, 4)
+    kernels.lowrank_project(e1, half, q, p1, True, pending=(pp, pq))
+    kernels.lowrank_outer_into(e2, pp, pq, -1.0, accumulate=True)
+    kernels.lowrank_project(e2, half, q, p2, True)
+    assert torch.equal(e1, e2) and torch.equal(p1, p2)
+
+
 def test_project_pending_arguments_are_checked() -> None:
     e, m, q, _ = data(8, 6, 2)
     p = torch.empty(8, 2)
