@@ -144,11 +144,13 @@ class OneBitAlgorithm(FeedbackAlgorithm):
 
     @staticmethod
     def _mean_of(parts: torch.Tensor) -> torch.Tensor:
-        """``parts.sum(0) / w`` (ranks added in order) in the first part's memory: in place, no reduction kernel."""
-        mean = parts[0]
-        for j in range(1, parts.shape[0]):
-            mean.add_(parts[j])
-        return mean.div_(parts.shape[0]) if parts.shape[0] > 1 else mean
+        """``parts.sum(0) / w``; one rank's part as it is (a reduction over a dimension of one is a slow copy).
+
+        One reduction pass reads every part once; adding the parts in place one by one would read the
+        running sum again for each (measured slower at 4 ranks)."""
+        if parts.shape[0] == 1:
+            return parts[0]
+        return parts.sum(0).div_(parts.shape[0])
 
     def _encode_fused(
         self, slot: _Slot, feedback: ErrorFeedback, key: str, values: torch.Tensor, real: int, parts: int,

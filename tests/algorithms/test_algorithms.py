@@ -392,13 +392,9 @@ def test_a_failed_collective_is_never_decoded(name):
 
 
 @pytest.mark.parametrize("w", [1, 2, 3, 5])
-def test_onebit_server_mean_adds_the_ranks_in_order(w):
+def test_onebit_server_mean(w):
     from sylvie_comm.algorithms.onebit import OneBitAlgorithm
 
     parts = torch.randn(w, 3, 50)
-    want = parts[0].clone()
-    for j in range(1, w):
-        want = want + parts[j]
-    want = want / w if w > 1 else want
     got = OneBitAlgorithm._mean_of(parts.clone())
-    assert torch.equal(got, want)
+    assert torch.equal(got, parts.sum(0).div_(w))
