@@ -45,7 +45,7 @@ from typing import Any, NoReturn
 import torch
 
 from sylvie_comm.bench import gnn as bg
-from sylvie_comm.bench.lab import LINK_RATES_BPS, Lab, check_link, leave_worker
+from sylvie_comm.bench.lab import LINK_RATES_BPS, Lab, ProgressTicks, check_link, leave_worker
 from sylvie_comm.bench.link import NO_MATPLOTLIB, machine, pyplot, save_figure
 
 DEFAULT_LINKS = ("100mbit", "1gbit", "none")
@@ -79,12 +79,7 @@ def worker_main(config_path: str) -> NoReturn:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg["collective_timeout"]))
     rank, world = dist.get_rank(), dist.get_world_size()
-    progress_file = open(cfg["progress"], "a") if rank == 0 else None  # noqa: SIM115
-
-    def progress(_epoch: dict[str, Any]) -> None:
-        if progress_file is not None:
-            progress_file.write(".")
-            progress_file.flush()
+    progress = ProgressTicks(cfg["progress"], rank == 0)
 
     try:
         results: dict[str, list[Any]] = {}
@@ -98,8 +93,7 @@ def worker_main(config_path: str) -> NoReturn:
             Path(cfg["result"]).write_text(json.dumps(results))
         dist.barrier()  # the record is written: every rank may go
     finally:
-        if progress_file is not None:
-            progress_file.close()
+        progress.close()
         dist.destroy_process_group()
     leave_worker(0)  # closed and written: skip the interpreter's teardown (see leave_worker)
 

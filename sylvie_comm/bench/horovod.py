@@ -122,6 +122,7 @@ def lab_worker_main(config_path: str) -> int:
     """One Horovod worker of the lab: every row of ``cfg["horovod"]`` in turn; rank 0 writes the merged record."""
     import horovod.torch as hvd
 
+    from sylvie_comm.bench.lab import ProgressTicks
     from sylvie_comm.bench.link import _merge
     from sylvie_comm.bench.workloads import WORKLOADS
 
@@ -129,12 +130,7 @@ def lab_worker_main(config_path: str) -> int:
     torch.set_num_threads(1)
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
-    progress_file = open(cfg["progress"], "a") if rank == 0 else None  # noqa: SIM115
-
-    def progress() -> None:
-        if progress_file is not None:
-            progress_file.write(".")
-            progress_file.flush()
+    progress = ProgressTicks(cfg["progress"], rank == 0)
 
     try:
         rows: dict[str, list[list[Any]]] = {name: [] for name in cfg["horovod"]}
@@ -146,8 +142,7 @@ def lab_worker_main(config_path: str) -> int:
         if rank == 0:
             Path(cfg["result"]).write_text(json.dumps(merged))
     finally:
-        if progress_file is not None:
-            progress_file.close()
+        progress.close()
         hvd.shutdown()
     return 0
 

@@ -93,6 +93,24 @@ _IP_TIMEOUT = 20.0  # seconds one ip/tc command may take
 NETNS_ETC = Path("/etc/netns")  # ip netns exec NS bind-mounts /etc/netns/NS/<file> over /etc/<file>
 
 
+class ProgressTicks:
+    """A worker's ticks into the lab's progress file, one per finished step or epoch (only the worker
+    given ``write`` writes; the others' ticks do nothing). Called with any arguments; ``close()`` once."""
+
+    def __init__(self, path: str, write: bool) -> None:
+        self._file = open(path, "a") if write else None  # noqa: SIM115 (closed by close())
+
+    def __call__(self, *_: object) -> None:
+        if self._file is not None:
+            self._file.write(".")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
 def leave_worker(code: int = 0) -> NoReturn:
     """End a lab worker process now, without the interpreter's teardown (its results written, its groups closed).
 

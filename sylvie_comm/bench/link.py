@@ -54,7 +54,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from sylvie_comm.bench.lab import Lab, LabError, check_link, leave_worker
+from sylvie_comm.bench.lab import Lab, LabError, ProgressTicks, check_link, leave_worker
 from sylvie_comm.bench.workloads import WORKLOADS, check_workload
 
 TORCH_CODECS: dict[str, str] = {
@@ -248,12 +248,7 @@ def worker_main(config_path: str) -> NoReturn:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg["collective_timeout"]))
     rank, world = dist.get_rank(), dist.get_world_size()
-    progress_file = open(cfg["progress"], "a") if rank == 0 else None  # noqa: SIM115
-
-    def progress() -> None:
-        if progress_file is not None:
-            progress_file.write(".")
-            progress_file.flush()
+    progress = ProgressTicks(cfg["progress"], rank == 0)
 
     try:
         # Rounds interleave the codecs (a b c a b c): a burst of load elsewhere on the machine
@@ -270,8 +265,7 @@ def worker_main(config_path: str) -> NoReturn:
         if rank == 0:
             Path(cfg["result"]).write_text(json.dumps(codecs))
     finally:
-        if progress_file is not None:
-            progress_file.close()
+        progress.close()
         dist.destroy_process_group()
     leave_worker(0)  # closed and written: skip the interpreter's teardown (see leave_worker)
 

@@ -244,3 +244,20 @@ def test_failing_netns_add_falls_back_to_loopback(monkeypatch):
     with pytest.raises(LabError, match="Operation not permitted"), Lab(2, "100mbit", shaped=True, echo=None):
         pass
     assert signal.getsignal(signal.SIGTERM) is before  # a lab that failed to open left no handler behind
+
+
+def test_progress_ticks_write_one_dot_per_call_only_where_asked(tmp_path):
+    from sylvie_comm.bench.lab import ProgressTicks
+
+    path = tmp_path / "progress"
+    mine, other = ProgressTicks(str(path), True), ProgressTicks(str(tmp_path / "unused"), False)
+    for epoch in range(3):
+        mine({"epoch": epoch})
+        other()
+    mine()
+    assert path.read_text() == "...."
+    assert not (tmp_path / "unused").exists()
+    mine.close()
+    mine.close()
+    mine()  # after close: nothing, no error
+    assert path.read_text() == "...."
