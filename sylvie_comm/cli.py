@@ -303,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--codecs",
         type=_codecs,
         default=None,
-        help="with --link: comma-separated codecs (default: ddp, torch-fp16, torch-powersgd, every sylvie algorithm)",
+        help="with --link: comma-separated codecs (default: ddp, torch-fp16, torch-powersgd, no-comm, "
+        "every sylvie algorithm)",
     )
     d.add_argument(
         "--model",

@@ -37,7 +37,13 @@ def test_every_op_has_a_cuda_kernel():
     registered = set(re.findall(r'm\.impl\("(\w+)"', glue.split("TORCH_LIBRARY_IMPL(sylvie_comm, CUDA")[1]))
     assert ops and registered == ops, (ops - registered, registered - ops)
     header = (CSRC / "cuda" / "kernels.h").read_text()
-    for name in ("onebit_feedback_encode", "lowrank_project", "lowrank_gram", "lowrank_outer_into"):
+    for name in (
+        "onebit_feedback_encode",
+        "onebit_mean_feedback_encode",
+        "lowrank_project",
+        "lowrank_gram",
+        "lowrank_outer_into",
+    ):
         assert re.search(rf"cudaError_t {name}\(", header), name
 
 

@@ -78,21 +78,22 @@ struct Impl {
   decltype(&base::lowrank_outer_rows_f32) lr_outer;
   decltype(&base::add_into_f32) add_into;
   decltype(&base::onebit_residual_f32) onebit_residual;
+  decltype(&base::onebit_mean_add_f32) onebit_mean_add;
 };
 
 const Impl kBase{"baseline",         base::onebit_encode_f32, base::onebit_decode_f32, base::minmax_f32,
                  base::qbit_quantize_f32, base::qbit_dequantize_f32, base::pack_f, base::unpack_f,
                  base::lowrank_project_rows_f32, base::lowrank_gram_tile_f32, base::lowrank_outer_rows_f32,
-                 base::add_into_f32, base::onebit_residual_f32};
+                 base::add_into_f32, base::onebit_residual_f32, base::onebit_mean_add_f32};
 #if SC_HAVE_AVX2_BUILD
 const Impl kAvx2{"avx2",             avx2::onebit_encode_f32, avx2::onebit_decode_f32, avx2::minmax_f32,
                  avx2::qbit_quantize_f32, avx2::qbit_dequantize_f32, avx2::pack_f, avx2::unpack_f,
                  avx2::lowrank_project_rows_f32, avx2::lowrank_gram_tile_f32, avx2::lowrank_outer_rows_f32,
-                 avx2::add_into_f32, avx2::onebit_residual_f32};
+                 avx2::add_into_f32, avx2::onebit_residual_f32, avx2::onebit_mean_add_f32};
 const Impl kAvx512{"avx512",       avx512::onebit_encode_f32, avx512::onebit_decode_f32, avx512::minmax_f32,
                    avx512::qbit_quantize_f32, avx512::qbit_dequantize_f32, avx512::pack_f, avx512::unpack_f,
                    avx512::lowrank_project_rows_f32, avx512::lowrank_gram_tile_f32, avx512::lowrank_outer_rows_f32,
-                   avx512::add_into_f32, avx512::onebit_residual_f32};
+                   avx512::add_into_f32, avx512::onebit_residual_f32, avx512::onebit_mean_add_f32};
 #endif
 
 std::vector<const Impl*> supported() {
@@ -430,6 +431,16 @@ at::Tensor qbit_decode_cpu(const at::Tensor& packed, const at::Tensor& scale, co
 
 // ---------------------------------------------------------------- error feedback + one-bit
 
+// One chunk of the residual, already compensated: its sign bits and scale, then residual -= decode.
+void feedback_encode_chunk(const Impl& f, float* e, int64_t len, bool norm_scale, uint8_t* out, float* scale) {
+  double sum = 0.0;
+  f.onebit_encode(e, len, out, norm_scale, &sum);
+  double s = sum / static_cast<double>(len);
+  float sf = static_cast<float>(norm_scale ? std::sqrt(s) : s);
+  *scale = std::isfinite(sf) ? sf : nan_f();
+  f.onebit_residual(e, out, len, *scale);
+}
+
 void onebit_feedback_encode_cpu(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, int64_t chunk_size,
                                 bool norm_scale, const at::Tensor& packed, const at::Tensor& scales) {
   const char* op = "onebit_feedback_encode";
@@ -453,12 +464,42 @@ void onebit_feedback_encode_cpu(const at::Tensor& residual, const c10::optional<
     for (int64_t c = b; c < end; ++c) {
       const int64_t start = c * chunk_size, len = std::min(chunk_size, n - start);
       if (g != nullptr) f.add_into(e + start, g + start, len);
-      double sum = 0.0;
-      f.onebit_encode(e + start, len, out + start / 8, norm_scale, &sum);
-      double s = sum / static_cast<double>(len);
-      float sf = static_cast<float>(norm_scale ? std::sqrt(s) : s);
-      sc[c] = std::isfinite(sf) ? sf : nan_f();
-      f.onebit_residual(e + start, out + start / 8, len, sc[c]);
+      feedback_encode_chunk(f, e + start, len, norm_scale, out + start / 8, sc + c);
+    }
+  });
+}
+
+void onebit_mean_feedback_encode_cpu(const at::Tensor& residual, const at::Tensor& parts_packed,
+                                     const at::Tensor& parts_scales, int64_t chunk_size, bool norm_scale,
+                                     const at::Tensor& packed, const at::Tensor& scales) {
+  const char* op = "onebit_mean_feedback_encode";
+  checks::chunk_size(chunk_size, op);
+  checks::f32_contiguous(residual, kCPU, op, "residual");
+  const int64_t n = residual.numel();
+  const int64_t chunks = (n + chunk_size - 1) / chunk_size;
+  checks::onebit_parts(parts_packed, parts_scales, n, chunks, kCPU, op);
+  on_device_contiguous(packed, at::kByte, (n + 7) / 8, op, "packed");
+  on_device_contiguous(scales, at::kFloat, chunks, op, "scales");
+  const int w = static_cast<int>(parts_packed.size(0));
+  const float wf = static_cast<float>(w);
+  const uint8_t* pp = parts_packed.data_ptr<uint8_t>();
+  const float* ps = parts_scales.data_ptr<float>();
+  const int64_t p_stride = parts_packed.stride(0), s_stride = parts_scales.stride(0);
+  float* e = residual.data_ptr<float>();
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  float* sc = scales.data_ptr<float>();
+  const Impl& f = impl();
+  at::parallel_for(0, chunks, std::max<int64_t>(1, kGrainElems / chunk_size), [&](int64_t b, int64_t end) {
+    std::vector<const uint8_t*> rows(static_cast<size_t>(w));
+    std::vector<float> row_scales(static_cast<size_t>(w));
+    for (int64_t c = b; c < end; ++c) {
+      const int64_t start = c * chunk_size, len = std::min(chunk_size, n - start);
+      for (int j = 0; j < w; ++j) {
+        rows[j] = pp + j * p_stride + start / 8;
+        row_scales[j] = ps[j * s_stride + c];
+      }
+      f.onebit_mean_add(e + start, rows.data(), row_scales.data(), w, len, wf);
+      feedback_encode_chunk(f, e + start, len, norm_scale, out + start / 8, sc + c);
     }
   });
 }
@@ -587,6 +628,7 @@ TORCH_LIBRARY_IMPL(sylvie_comm, CPU, m) {
   m.impl("qbit_decode", &qbit_decode_cpu);
   m.impl("qbit_decode_into", &qbit_decode_into_cpu);
   m.impl("onebit_feedback_encode", &onebit_feedback_encode_cpu);
+  m.impl("onebit_mean_feedback_encode", &onebit_mean_feedback_encode_cpu);
   m.impl("lowrank_project", &lowrank_project_cpu);
   m.impl("lowrank_gram", &lowrank_gram_cpu);
   m.impl("lowrank_outer_into", &lowrank_outer_into_cpu);

@@ -199,6 +199,30 @@ void onebit_feedback_encode_cuda(const at::Tensor& residual, const c10::optional
   check_launch(err, op);
 }
 
+void onebit_mean_feedback_encode_cuda(const at::Tensor& residual, const at::Tensor& parts_packed,
+                                      const at::Tensor& parts_scales, int64_t chunk_size, bool norm_scale,
+                                      const at::Tensor& packed, const at::Tensor& scales) {
+  const char* op = "onebit_mean_feedback_encode";
+  checks::chunk_size(chunk_size, op);
+  checks::f32_contiguous(residual, kCUDA, op, "residual");
+  const int64_t n = residual.numel();
+  const int64_t chunks = (n + chunk_size - 1) / chunk_size;
+  checks::onebit_parts(parts_packed, parts_scales, n, chunks, kCUDA, op);
+  check_same_device(parts_packed, residual, "parts_packed", op);
+  check_same_device(parts_scales, residual, "parts_scales", op);
+  contiguous_numel(packed, at::kByte, (n + 7) / 8, residual, op, "packed");
+  contiguous_numel(scales, at::kFloat, chunks, residual, op, "scales");
+  c10::cuda::CUDAGuard device_guard(residual.device());
+  at::Tensor workspace =
+      at::empty({onebit_encode_workspace_bytes(n, chunk_size)}, residual.options().dtype(at::kByte));
+  cudaError_t err = onebit_mean_feedback_encode(
+      residual.data_ptr<float>(), parts_packed.data_ptr<uint8_t>(), parts_packed.stride(0),
+      parts_scales.data_ptr<float>(), parts_scales.stride(0), static_cast<int>(parts_packed.size(0)), n, chunk_size,
+      norm_scale, packed.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+      workspace.numel() > 0 ? workspace.data_ptr() : nullptr, at::cuda::getCurrentCUDAStream());
+  check_launch(err, op);
+}
+
 void lowrank_project_cuda(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& q,
                           const at::Tensor& p, bool subtract, const c10::optional<at::Tensor>& pending_p,
                           const c10::optional<at::Tensor>& pending_q) {
@@ -259,6 +283,7 @@ TORCH_LIBRARY_IMPL(sylvie_comm, CUDA, m) {
   m.impl("qbit_decode", &sylvie_comm::cuda::qbit_decode_cuda);
   m.impl("qbit_decode_into", &sylvie_comm::cuda::qbit_decode_into_cuda);
   m.impl("onebit_feedback_encode", &sylvie_comm::cuda::onebit_feedback_encode_cuda);
+  m.impl("onebit_mean_feedback_encode", &sylvie_comm::cuda::onebit_mean_feedback_encode_cuda);
   m.impl("lowrank_project", &sylvie_comm::cuda::lowrank_project_cuda);
   m.impl("lowrank_gram", &sylvie_comm::cuda::lowrank_gram_cuda);
   m.impl("lowrank_outer_into", &sylvie_comm::cuda::lowrank_outer_into_cuda);

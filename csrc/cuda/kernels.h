@@ -70,6 +70,14 @@ cudaError_t onebit_feedback_encode(float* residual, const float* grad, int64_t n
                                    bool norm_scale, uint8_t* packed, float* scales, void* workspace,
                                    cudaStream_t stream);
 
+// onebit_feedback_encode with grad the mean of w >= 1 one-bit rows: row j's bits at parts + j * parts_stride
+// (ceil(n / 8) bytes), its scales at part_scales + j * scales_stride (one per chunk); each row decoded,
+// summed in fp32 in row order, divided by w. Workspace as onebit_feedback_encode.
+cudaError_t onebit_mean_feedback_encode(float* residual, const uint8_t* parts, int64_t parts_stride,
+                                        const float* part_scales, int64_t scales_stride, int w, int64_t n,
+                                        int64_t chunk_size, bool norm_scale, uint8_t* packed, float* scales,
+                                        void* workspace, cudaStream_t stream);
+
 // residual: (n, k), q: (k, r), p: (n, r), r > 0. residual += grad, p = residual q
 // and, with subtract, residual -= p q^T (the terms of each element left to right).
 cudaError_t lowrank_project(float* residual, const float* grad, int64_t n, int64_t k, const float* q, int64_t r,

@@ -129,13 +129,36 @@ __global__ void onebit_reduce_kernel(const double* __restrict__ partial, int64_t
 // chunk the group then knows the chunk's scale and makes a second pass over its
 // elements (from cache): residual = e - (e >= 0 ? scale : -scale), one write.
 // With several pieces it leaves the residual to onebit_feedback_residual_kernel.
-__device__ __forceinline__ float feedback_value(const float* __restrict__ res, const float* __restrict__ grad,
-                                                int64_t e) {
-  return grad == nullptr ? res[e] : __fadd_rn(res[e], grad[e]);
+//
+// What is added to the residual: nothing, a gradient, or (parts != null) the mean of w one-bit rows
+// (onebit_mean_feedback_encode): each row decoded, summed in fp32 in row order, divided by w.
+struct FeedbackIn {
+  const float* grad;
+  const uint8_t* parts;
+  const float* part_scales;
+  int64_t parts_stride;   // bytes between rows of parts
+  int64_t scales_stride;  // floats between rows of part_scales
+  int w;
+  int64_t chunk_size;
+};
+
+__device__ __forceinline__ float feedback_value(const float* __restrict__ res, const FeedbackIn& in, int64_t e) {
+  if (in.parts != nullptr) {
+    const int64_t c = split_index(e, in.chunk_size).r;
+    const unsigned shift = static_cast<unsigned>(e & 7);
+    float acc = 0.0f;
+    for (int j = 0; j < in.w; ++j) {
+      const float s = in.part_scales[j * in.scales_stride + c];
+      const float d = ((in.parts[j * in.parts_stride + (e >> 3)] >> shift) & 1u) ? s : -s;
+      acc = j == 0 ? d : __fadd_rn(acc, d);
+    }
+    return __fadd_rn(res[e], __fdiv_rn(acc, static_cast<float>(in.w)));
+  }
+  return in.grad == nullptr ? res[e] : __fadd_rn(res[e], in.grad[e]);
 }
 
 template <int G>
-__global__ void onebit_feedback_kernel(float* __restrict__ res, const float* __restrict__ grad, int64_t n,
+__global__ void onebit_feedback_kernel(float* __restrict__ res, const FeedbackIn in, int64_t n,
                                        int64_t chunk_size, int64_t piece_len, int64_t pieces_per_chunk,
                                        int64_t items, bool norm_scale, uint8_t* __restrict__ packed,
                                        float* __restrict__ scales, double* __restrict__ partial) {
@@ -162,7 +185,7 @@ __global__ void onebit_feedback_kernel(float* __restrict__ res, const float* __r
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t e = start + (t0 + u) * G + gl;
-        v[u] = e < end ? feedback_value(res, grad, e) : 0.0f;
+        v[u] = e < end ? feedback_value(res, in, e) : 0.0f;
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -191,7 +214,7 @@ __global__ void onebit_feedback_kernel(float* __restrict__ res, const float* __r
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t e = start + (t0 + u) * G + gl;
-        v[u] = e < end ? feedback_value(res, grad, e) : 0.0f;
+        v[u] = e < end ? feedback_value(res, in, e) : 0.0f;
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -203,14 +226,14 @@ __global__ void onebit_feedback_kernel(float* __restrict__ res, const float* __r
 }
 
 // residual = residual + grad - decode, one thread per element (chunks split into pieces).
-__global__ void onebit_feedback_residual_kernel(float* __restrict__ res, const float* __restrict__ grad, int64_t n,
+__global__ void onebit_feedback_residual_kernel(float* __restrict__ res, const FeedbackIn in, int64_t n,
                                                 int64_t chunk_size, const uint8_t* __restrict__ packed,
                                                 const float* __restrict__ scales) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
     const float s = scales[split_index(e, chunk_size).r];
     const bool bit = (packed[e >> 3] >> (e & 7)) & 1u;
-    res[e] = __fsub_rn(feedback_value(res, grad, e), bit ? s : -s);
+    res[e] = __fsub_rn(feedback_value(res, in, e), bit ? s : -s);
   }
 }
 
@@ -301,7 +324,8 @@ cudaError_t onebit_decode(const uint8_t* packed, const float* scales, int64_t n,
   });
 }
 
-cudaError_t onebit_feedback_encode(float* residual, const float* grad, int64_t n, int64_t chunk_size,
+// The error-fed encode of residual + `in` (see FeedbackIn).
+static cudaError_t feedback_encode(float* residual, const FeedbackIn& in, int64_t n, int64_t chunk_size,
                                    bool norm_scale, uint8_t* packed, float* scales, void* workspace,
                                    cudaStream_t stream) {
   if (n < 0 || chunk_size <= 0 || chunk_size % 8 != 0) return cudaErrorInvalidValue;
@@ -316,11 +340,11 @@ cudaError_t onebit_feedback_encode(float* residual, const float* grad, int64_t n
     constexpr int G = 8;
     const int64_t warps = ceil_div(items, kWarpSize / G);
     onebit_feedback_kernel<G><<<grid_for(warps, kWarpsPerBlock), kThreads, 0, stream>>>(
-        residual, grad, n, chunk_size, piece_len, ppc, items, norm_scale, packed, scales, partial);
+        residual, in, n, chunk_size, piece_len, ppc, items, norm_scale, packed, scales, partial);
   } else {
     constexpr int G = 32;
     onebit_feedback_kernel<G><<<grid_for(items, kWarpsPerBlock), kThreads, 0, stream>>>(
-        residual, grad, n, chunk_size, piece_len, ppc, items, norm_scale, packed, scales, partial);
+        residual, in, n, chunk_size, piece_len, ppc, items, norm_scale, packed, scales, partial);
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || ppc == 1) return err;
@@ -328,9 +352,25 @@ cudaError_t onebit_feedback_encode(float* residual, const float* grad, int64_t n
                                                                                    norm_scale, scales);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  onebit_feedback_residual_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(residual, grad, n, chunk_size,
+  onebit_feedback_residual_kernel<<<grid_for(n, kThreads), kThreads, 0, stream>>>(residual, in, n, chunk_size,
                                                                                   packed, scales);
   return cudaGetLastError();
+}
+
+cudaError_t onebit_feedback_encode(float* residual, const float* grad, int64_t n, int64_t chunk_size,
+                                   bool norm_scale, uint8_t* packed, float* scales, void* workspace,
+                                   cudaStream_t stream) {
+  const FeedbackIn in{grad, nullptr, nullptr, 0, 0, 0, chunk_size};
+  return feedback_encode(residual, in, n, chunk_size, norm_scale, packed, scales, workspace, stream);
+}
+
+cudaError_t onebit_mean_feedback_encode(float* residual, const uint8_t* parts, int64_t parts_stride,
+                                        const float* part_scales, int64_t scales_stride, int w, int64_t n,
+                                        int64_t chunk_size, bool norm_scale, uint8_t* packed, float* scales,
+                                        void* workspace, cudaStream_t stream) {
+  if (w < 1 || (n > 0 && (parts == nullptr || part_scales == nullptr))) return cudaErrorInvalidValue;
+  const FeedbackIn in{nullptr, parts, part_scales, parts_stride, scales_stride, w, chunk_size};
+  return feedback_encode(residual, in, n, chunk_size, norm_scale, packed, scales, workspace, stream);
 }
 
 }  // namespace cuda

@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include <limits>
+
 #include "common/sc_math.h"
 
 namespace sylvie_comm {
@@ -80,6 +82,25 @@ inline void onebit_decode_into(const at::Tensor& packed, const at::Tensor& scale
               " float32 scales, got ", scales.numel(), " of ", scales.scalar_type());
   on_device(packed, type, "onebit_decode");
   on_device(scales, type, "onebit_decode");
+}
+
+// The w one-bit rows of onebit_mean_feedback_encode: (w >= 1, ceil(n / 8)) uint8 bits and (w, chunks) fp32
+// scales, each row contiguous (any row stride), on one device of type `type`.
+inline void onebit_parts(const at::Tensor& packed, const at::Tensor& scales, int64_t n, int64_t chunks,
+                         c10::DeviceType type, const char* op) {
+  const int64_t nbytes = (n + 7) / 8;
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.size(0) >= 1 &&
+                  packed.size(1) == nbytes && (packed.stride(1) == 1 || nbytes <= 1),
+              op, ": parts_packed must be (w >= 1, ", nbytes, ") uint8 with contiguous rows, got ",
+              packed.scalar_type(), " of shape ", packed.sizes(), " and strides ", packed.strides());
+  TORCH_CHECK(packed.size(0) <= std::numeric_limits<int>::max(), op, ": too many rows: ", packed.size(0));
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.size(0) == packed.size(0) &&
+                  scales.size(1) == chunks && (scales.stride(1) == 1 || chunks <= 1),
+              op, ": parts_scales must be (", packed.size(0), ", ", chunks,
+              ") float32 with contiguous rows, got ", scales.scalar_type(), " of shape ", scales.sizes(),
+              " and strides ", scales.strides());
+  on_device(packed, type, op);
+  on_device(scales, type, op);
 }
 
 inline void qbit_encode(const at::Tensor& x, int64_t nbits, at::ScalarType meta_dtype, c10::DeviceType type) {

@@ -21,6 +21,10 @@ TORCH_LIBRARY(sylvie_comm, m) {
   // residual -= its decode. CPU and CUDA kernels (fp32, contiguous).
   m.def("onebit_feedback_encode(Tensor(a!) residual, Tensor? grad, int chunk_size, bool norm_scale, "
         "Tensor(b!) packed, Tensor(c!) scales) -> ()");
+  // The same with residual += the mean of w one-bit rows (parts_packed (w, ceil(n / 8)) uint8 and parts_scales
+  // (w, chunks) fp32, each row contiguous, any row stride): decoded, summed in fp32 in row order, divided by w.
+  m.def("onebit_mean_feedback_encode(Tensor(a!) residual, Tensor parts_packed, Tensor parts_scales, int chunk_size, "
+        "bool norm_scale, Tensor(b!) packed, Tensor(c!) scales) -> ()");
   // Low-rank steps (CPU and CUDA kernels, fp32): residual -= pending_p pending_q^T (when given; the same bits
   // as lowrank_outer_into(residual, pending_p, pending_q, -1, true)), residual += grad (when given),
   // p = residual q, and with subtract residual -= p q^T, all in one pass over the residual.

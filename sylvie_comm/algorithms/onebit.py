@@ -52,18 +52,16 @@ class _Rows:
         return rows[:, :sb].view(torch.float32), rows[:, sb : sb + self.bit_bytes]
 
 
+def _exact_layout(layout: RowLayout) -> bool:
+    """Whether a tensor's flat elements are its unit matrix as they are (units of whole chunks, no
+    padding inside a unit), so the fused kernels can work on them in place."""
+    return layout.units > 0 and layout.span == layout.width and layout.last == layout.span
+
+
 def _exact(layout: RowLayout, t: torch.Tensor, any_float: bool = False) -> bool:
-    """Whether ``t``'s flat elements are its unit matrix as they are (units of whole chunks, no padding
-    inside a unit), so the fused kernels can work on it in place; fp32 and contiguous (any float with
-    ``any_float``, for decoding)."""
+    """:func:`_exact_layout`, and ``t`` fp32 and contiguous (any float with ``any_float``, for decoding)."""
     dtype_ok = t.dtype in (torch.float32, torch.float16, torch.bfloat16) if any_float else t.dtype == torch.float32
-    return (
-        dtype_ok
-        and t.is_contiguous()
-        and layout.units > 0
-        and layout.span == layout.width
-        and layout.last == layout.span
-    )
+    return dtype_ok and t.is_contiguous() and _exact_layout(layout)
 
 
 class OneBitAlgorithm(FeedbackAlgorithm):
@@ -144,13 +142,22 @@ class OneBitAlgorithm(FeedbackAlgorithm):
 
     @staticmethod
     def _mean_of(parts: torch.Tensor) -> torch.Tensor:
-        """``parts.sum(0) / w``; one rank's part as it is (a reduction over a dimension of one is a slow copy).
-
-        One reduction pass reads every part once; adding the parts in place one by one would read the
-        running sum again for each (measured slower at 4 ranks)."""
+        """The parts added in rank order, then divided by ``w``: the arithmetic of
+        :func:`~sylvie_comm.kernels.onebit_mean_feedback_encode`, so both server paths agree bit for bit."""
         if parts.shape[0] == 1:
-            return parts[0]
-        return parts.sum(0).div_(parts.shape[0])
+            return parts[0]  # x / 1 == x
+        acc = parts[0].clone()
+        for j in range(1, parts.shape[0]):
+            acc.add_(parts[j])
+        return acc.div_(parts.shape[0])
+
+    def _residual_buffer(self, feedback: ErrorFeedback, key: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """``key``'s residual, a zero tensor of ``shape`` before its first step."""
+        res = feedback.residual(key)
+        if res is None or res.shape != shape:
+            zero = torch.zeros(shape)
+            res = feedback.update(key, zero, zero)  # the residual's buffer, zero before the first step
+        return res
 
     def _encode_fused(
         self, slot: _Slot, feedback: ErrorFeedback, key: str, values: torch.Tensor, real: int, parts: int,
@@ -161,10 +168,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         update the residual: one pass, in the residual's buffer (compensate, encode, decode and update
         take five, with three temporaries the tensor's size). Same bits as that path."""
         lay = slot.layout
-        res = feedback.residual(key)
-        if res is None or res.shape != values.shape:
-            zero = torch.zeros(values.shape)
-            res = feedback.update(key, zero, zero)  # the residual's buffer, zero before the first step
+        res = self._residual_buffer(feedback, key, values.shape)
         r_flat, v_flat = res.view(-1), values.reshape(-1)
         per, span = slot.per_rank, lay.span
         for j in range(parts):
@@ -177,9 +181,34 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                     r_flat[a:b], v_flat[a:b], lay.chunk, self._norm,
                     b_row[: count * lay.width // 8], s_row[: count * lay.nchunks],
                 )  # fmt: skip
-            if count < per:  # all-zero padding units: every sign bit set, scale 0 (as an encode of zeros)
-                b_row[count * lay.width // 8 :] = 0xFF
-                s_row[count * lay.nchunks :] = 0.0
+            if count < per:
+                self._pad(lay, count, s_row, b_row)
+
+    @staticmethod
+    def _pad(lay: RowLayout, count: int, s_row: torch.Tensor, b_row: torch.Tensor) -> None:
+        """Units ``count..`` of a row are all-zero padding: every sign bit set, scale 0 (an encode of zeros)."""
+        b_row[count * lay.width // 8 :] = 0xFF
+        s_row[count * lay.nchunks :] = 0.0
+
+    def _server_fused(self, slot: _Slot, rs: torch.Tensor, rb: torch.Tensor, ms: torch.Tensor,
+                      mb: torch.Tensor) -> None:  # fmt: skip
+        """This rank's part of an exact layout: the mean of what every rank sent for it, compensated with the
+        server residual and encoded into ``ms``/``mb``, in one pass over the residual with the received rows
+        decoded in registers. Same bits as decode, :meth:`_mean_of`, zero padding, :meth:`_encode_fused`
+        (padding units stay zero in the residual and go out as an encode of zeros)."""
+        lay, rank, per = slot.layout, self.transport.rank, slot.per_rank
+        count = max(0, min(per, lay.units - rank * per))
+        res = self._residual_buffer(self.server_feedback, f"{slot.name}@{rank}", (per, lay.width))
+        s_row = ms[0, slot.scales_at : slot.scales_at + slot.n_scales]
+        b_row = mb[0, slot.bits_at : slot.bits_at + slot.n_bytes]
+        if count:
+            nb, nc = count * lay.width // 8, count * lay.nchunks
+            kernels.onebit_mean_feedback_encode(
+                res.view(-1)[: count * lay.span], rb[:, slot.bits_at : slot.bits_at + nb],
+                rs[:, slot.scales_at : slot.scales_at + nc], lay.chunk, self._norm, b_row[:nb], s_row[:nc],
+            )  # fmt: skip
+        if count < per:
+            self._pad(lay, count, s_row, b_row)
 
     def _decode_fused(self, slot: _Slot, scales: torch.Tensor, bits: torch.Tensor, out: torch.Tensor) -> None:
         """Decode every rank's part of an exact layout straight into ``out`` (no unit matrix, no copy)."""
@@ -225,12 +254,11 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                 ms, mb = layout.sections(mine)
                 for slot in layout.slots:
                     units, first = slot.layout, rank * slot.per_rank
+                    if _exact_layout(units):
+                        self._server_fused(slot, rs, rb, ms, mb)
+                        continue
                     key = f"{slot.name}@{rank}"
                     avg = self._mean_of(self._decode_from(slot, rs, rb).view(w, slot.per_rank, units.width))
-                    if _exact(units, avg):
-                        self._encode_fused(slot, self.server_feedback, key, units.zero_padding_(avg, first),
-                                           slot.per_rank, 1, ms, mb)  # fmt: skip
-                        continue
                     comp = self.server_feedback.compensate(key, units.zero_padding_(avg, first))
                     self.server_feedback.update(key, comp, self._encode_into(slot, comp, first, ms, mb))
                 return mine

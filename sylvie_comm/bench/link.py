@@ -14,7 +14,10 @@ codec in turn, on the same seeds:
 * ``torch-powersgd``: PyTorch's ``powerSGD_hook`` (rank 4, error feedback, warm start) with one
   bucket, the only way it runs on gloo: with several buckets it launches its P and Q
   all-reduces from callbacks on different threads, ranks disagree on their order and gloo aborts;
-* every sylvie algorithm (``sylvie_comm.ddp.register(model, name)``; rank 4 for the low-rank ones).
+* every sylvie algorithm (``sylvie_comm.ddp.register(model, name)``; rank 4 for the low-rank ones);
+* ``no-comm``: DDP with a hook that hands each bucket back as it is (nothing sent, nothing
+  averaged, so its training is not data-parallel): DDP's own work (bucket copies, autograd
+  hooks) with no hook work and no wire, the least any hook's step can take on this machine.
 
 A step is ``zero_grad``, forward, backward (which waits for the hook's collectives) and
 ``optimizer.step()``, after a barrier; its time is the slowest rank's. The first
@@ -61,6 +64,7 @@ TORCH_CODECS: dict[str, str] = {
     "ddp": "DDP all-reduce (S-SGD)",
     "torch-fp16": "PyTorch fp16_compress_hook",
     "torch-powersgd": "PyTorch powerSGD_hook (1 bucket)",
+    "no-comm": "DDP, a hook that sends nothing (bound)",
 }
 HOOK_WARMUP = 2  # the hooks' uncompressed steps (PyTorch's start_powerSGD_iter, our warmup_steps)
 WARMUP = 3  # steps not measured: the hooks' warm-up and one compressed step
@@ -69,7 +73,7 @@ MOMENTUM = 0.9
 
 
 def all_codecs() -> list[str]:
-    """Every codec the benchmark knows: PyTorch's three, then every sylvie algorithm."""
+    """Every codec the benchmark knows: DDP's and PyTorch's hooks, the no-comm bound, then every sylvie algorithm."""
     from sylvie_comm.algorithms import ALGORITHMS
 
     return [*TORCH_CODECS, *ALGORITHMS]
@@ -124,6 +128,18 @@ def _eth0_tx_bytes() -> int | None:
     return None
 
 
+def _no_comm_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """Each rank's own gradient, at once: no collective (the ``no-comm`` bound)."""
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+# DDP checks a hook's annotations at run time; this module's are strings (PEP 563).
+_no_comm_hook.__annotations__ = {"state": Any, "bucket": torch.distributed.GradBucket,  # type: ignore[attr-defined]
+                                 "return": torch.futures.Future[torch.Tensor]}  # fmt: skip
+
+
 def _run_codec(name: str, cfg: dict[str, Any], rank: int, world: int, progress: Callable[[], None]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -146,6 +162,8 @@ def _run_codec(name: str, cfg: dict[str, Any], rank: int, world: int, progress: 
         ps_state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=r, start_powerSGD_iter=HOOK_WARMUP,
                                     use_error_feedback=True, warm_start=True)  # fmt: skip
         ddp.register_comm_hook(ps_state, ps.powerSGD_hook)
+    elif name == "no-comm":
+        ddp.register_comm_hook(None, _no_comm_hook)
     elif name != "ddp":
         opts: dict[str, Any] = {"rank": r} if "rank" in ALGORITHMS[name].option_defaults else {}
         state = sylvie_comm.ddp.register(ddp, name, warmup_steps=HOOK_WARMUP, timeout=cfg["collective_timeout"],
@@ -490,6 +508,8 @@ def format_table(rec: dict[str, Any]) -> str:
         "enc+dec s: our hooks' encode + decode per step (median); x ...: ratio of median step times (higher is "
         "faster).",
         "PyTorch's powerSGD_hook runs with one bucket (bucket_cap_mb=1024): with several buckets it aborts on gloo.",
+        "no-comm: DDP with a hook that sends nothing and averages nothing (not data-parallel training): the "
+        "least any hook's step can take here; the other rows' distance to it is their hooks' work and wire time.",
         "auto: its probe steps (probe_steps x candidates, after the hooks' warm-up) are not measured; its choices "
         "are in the JSON.",
         "launcher: torchrun (one node per worker, static rendezvous at worker 0) or horovodrun (-H one slot per "

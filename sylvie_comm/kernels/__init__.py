@@ -20,6 +20,7 @@ __all__ = [
     "onebit_decode",
     "onebit_encode",
     "onebit_feedback_encode",
+    "onebit_mean_feedback_encode",
     "pack_bits",
     "qbit_decode",
     "qbit_encode",
@@ -152,6 +153,30 @@ def onebit_feedback_encode(
         torch.ops.sylvie_comm.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales)
     else:
         reference.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales)
+
+
+def onebit_mean_feedback_encode(
+    residual: torch.Tensor,
+    parts_packed: torch.Tensor,
+    parts_scales: torch.Tensor,
+    chunk_size: int,
+    norm_scale: bool,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """``residual +=`` the mean of ``w`` one-bit rows, then as :func:`onebit_feedback_encode`: one pass over the
+    residual, the rows decoded in registers (no decoded copy of them is ever written)."""
+    rows_ok = parts_packed.dim() == 2 and parts_scales.dim() == 2
+    rows_ok = rows_ok and parts_packed.stride(-1) == 1 and parts_scales.stride(-1) == 1
+    same = parts_packed.device == residual.device and parts_scales.device == residual.device
+    if rows_ok and same and _fused(residual, scales) and packed.is_contiguous():
+        torch.ops.sylvie_comm.onebit_mean_feedback_encode(
+            residual, parts_packed, parts_scales, chunk_size, norm_scale, packed, scales
+        )
+    else:
+        reference.onebit_mean_feedback_encode(
+            residual, parts_packed, parts_scales, chunk_size, norm_scale, packed, scales
+        )
 
 
 def lowrank_project(

@@ -258,6 +258,32 @@ def onebit_feedback_encode(
     flat.sub_(onebit_decode(bits, sc, flat.numel(), chunk_size, torch.float32))
 
 
+def onebit_mean(parts_packed: torch.Tensor, parts_scales: torch.Tensor, numel: int, chunk_size: int) -> torch.Tensor:
+    """The mean of ``w`` one-bit rows (``parts_packed`` ``(w, ceil(numel / 8))``, ``parts_scales``
+    ``(w, chunks)``): decoded to fp32, summed in row order (one fp32 add per row), divided by ``w``."""
+    w = parts_packed.shape[0]
+    acc = onebit_decode(parts_packed[0], parts_scales[0], numel, chunk_size, torch.float32)
+    for j in range(1, w):
+        acc.add_(onebit_decode(parts_packed[j], parts_scales[j], numel, chunk_size, torch.float32))
+    return acc.div_(w)
+
+
+def onebit_mean_feedback_encode(
+    residual: torch.Tensor,
+    parts_packed: torch.Tensor,
+    parts_scales: torch.Tensor,
+    chunk_size: int,
+    norm_scale: bool,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """:func:`onebit_feedback_encode` with ``grad`` the :func:`onebit_mean` of ``w`` one-bit rows
+    (the server side of the two-phase one-bit all-reduce: average what the ranks sent, compensate,
+    encode)."""
+    mean = onebit_mean(parts_packed, parts_scales, residual.numel(), chunk_size)
+    onebit_feedback_encode(residual, mean, chunk_size, norm_scale, packed, scales)
+
+
 def lowrank_project(
     residual: torch.Tensor,
     grad: torch.Tensor | None,

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multiprocess
 def test_two_workers_two_codecs_two_rounds_on_a_shaped_link(tmp_path):
     out = tmp_path / "ddp-link.json"
     cmd = [sys.executable, "-m", "sylvie_comm.cli", "bench", "ddp", "--link", "100mbit", "--workers", "2",
-           "--steps", "2", "--rounds", "2", "--codecs", "none,acpsgd", "--model", "small", "--timeout", "120",
+           "--steps", "2", "--rounds", "2", "--codecs", "none,acpsgd,no-comm", "--model", "small", "--timeout", "120",
            "--no-horovod", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -28,7 +28,7 @@ def test_two_workers_two_codecs_two_rounds_on_a_shaped_link(tmp_path):
     else:
         assert first.startswith("lab: LOOPBACK FALLBACK"), first
     rec = json.loads(out.read_text())
-    assert rec["link"] == "100mbit" and rec["workers"] == 2 and list(rec["codecs"]) == ["none", "acpsgd"]
+    assert rec["link"] == "100mbit" and rec["workers"] == 2 and list(rec["codecs"]) == ["none", "acpsgd", "no-comm"]
     assert rec["horovod_skipped"] == "--no-horovod" and {c["launcher"] for c in rec["codecs"].values()} == {"torchrun"}
     assert "--nnodes 2 --node-rank 0 --nproc-per-node 1" in rec["lab"]["launch"]["torchrun"]
     assert set(rec["machine"]) >= {"cpu_count", "cpu_model", "torch", "python", "sylvie_comm"}
@@ -38,10 +38,16 @@ def test_two_workers_two_codecs_two_rounds_on_a_shaped_link(tmp_path):
         assert len(c["round_median_s"]) == 2
         assert c["min_s"] <= c["median_s"] <= c["max_s"]
         assert c["samples_per_s"] == pytest.approx(2 * rec["batch_per_worker"] / c["median_s"])
-        assert c["encode_decode_s"] is not None and c["encode_decode_s"] >= 0
+    for name in ("none", "acpsgd"):
+        assert codecs[name]["encode_decode_s"] is not None and codecs[name]["encode_decode_s"] >= 0
     assert codecs["acpsgd"]["hook_bytes_per_step"] < codecs["none"]["hook_bytes_per_step"] / 10
+    bound = codecs["no-comm"]  # no collective in its hook: no bytes, no stats, the label says what it is
+    assert bound["hook_bytes_per_step"] is None and bound["encode_decode_s"] is None
+    assert bound["label"] == "DDP, a hook that sends nothing (bound)"
     if rec["lab"]["shaped"]:  # bytes that really left eth0 agree
         assert codecs["acpsgd"]["eth0_tx_bytes_per_step"] < codecs["none"]["eth0_tx_bytes_per_step"] / 5
+        # Only the barriers' bytes: far fewer than even acpsgd's factors.
+        assert bound["eth0_tx_bytes_per_step"] < codecs["acpsgd"]["eth0_tx_bytes_per_step"]
     # No ddp or torch-powersgd in the run: S-SGD is our plain all-reduce, no PyTorch PowerSGD column.
     assert rec["baselines"] == {"s-sgd": "none", "torch-powersgd": None}
     for c in codecs.values():
@@ -82,7 +88,7 @@ def test_horovod_rows_run_in_the_same_lab_beside_the_ddp_rows():
 
 
 def test_bad_values_are_named():
-    with pytest.raises(ValueError, match=r"unknown codec 'zip'; valid: ddp, torch-fp16, torch-powersgd, none"):
+    with pytest.raises(ValueError, match=r"unknown codec 'zip'; valid: ddp, torch-fp16, torch-powersgd, no-comm, none"):
         link.check_codecs(["none", "zip"])
     with pytest.raises(ValueError, match=r"unknown link 'fast'; valid: 100mbit, 1gbit, 10gbit, none"):
         link.run("fast", 2, 2, ["none"])

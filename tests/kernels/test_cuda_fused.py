@@ -13,6 +13,8 @@ on the CPU. Tolerances (fp32, ``eps = 2**-23``; ``bound(a, b, t) = 2 t eps |a| |
   the residual within the bound of tests/kernels/test_fused.py.
 * ``onebit_feedback_encode``: the bits of the CPU kernel and the reference; the scales within one fp32 ulp (float64
   sums in another order); the residual exactly ``(residual + grad) - decode(bits, scales)`` with the CUDA scales.
+* ``onebit_mean_feedback_encode``: the same, with ``grad`` the reference's mean of the received rows (decoded,
+  added in rank order, divided by ``w``), from rows that are strided views of wider rows.
 
 Every CUDA op returns the same bits when run again.
 """
@@ -24,7 +26,7 @@ import torch
 
 from sylvie_comm import _ops
 from sylvie_comm.kernels import reference as ref
-from tests.kernels.test_fused import bound, data
+from tests.kernels.test_fused import _parts, _same_nan, bound, data
 
 pytestmark = [
     pytest.mark.gpu,
@@ -186,6 +188,33 @@ def test_onebit_feedback_encode(numel: int, chunk: int, norm: bool, with_grad: b
         assert torch.equal(r_gpu, r_cpu)
 
 
+@pytest.mark.parametrize(("numel", "chunk"), FEEDBACK)
+@pytest.mark.parametrize("w", [1, 3, 4])
+@pytest.mark.parametrize("norm", [False, True])
+def test_onebit_mean_feedback_encode(numel: int, chunk: int, w: int, norm: bool) -> None:
+    bits, scales = _parts(w, numel, chunk, seed=numel + w)
+    res = torch.randn(numel, generator=torch.Generator().manual_seed(chunk))
+    chunks = (numel + chunk - 1) // chunk
+    nbytes = (numel + 7) // 8
+    r_gpu = res.cuda()
+    b_gpu, s_gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(chunks, device="cuda")
+    wide_b, wide_s = bits._base.cuda(), scales._base.cuda()  # the same strided views, on the GPU
+    parts_b = wide_b[:, 3 : 3 + nbytes]
+    parts_s = wide_s[:, 1 : 1 + chunks]
+    OPS.onebit_mean_feedback_encode(r_gpu, parts_b, parts_s, chunk, norm, b_gpu, s_gpu)
+    r_gpu, b_gpu, s_gpu = r_gpu.cpu(), b_gpu.cpu(), s_gpu.cpu()
+
+    r_cpu, b_cpu, s_cpu = res.clone(), torch.empty(nbytes, dtype=torch.uint8), torch.empty(chunks)
+    OPS.onebit_mean_feedback_encode(r_cpu, bits, scales, chunk, norm, b_cpu, s_cpu)
+    mean = ref.onebit_mean(bits, scales, numel, chunk)
+    assert torch.equal(b_gpu, b_cpu)
+    torch.testing.assert_close(s_gpu, s_cpu, rtol=EPS, atol=0, equal_nan=True)
+    want = (res + mean) - ref.onebit_decode(b_gpu, s_gpu, numel, chunk, torch.float32)
+    assert _same_nan(r_gpu, want)
+    if _same_nan(s_gpu, s_cpu):
+        assert _same_nan(r_gpu, r_cpu)
+
+
 @pytest.mark.parametrize("chunk", [16, 8192])
 def test_onebit_feedback_nonfinite_chunk_is_nan(chunk: int) -> None:
     res = torch.zeros(2 * chunk, device="cuda")
@@ -239,3 +268,8 @@ def test_checks() -> None:
         OPS.onebit_feedback_encode(z(8), None, 8, False, z(2, dtype=u8), z(1))
     with pytest.raises(RuntimeError, match="scales must be"):
         OPS.onebit_feedback_encode(z(8), None, 8, False, z(1, dtype=u8), z(1, device="cpu"))
+    with pytest.raises(RuntimeError, match="parts_packed must be"):
+        OPS.onebit_mean_feedback_encode(z(8), z(2, 2, dtype=u8), z(2, 1), 8, False, z(1, dtype=u8), z(1))
+    with pytest.raises(RuntimeError, match="expected a CUDA tensor"):
+        OPS.onebit_mean_feedback_encode(z(8), z(2, 1, dtype=u8), z(2, 1, device="cpu"), 8, False, z(1, dtype=u8),
+                                        z(1))  # fmt: skip

@@ -213,3 +213,82 @@ def test_dispatch_falls_back_for_other_dtypes() -> None:
     kernels.lowrank_project(e1, m.bfloat16(), q, p1, True)  # bf16 gradient: the reference
     ref.lowrank_project(e2, m.bfloat16(), q, p2, True)
     assert torch.equal(e1, e2) and torch.equal(p1, p2)
+
+
+def _parts(w: int, numel: int, chunk: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` one-bit rows of random data, as strided views of a wider buffer (the layout the one-bit server
+    receives: every rank's row holds other tensors' bytes too); one row's chunk has scale 0 and one a NaN."""
+    g = torch.Generator().manual_seed(seed)
+    chunks = (numel + chunk - 1) // chunk
+    nbytes = (numel + 7) // 8
+    wide_bits = torch.randint(0, 256, (w, nbytes + 5), generator=g, dtype=torch.uint8)
+    wide_scales = torch.rand(w, chunks + 3, generator=g) * 2
+    if chunks > 1:
+        wide_scales[0, 1] = 0.0
+    if w > 1 and chunks > 2:
+        wide_scales[1, 2] = float("nan")
+    return wide_bits[:, 3 : 3 + nbytes], wide_scales[:, 1 : 1 + chunks]
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("w", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize(("numel", "chunk"), [(1, 8), (8, 8), (1000, 64), (5000, 2048), (77, 16), (0, 8)])
+@pytest.mark.parametrize("norm", [False, True])
+def test_onebit_mean_feedback_encode(isa: str, w: int, numel: int, chunk: int, norm: bool) -> None:
+    """The mean of w received rows added in registers: the bits, scales and residual of onebit_feedback_encode
+    given the reference's mean (decode, add in rank order, divide by w), on every instruction set."""
+    _ops.set_cpu_isa(isa)
+    bits, scales = _parts(w, numel, chunk, seed=numel + w)
+    res = torch.randn(numel, generator=torch.Generator().manual_seed(w))
+    chunks = (numel + chunk - 1) // chunk
+    r1, b1, s1 = res.clone(), torch.empty((numel + 7) // 8, dtype=torch.uint8), torch.empty(chunks)
+    torch.ops.sylvie_comm.onebit_mean_feedback_encode(r1, bits, scales, chunk, norm, b1, s1)
+    mean = ref.onebit_mean(bits, scales, numel, chunk)
+    r2, b2, s2 = res.clone(), torch.empty_like(b1), torch.empty_like(s1)
+    torch.ops.sylvie_comm.onebit_feedback_encode(r2, mean, chunk, norm, b2, s2)
+    assert torch.equal(b1, b2) and _same_nan(s1, s2)
+    assert _same_nan(r1, r2)
+    # The dispatcher takes the kernel; the pure-torch reference agrees to one ulp of the scales.
+    r3, b3, s3 = res.clone(), torch.empty_like(b1), torch.empty_like(s1)
+    kernels.onebit_mean_feedback_encode(r3, bits, scales, chunk, norm, b3, s3)
+    assert torch.equal(b3, b1) and _same_nan(s3, s1) and _same_nan(r3, r1)
+    r4, b4, s4 = res.clone(), torch.empty_like(b1), torch.empty_like(s1)
+    ref.onebit_mean_feedback_encode(r4, bits, scales, chunk, norm, b4, s4)
+    assert torch.equal(b4, b1)
+    torch.testing.assert_close(s4, s1, rtol=EPS, atol=0, equal_nan=True)
+    _ops.set_cpu_isa(isas()[-1])
+
+
+def _same_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits, NaN where the other is NaN."""
+    return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
+
+
+def test_onebit_mean_sums_in_rank_order() -> None:
+    """(a + b) + c, not a + (b + c): three rows whose sums differ by order (1 + 2^-24 - 1 in fp32)."""
+    one = torch.tensor([[0xFF], [0xFF], [0x00]], dtype=torch.uint8)  # +s0, +s1, -s2 for all 8 values
+    scales = torch.tensor([[1.0], [2.0**-24], [1.0]])
+    res, b, s = torch.zeros(8), torch.empty(1, dtype=torch.uint8), torch.empty(1)
+    torch.ops.sylvie_comm.onebit_mean_feedback_encode(res, one, scales, 8, False, b, s)
+    # (1 + 2^-24) rounds to 1, minus 1 is 0: the rank-order sum is 0 (the other order gives 2^-24 / 3).
+    assert s.item() == 0.0 and torch.equal(ref.onebit_mean(one, scales, 8, 8), torch.zeros(8))
+
+
+def test_onebit_mean_feedback_encode_checks() -> None:
+    u8 = torch.uint8
+    op = torch.ops.sylvie_comm.onebit_mean_feedback_encode
+    with pytest.raises(RuntimeError, match=r"parts_packed must be \(w >= 1, 2\) uint8"):
+        op(torch.zeros(16), torch.zeros(2, 3, dtype=u8), torch.zeros(2, 1), 16, False, torch.zeros(2, dtype=u8),
+           torch.zeros(1))  # fmt: skip
+    with pytest.raises(RuntimeError, match="parts_packed must be"):
+        op(torch.zeros(16), torch.zeros(0, 2, dtype=u8), torch.zeros(0, 1), 16, False, torch.zeros(2, dtype=u8),
+           torch.zeros(1))  # fmt: skip
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        op(torch.zeros(16), torch.zeros(2, 4, dtype=u8)[:, ::2], torch.zeros(2, 1), 16, False,
+           torch.zeros(2, dtype=u8), torch.zeros(1))  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"parts_scales must be \(2, 1\) float32"):
+        op(torch.zeros(16), torch.zeros(2, 2, dtype=u8), torch.zeros(3, 1), 16, False, torch.zeros(2, dtype=u8),
+           torch.zeros(1))  # fmt: skip
+    with pytest.raises(RuntimeError, match="chunk_size"):
+        op(torch.zeros(16), torch.zeros(2, 2, dtype=u8), torch.zeros(2, 1), 12, False, torch.zeros(2, dtype=u8),
+           torch.zeros(1))  # fmt: skip
