@@ -184,13 +184,6 @@ void dispatch_float(at::ScalarType t, Fn&& fn) {
 
 float nan_f() { return std::numeric_limits<float>::quiet_NaN(); }
 
-void on_device_contiguous(const at::Tensor& t, at::ScalarType dtype, int64_t numel, const char* op,
-                          const char* what) {
-  TORCH_CHECK(t.device().type() == kCPU && t.is_contiguous() && t.scalar_type() == dtype && t.numel() == numel, op,
-              ": ", what, " must be a contiguous CPU ", dtype, " tensor of ", numel, " elements, got ",
-              t.scalar_type(), " of shape ", t.sizes());
-}
-
 // ---------------------------------------------------------------- pack / unpack
 
 at::Tensor pack_bits_cpu(const at::Tensor& values_, int64_t bits) {
@@ -443,18 +436,10 @@ void feedback_encode_chunk(const Impl& f, float* e, int64_t len, bool norm_scale
 
 void onebit_feedback_encode_cpu(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, int64_t chunk_size,
                                 bool norm_scale, const at::Tensor& packed, const at::Tensor& scales) {
-  const char* op = "onebit_feedback_encode";
-  checks::chunk_size(chunk_size, op);
-  checks::f32_contiguous(residual, kCPU, op, "residual");
+  checks::onebit_feedback_encode(residual, grad, chunk_size, packed, scales, kCPU);
   const int64_t n = residual.numel();
   const bool has_grad = grad.has_value() && grad->defined();
-  if (has_grad) {
-    checks::f32_contiguous(*grad, kCPU, op, "grad");
-    TORCH_CHECK(grad->numel() == n, op, ": grad has ", grad->numel(), " elements, residual ", n);
-  }
   const int64_t chunks = (n + chunk_size - 1) / chunk_size;
-  on_device_contiguous(packed, at::kByte, (n + 7) / 8, op, "packed");
-  on_device_contiguous(scales, at::kFloat, chunks, op, "scales");
   float* e = residual.data_ptr<float>();
   const float* g = has_grad ? grad->data_ptr<float>() : nullptr;
   uint8_t* out = packed.data_ptr<uint8_t>();
@@ -472,14 +457,9 @@ void onebit_feedback_encode_cpu(const at::Tensor& residual, const c10::optional<
 void onebit_mean_feedback_encode_cpu(const at::Tensor& residual, const at::Tensor& parts_packed,
                                      const at::Tensor& parts_scales, int64_t chunk_size, bool norm_scale,
                                      const at::Tensor& packed, const at::Tensor& scales) {
-  const char* op = "onebit_mean_feedback_encode";
-  checks::chunk_size(chunk_size, op);
-  checks::f32_contiguous(residual, kCPU, op, "residual");
+  checks::onebit_mean_feedback_encode(residual, parts_packed, parts_scales, chunk_size, packed, scales, kCPU);
   const int64_t n = residual.numel();
   const int64_t chunks = (n + chunk_size - 1) / chunk_size;
-  checks::onebit_parts(parts_packed, parts_scales, n, chunks, kCPU, op);
-  on_device_contiguous(packed, at::kByte, (n + 7) / 8, op, "packed");
-  on_device_contiguous(scales, at::kFloat, chunks, op, "scales");
   const int w = static_cast<int>(parts_packed.size(0));
   const float wf = static_cast<float>(w);
   const uint8_t* pp = parts_packed.data_ptr<uint8_t>();

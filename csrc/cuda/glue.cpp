@@ -158,35 +158,18 @@ at::Tensor qbit_decode_cuda(const at::Tensor& packed, const at::Tensor& scale, c
 }
 
 // ---------------------------------------------------------------- fused fp32 ops
-// The checks of the CPU registrations (csrc/cpu/kernels.cpp), with CUDA in place of CPU, and every tensor on the
-// residual's device.
+// The checks of csrc/ops/checks.h, as the CPU registrations make them, with CUDA in place of CPU and every
+// tensor on the residual's device.
 
 bool has_tensor(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
-
-void contiguous_numel(const at::Tensor& t, at::ScalarType dtype, int64_t numel, const at::Tensor& ref, const char* op,
-                      const char* what) {
-  TORCH_CHECK(t.device().type() == kCUDA && t.is_contiguous() && t.scalar_type() == dtype && t.numel() == numel, op,
-              ": ", what, " must be a contiguous CUDA ", dtype, " tensor of ", numel, " elements, got ",
-              t.scalar_type(), " of shape ", t.sizes());
-  check_same_device(t, ref, what, op);
-}
 
 void onebit_feedback_encode_cuda(const at::Tensor& residual, const c10::optional<at::Tensor>& grad,
                                  int64_t chunk_size, bool norm_scale, const at::Tensor& packed,
                                  const at::Tensor& scales) {
   const char* op = "onebit_feedback_encode";
-  checks::chunk_size(chunk_size, op);
-  checks::f32_contiguous(residual, kCUDA, op, "residual");
+  checks::onebit_feedback_encode(residual, grad, chunk_size, packed, scales, kCUDA);
   const int64_t n = residual.numel();
   const bool with_grad = has_tensor(grad);
-  if (with_grad) {
-    checks::f32_contiguous(*grad, kCUDA, op, "grad");
-    TORCH_CHECK(grad->numel() == n, op, ": grad has ", grad->numel(), " elements, residual ", n);
-    check_same_device(*grad, residual, "grad", op);
-  }
-  const int64_t chunks = (n + chunk_size - 1) / chunk_size;
-  contiguous_numel(packed, at::kByte, (n + 7) / 8, residual, op, "packed");
-  contiguous_numel(scales, at::kFloat, chunks, residual, op, "scales");
   c10::cuda::CUDAGuard device_guard(residual.device());
   // Float64 partial sums when a chunk is split over several warps (empty otherwise), as onebit_encode.
   at::Tensor workspace =
@@ -203,15 +186,8 @@ void onebit_mean_feedback_encode_cuda(const at::Tensor& residual, const at::Tens
                                       const at::Tensor& parts_scales, int64_t chunk_size, bool norm_scale,
                                       const at::Tensor& packed, const at::Tensor& scales) {
   const char* op = "onebit_mean_feedback_encode";
-  checks::chunk_size(chunk_size, op);
-  checks::f32_contiguous(residual, kCUDA, op, "residual");
+  checks::onebit_mean_feedback_encode(residual, parts_packed, parts_scales, chunk_size, packed, scales, kCUDA);
   const int64_t n = residual.numel();
-  const int64_t chunks = (n + chunk_size - 1) / chunk_size;
-  checks::onebit_parts(parts_packed, parts_scales, n, chunks, kCUDA, op);
-  check_same_device(parts_packed, residual, "parts_packed", op);
-  check_same_device(parts_scales, residual, "parts_scales", op);
-  contiguous_numel(packed, at::kByte, (n + 7) / 8, residual, op, "packed");
-  contiguous_numel(scales, at::kFloat, chunks, residual, op, "scales");
   c10::cuda::CUDAGuard device_guard(residual.device());
   at::Tensor workspace =
       at::empty({onebit_encode_workspace_bytes(n, chunk_size)}, residual.options().dtype(at::kByte));

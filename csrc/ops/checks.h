@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <limits>
+#include <utility>
 
 #include "common/sc_math.h"
 
@@ -101,6 +102,51 @@ inline void onebit_parts(const at::Tensor& packed, const at::Tensor& scales, int
               " and strides ", scales.strides());
   on_device(packed, type, op);
   on_device(scales, type, op);
+}
+
+// A contiguous tensor of `dtype` and `numel` elements on ref's device (of type `type`).
+inline void contiguous_like(const at::Tensor& t, at::ScalarType dtype, int64_t numel, const at::Tensor& ref,
+                            c10::DeviceType type, const char* op, const char* what) {
+  TORCH_CHECK(t.device().type() == type && t.is_contiguous() && t.scalar_type() == dtype && t.numel() == numel, op,
+              ": ", what, " must be a contiguous ", c10::DeviceTypeName(type), " ", dtype, " tensor of ", numel,
+              " elements, got ", t.scalar_type(), " of shape ", t.sizes());
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", what, " must be on ", ref.device(), ", got ", t.device());
+}
+
+// The error-fed one-bit encodes: a contiguous fp32 residual of n elements, the packed bits (ceil(n / 8)
+// uint8) and the scales (one fp32 per chunk) it is encoded into, on the residual's device. Returns n.
+inline int64_t onebit_feedback(const at::Tensor& residual, int64_t chunk, const at::Tensor& packed,
+                               const at::Tensor& scales, c10::DeviceType type, const char* op) {
+  chunk_size(chunk, op);
+  f32_contiguous(residual, type, op, "residual");
+  const int64_t n = residual.numel();
+  contiguous_like(packed, at::kByte, (n + 7) / 8, residual, type, op, "packed");
+  contiguous_like(scales, at::kFloat, (n + chunk - 1) / chunk, residual, type, op, "scales");
+  return n;
+}
+
+inline void onebit_feedback_encode(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, int64_t chunk,
+                                   const at::Tensor& packed, const at::Tensor& scales, c10::DeviceType type) {
+  const char* op = "onebit_feedback_encode";
+  const int64_t n = onebit_feedback(residual, chunk, packed, scales, type, op);
+  if (grad.has_value() && grad->defined()) {
+    f32_contiguous(*grad, type, op, "grad");
+    TORCH_CHECK(grad->numel() == n, op, ": grad has ", grad->numel(), " elements, residual ", n);
+    TORCH_CHECK(grad->device() == residual.device(), op, ": grad must be on ", residual.device(), ", got ",
+                grad->device());
+  }
+}
+
+inline void onebit_mean_feedback_encode(const at::Tensor& residual, const at::Tensor& parts_packed,
+                                        const at::Tensor& parts_scales, int64_t chunk, const at::Tensor& packed,
+                                        const at::Tensor& scales, c10::DeviceType type) {
+  const char* op = "onebit_mean_feedback_encode";
+  const int64_t n = onebit_feedback(residual, chunk, packed, scales, type, op);
+  onebit_parts(parts_packed, parts_scales, n, (n + chunk - 1) / chunk, type, op);
+  for (const auto& [t, what] : {std::pair<const at::Tensor*, const char*>{&parts_packed, "parts_packed"},
+                                {&parts_scales, "parts_scales"}})
+    TORCH_CHECK(t->device() == residual.device(), op, ": ", what, " must be on ", residual.device(), ", got ",
+                t->device());
 }
 
 inline void qbit_encode(const at::Tensor& x, int64_t nbits, at::ScalarType meta_dtype, c10::DeviceType type) {

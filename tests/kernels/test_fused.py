@@ -274,21 +274,20 @@ def test_onebit_mean_sums_in_rank_order() -> None:
     assert s.item() == 0.0 and torch.equal(ref.onebit_mean(one, scales, 8, 8), torch.zeros(8))
 
 
-def test_onebit_mean_feedback_encode_checks() -> None:
-    u8 = torch.uint8
-    op = torch.ops.sylvie_comm.onebit_mean_feedback_encode
-    with pytest.raises(RuntimeError, match=r"parts_packed must be \(w >= 1, 2\) uint8"):
-        op(torch.zeros(16), torch.zeros(2, 3, dtype=u8), torch.zeros(2, 1), 16, False, torch.zeros(2, dtype=u8),
-           torch.zeros(1))  # fmt: skip
-    with pytest.raises(RuntimeError, match="parts_packed must be"):
-        op(torch.zeros(16), torch.zeros(0, 2, dtype=u8), torch.zeros(0, 1), 16, False, torch.zeros(2, dtype=u8),
-           torch.zeros(1))  # fmt: skip
-    with pytest.raises(RuntimeError, match="contiguous rows"):
-        op(torch.zeros(16), torch.zeros(2, 4, dtype=u8)[:, ::2], torch.zeros(2, 1), 16, False,
-           torch.zeros(2, dtype=u8), torch.zeros(1))  # fmt: skip
-    with pytest.raises(RuntimeError, match=r"parts_scales must be \(2, 1\) float32"):
-        op(torch.zeros(16), torch.zeros(2, 2, dtype=u8), torch.zeros(3, 1), 16, False, torch.zeros(2, dtype=u8),
-           torch.zeros(1))  # fmt: skip
-    with pytest.raises(RuntimeError, match="chunk_size"):
-        op(torch.zeros(16), torch.zeros(2, 2, dtype=u8), torch.zeros(2, 1), 12, False, torch.zeros(2, dtype=u8),
-           torch.zeros(1))  # fmt: skip
+U8 = torch.uint8
+# (parts_packed, parts_scales, chunk_size, error) for a 16-element residual, 2 packed bytes, 1 scale.
+BAD_PARTS = [
+    (torch.zeros(2, 3, dtype=U8), torch.zeros(2, 1), 16, r"parts_packed must be \(w >= 1, 2\) uint8"),
+    (torch.zeros(0, 2, dtype=U8), torch.zeros(0, 1), 16, "parts_packed must be"),
+    (torch.zeros(2, 4, dtype=U8)[:, ::2], torch.zeros(2, 1), 16, "contiguous rows"),
+    (torch.zeros(2, 2, dtype=U8), torch.zeros(3, 1), 16, r"parts_scales must be \(2, 1\) float32"),
+    (torch.zeros(2, 2, dtype=U8), torch.zeros(2, 1), 12, "chunk_size"),
+]
+
+
+@pytest.mark.parametrize(("parts", "scales", "chunk", "error"), BAD_PARTS)
+def test_onebit_mean_feedback_encode_checks(parts: torch.Tensor, scales: torch.Tensor, chunk: int, error: str) -> None:
+    with pytest.raises(RuntimeError, match=error):
+        torch.ops.sylvie_comm.onebit_mean_feedback_encode(
+            torch.zeros(16), parts, scales, chunk, False, torch.zeros(2, dtype=U8), torch.zeros(1)
+        )
