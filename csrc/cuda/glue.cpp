@@ -22,10 +22,6 @@ constexpr c10::DeviceType kCUDA = c10::DeviceType::CUDA;
 void check_cuda(const at::Tensor& t, const char* op) { checks::on_device(t, kCUDA, op); }
 
 // Every tensor an op reads or writes must be on the device its kernels run on.
-void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* what, const char* op) {
-  TORCH_CHECK(t.device() == ref.device(), op, ": ", what, " must be on ", ref.device(), ", got ", t.device());
-}
-
 void check_launch(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(err));
 }
@@ -91,8 +87,8 @@ void onebit_decode_into_cuda(const at::Tensor& packed_, const at::Tensor& scales
                              const at::Tensor& out) {
   checks::onebit_decode_into(packed_, scales_, chunk_size, out, kCUDA);
   const int64_t numel = out.numel();
-  check_same_device(packed_, out, "packed", "onebit_decode");
-  check_same_device(scales_, out, "scales", "onebit_decode");
+  checks::same_device(packed_, out, "packed", "onebit_decode");
+  checks::same_device(scales_, out, "scales", "onebit_decode");
   c10::cuda::CUDAGuard device_guard(out.device());
   at::Tensor packed = packed_.contiguous(), scales = scales_.contiguous();
   cudaError_t err = onebit_decode(packed.data_ptr<uint8_t>(), scales.data_ptr<float>(), numel, chunk_size,
@@ -136,9 +132,9 @@ void qbit_decode_into_cuda(const at::Tensor& packed_, const at::Tensor& scale_, 
   checks::qbit_decode_into(packed_, scale_, minimum_, bits, out, kCUDA);
   const int b = static_cast<int>(bits);
   const int64_t rows = out.size(0), cols = out.size(1);
-  check_same_device(packed_, out, "packed", "qbit_decode");
-  check_same_device(scale_, out, "scale", "qbit_decode");
-  check_same_device(minimum_, out, "minimum", "qbit_decode");
+  checks::same_device(packed_, out, "packed", "qbit_decode");
+  checks::same_device(scale_, out, "scale", "qbit_decode");
+  checks::same_device(minimum_, out, "minimum", "qbit_decode");
   c10::cuda::CUDAGuard device_guard(out.device());
   at::Tensor packed = packed_.contiguous();
   at::Tensor scale = scale_.to(at::kFloat).contiguous(), minimum = minimum_.to(at::kFloat).contiguous();

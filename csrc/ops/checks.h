@@ -6,7 +6,6 @@
 #include <ATen/ATen.h>
 
 #include <limits>
-#include <utility>
 
 #include "common/sc_math.h"
 
@@ -16,6 +15,11 @@ namespace checks {
 inline void on_device(const at::Tensor& t, c10::DeviceType type, const char* op) {
   TORCH_CHECK(t.device().type() == type, op, ": expected a ", c10::DeviceTypeName(type), " tensor, got device ",
               t.device());
+}
+
+// `t` on the device of `ref` (the op's residual or output).
+inline void same_device(const at::Tensor& t, const at::Tensor& ref, const char* what, const char* op) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", what, " must be on ", ref.device(), ", got ", t.device());
 }
 
 inline void bits(int64_t bits, const char* op) {
@@ -110,7 +114,7 @@ inline void contiguous_like(const at::Tensor& t, at::ScalarType dtype, int64_t n
   TORCH_CHECK(t.device().type() == type && t.is_contiguous() && t.scalar_type() == dtype && t.numel() == numel, op,
               ": ", what, " must be a contiguous ", c10::DeviceTypeName(type), " ", dtype, " tensor of ", numel,
               " elements, got ", t.scalar_type(), " of shape ", t.sizes());
-  TORCH_CHECK(t.device() == ref.device(), op, ": ", what, " must be on ", ref.device(), ", got ", t.device());
+  same_device(t, ref, what, op);
 }
 
 // The error-fed one-bit encodes: a contiguous fp32 residual of n elements, the packed bits (ceil(n / 8)
@@ -132,8 +136,7 @@ inline void onebit_feedback_encode(const at::Tensor& residual, const c10::option
   if (grad.has_value() && grad->defined()) {
     f32_contiguous(*grad, type, op, "grad");
     TORCH_CHECK(grad->numel() == n, op, ": grad has ", grad->numel(), " elements, residual ", n);
-    TORCH_CHECK(grad->device() == residual.device(), op, ": grad must be on ", residual.device(), ", got ",
-                grad->device());
+    same_device(*grad, residual, "grad", op);
   }
 }
 
@@ -143,10 +146,8 @@ inline void onebit_mean_feedback_encode(const at::Tensor& residual, const at::Te
   const char* op = "onebit_mean_feedback_encode";
   const int64_t n = onebit_feedback(residual, chunk, packed, scales, type, op);
   onebit_parts(parts_packed, parts_scales, n, (n + chunk - 1) / chunk, type, op);
-  for (const auto& [t, what] : {std::pair<const at::Tensor*, const char*>{&parts_packed, "parts_packed"},
-                                {&parts_scales, "parts_scales"}})
-    TORCH_CHECK(t->device() == residual.device(), op, ": ", what, " must be on ", residual.device(), ", got ",
-                t->device());
+  same_device(parts_packed, residual, "parts_packed", op);
+  same_device(parts_scales, residual, "parts_scales", op);
 }
 
 inline void qbit_encode(const at::Tensor& x, int64_t nbits, at::ScalarType meta_dtype, c10::DeviceType type) {
@@ -186,23 +187,20 @@ inline void decode_alloc(at::ScalarType dtype, int64_t count, const char* what, 
 // every tensor on mat's device, of type `type`.
 inline void lowrank(const at::Tensor& mat, const c10::optional<at::Tensor>& grad, const at::Tensor& a,
                     const at::Tensor& b, c10::DeviceType type, const char* op, const char* a_name, const char* b_name) {
-  auto same_device = [&](const at::Tensor& t, const char* what) {
-    TORCH_CHECK(t.device() == mat.device(), op, ": ", what, " must be on ", mat.device(), ", got ", t.device());
-  };
   f32_contiguous(mat, type, op, "residual");
   TORCH_CHECK(mat.dim() == 2, op, ": expected a 2-D residual, got shape ", mat.sizes());
   if (grad.has_value() && grad->defined()) {
     f32_contiguous(*grad, type, op, "grad");
     TORCH_CHECK(grad->numel() == mat.numel(), op, ": grad has ", grad->numel(), " elements, residual ",
                 mat.numel());
-    same_device(*grad, "grad");
+    same_device(*grad, mat, "grad", op);
   }
   f32_contiguous(a, type, op, a_name);
   f32_contiguous(b, type, op, b_name);
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1) && a.size(1) > 0, op, ": ", a_name, " and ",
               b_name, " must be 2-D with the same number (> 0) of columns, got ", a.sizes(), " and ", b.sizes());
-  same_device(a, a_name);
-  same_device(b, b_name);
+  same_device(a, mat, a_name, op);
+  same_device(b, mat, b_name, op);
 }
 
 // lowrank_project(residual, grad, q, p, pending_p, pending_q): q is (cols x r), p (rows x r); the

@@ -44,11 +44,10 @@ class ACPSGDAlgorithm(LowRankAlgorithm):
             for m in comp:
                 p, q = self._factors[m.name]
                 res = self._residuals[m.name]
+                owed = self._pending.pop(m.name, None)
                 if p_step:  # E <- E - P' Q'^T (owed), E <- M + E, P <- E Q, E <- E - P Q^T: one pass
-                    owed = self._pending.pop(m.name, None)
                     kernels.lowrank_project(res, self._matrix(m), q, p, subtract=True, pending=owed)
                 else:  # E <- M + E, Q <- E^T P: one pass; E <- E - P Q^T is owed to the next P step
-                    owed = self._pending.pop(m.name, None)
                     if owed is not None:  # a tensor that missed the P step (absent from its bucket then)
                         kernels.lowrank_outer_into(res, owed[0], owed[1], -1.0, accumulate=True)
                     kernels.lowrank_gram(res, self._matrix(m), p, q)

@@ -140,17 +140,6 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         b = bits[:, slot.bits_at : slot.bits_at + slot.n_bytes].reshape(-1)
         return slot.layout.decode_units(b, s, n * slot.per_rank)
 
-    @staticmethod
-    def _mean_of(parts: torch.Tensor) -> torch.Tensor:
-        """The parts added in rank order, then divided by ``w``: the arithmetic of
-        :func:`~sylvie_comm.kernels.onebit_mean_feedback_encode`, so both server paths agree bit for bit."""
-        if parts.shape[0] == 1:
-            return parts[0]  # x / 1 == x
-        acc = parts[0].clone()
-        for j in range(1, parts.shape[0]):
-            acc.add_(parts[j])
-        return acc.div_(parts.shape[0])
-
     def _residual_buffer(self, feedback: ErrorFeedback, key: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
         """``key``'s residual, a zero tensor of ``shape`` before its first step."""
         res = feedback.residual(key)
@@ -194,7 +183,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                       mb: torch.Tensor) -> None:  # fmt: skip
         """This rank's part of an exact layout: the mean of what every rank sent for it, compensated with the
         server residual and encoded into ``ms``/``mb``, in one pass over the residual with the received rows
-        decoded in registers. Same bits as decode, :meth:`_mean_of`, zero padding, :meth:`_encode_fused`
+        decoded in registers. Same bits as decode, ``mean_in_rank_order``, zero padding, :meth:`_encode_fused`
         (padding units stay zero in the residual and go out as an encode of zeros)."""
         lay, rank, per = slot.layout, self.transport.rank, slot.per_rank
         count = max(0, min(per, lay.units - rank * per))
@@ -258,7 +247,9 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                         self._server_fused(slot, rs, rb, ms, mb)
                         continue
                     key = f"{slot.name}@{rank}"
-                    avg = self._mean_of(self._decode_from(slot, rs, rb).view(w, slot.per_rank, units.width))
+                    # The parts' mean with the fused kernel's arithmetic: both paths give the same bits.
+                    parts = self._decode_from(slot, rs, rb).view(w, slot.per_rank, units.width)
+                    avg = kernels.reference.mean_in_rank_order(parts)
                     comp = self.server_feedback.compensate(key, units.zero_padding_(avg, first))
                     self.server_feedback.update(key, comp, self._encode_into(slot, comp, first, ms, mb))
                 return mine

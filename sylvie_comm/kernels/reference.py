@@ -258,14 +258,24 @@ def onebit_feedback_encode(
     flat.sub_(onebit_decode(bits, sc, flat.numel(), chunk_size, torch.float32))
 
 
-def onebit_mean(parts_packed: torch.Tensor, parts_scales: torch.Tensor, numel: int, chunk_size: int) -> torch.Tensor:
-    """The mean of ``w`` one-bit rows (``parts_packed`` ``(w, ceil(numel / 8))``, ``parts_scales``
-    ``(w, chunks)``): decoded to fp32, summed in row order (one fp32 add per row), divided by ``w``."""
-    w = parts_packed.shape[0]
-    acc = onebit_decode(parts_packed[0], parts_scales[0], numel, chunk_size, torch.float32)
+def mean_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
+    """``(parts[0] + parts[1] + ... + parts[w - 1]) / w``: one fp32 add per part, in order, then one
+    division (the one-bit server's mean, in every path). One part is returned as it is (``x / 1 == x``)."""
+    w = parts.shape[0]
+    if w == 1:
+        return parts[0]
+    acc = parts[0].clone()
     for j in range(1, w):
-        acc.add_(onebit_decode(parts_packed[j], parts_scales[j], numel, chunk_size, torch.float32))
+        acc.add_(parts[j])
     return acc.div_(w)
+
+
+def onebit_mean(parts_packed: torch.Tensor, parts_scales: torch.Tensor, numel: int, chunk_size: int) -> torch.Tensor:
+    """The :func:`mean_in_rank_order` of ``w`` one-bit rows (``parts_packed`` ``(w, ceil(numel / 8))``,
+    ``parts_scales`` ``(w, chunks)``) decoded to fp32."""
+    pairs = zip(parts_packed, parts_scales, strict=True)
+    rows = [onebit_decode(b, s, numel, chunk_size, torch.float32) for b, s in pairs]
+    return mean_in_rank_order(torch.stack(rows))
 
 
 def onebit_mean_feedback_encode(
