@@ -34,6 +34,7 @@ from torch import nn
 
 from sylvie_comm.algorithms import Group, Member, Policy, algorithm_class
 from sylvie_comm.algorithms.acpsgd import ACPSGDAlgorithm
+from sylvie_comm.algorithms.guard import nonfinite
 from sylvie_comm.collectives import Stats, agree
 from sylvie_comm.collectives.horovod import HorovodTransport, import_horovod, supports
 from sylvie_comm.config import Config, differences
@@ -213,6 +214,10 @@ class _Pending:
         self.grad = grad
 
 
+# ``decompress`` context of a tensor Horovod averages uncompressed (a vector, a warm-up step).
+_PASSED = object()
+
+
 class ACPSGDCompressor:
     """ACP-SGD behind Horovod's ``compress``/``decompress`` (made by :meth:`Compression.acpsgd`).
 
@@ -265,7 +270,7 @@ class ACPSGDCompressor:
             "the optimizer trains (sparse_as_dense is not supported)"
         )
 
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, _Pending | None]:
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, _Pending | object | None]:
         name = self._find(tensor)
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
@@ -276,16 +281,27 @@ class ACPSGDCompressor:
         compress, options = self.policy.member_options(name, tensor.shape)
         if step < self.config.warmup_steps or not compress or not tensor.dtype.is_floating_point:
             meter.collective("all_reduce", tensor)
-            return tensor, None
+            if not tensor.dtype.is_floating_point:
+                return tensor, None
+            # Horovod averages it as it is; its average joins the step's non-finite check in decompress.
+            self.algorithm.guard.begin(step - self.config.warmup_steps)
+            return tensor, _PASSED
+        member = Member(name, tensor, True, options)
         member = Member(name, tensor, True, options)
         result = self.algorithm(Group(self._keys[name], [member]), step - self.config.warmup_steps, meter)
         ((buffer, wire),) = self.transport.issued
         self.transport.issued.clear()
         return buffer, _Pending(buffer, wire, result, tensor)
 
-    def decompress(self, tensor: torch.Tensor, ctx: _Pending | None) -> torch.Tensor:
+    def decompress(self, tensor: torch.Tensor, ctx: _Pending | object | None) -> torch.Tensor:
         if ctx is None:
             return tensor
+        if ctx is _PASSED:
+            guard = self.algorithm.guard
+            guard.report(nonfinite(tensor))
+            guard.finish()
+            return tensor
+        assert isinstance(ctx, _Pending)
         if tensor is not ctx.buffer:
             ctx.buffer.copy_(tensor)
         ctx.wire.set_result(None)  # runs the decoding, here: it writes the gradient
@@ -295,8 +311,9 @@ class ACPSGDCompressor:
     # ------------------------------------------------------------------ public
 
     def stats(self) -> dict[str, Any]:
-        """Cumulative wire bytes, the fp32 equivalent, their ratio, encode/decode seconds (see the DDP hook)."""
-        return self._stats.summary(max(self._steps.values(), default=0))
+        """Cumulative wire bytes, the fp32 equivalent, their ratio, encode/decode seconds and
+        ``skipped_nonfinite`` (see the DDP hook)."""
+        return {**self._stats.summary(max(self._steps.values(), default=0)), **self.algorithm.report()}
 
     def state_dict(self) -> dict[str, Any]:
         """Per-parameter steps and ACP-SGD state (factors, residuals), keyed by parameter name."""

@@ -11,7 +11,7 @@ import os
 import warnings
 from types import ModuleType
 
-import torch  # noqa: F401  # loads libc10/libtorch, which the extension links against
+import torch  # loads libc10/libtorch, which the extension links against
 
 _C: ModuleType | None
 LOAD_ERROR: str | None
@@ -35,6 +35,20 @@ if _C is None:
     )
 
 HAS_EXTENSION: bool = _C is not None
+
+
+def _register_fakes() -> None:
+    """Shape-only (fake) implementations, so the ops trace (``torch.compile``) and run on the meta device."""
+
+    def no_output(*args: object) -> None:  # the op writes into its arguments only
+        return None
+
+    for name in ("copy_if", "lowrank_outer_into"):
+        torch.library.register_fake(f"sylvie_comm::{name}")(no_output)
+
+
+if _C is not None:
+    _register_fakes()
 WITH_CUDA_OPS: bool = bool(_C is not None and _C.built_with_cuda())
 
 

@@ -43,6 +43,7 @@ def test_every_op_has_a_cuda_kernel():
         "lowrank_project",
         "lowrank_gram",
         "lowrank_outer_into",
+        "copy_if",
     ):
         assert re.search(rf"cudaError_t {name}\(", header), name
 

@@ -434,9 +434,31 @@ void feedback_encode_chunk(const Impl& f, float* e, int64_t len, bool norm_scale
   f.onebit_residual(e, out, len, *scale);
 }
 
+// The residual's floats as they are, copied to `saved` (when given) just before the kernel reads them.
+float* saved_ptr(const c10::optional<at::Tensor>& saved) {
+  return saved.has_value() && saved->defined() ? saved->data_ptr<float>() : nullptr;
+}
+
+// Streaming (non-temporal) stores where `saved` is 16-byte aligned: the copy is written once, without first
+// reading its cache lines (a plain copy reads them for ownership, which costs as much as the write).
+void save_floats(float* saved, const float* from, int64_t count) {
+  if (saved == nullptr || count <= 0) return;
+  int64_t i = 0;
+  while (i < count && (reinterpret_cast<uintptr_t>(saved + i) & 15) != 0) {
+    saved[i] = from[i];
+    ++i;
+  }
+  for (; i + 4 <= count; i += 4) _mm_stream_ps(saved + i, _mm_loadu_ps(from + i));
+  for (; i < count; ++i) saved[i] = from[i];
+  _mm_sfence();
+}
+
 void onebit_feedback_encode_cpu(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, int64_t chunk_size,
-                                bool norm_scale, const at::Tensor& packed, const at::Tensor& scales) {
+                                bool norm_scale, const at::Tensor& packed, const at::Tensor& scales,
+                                const c10::optional<at::Tensor>& saved) {
   checks::onebit_feedback_encode(residual, grad, chunk_size, packed, scales, kCPU);
+  checks::saved_copy(saved, residual, kCPU, "onebit_feedback_encode");
+  float* sv = saved_ptr(saved);
   const int64_t n = residual.numel();
   const bool has_grad = grad.has_value() && grad->defined();
   const int64_t chunks = (n + chunk_size - 1) / chunk_size;
@@ -448,6 +470,7 @@ void onebit_feedback_encode_cpu(const at::Tensor& residual, const c10::optional<
   at::parallel_for(0, chunks, std::max<int64_t>(1, kGrainElems / chunk_size), [&](int64_t b, int64_t end) {
     for (int64_t c = b; c < end; ++c) {
       const int64_t start = c * chunk_size, len = std::min(chunk_size, n - start);
+      save_floats(sv == nullptr ? nullptr : sv + start, e + start, len);
       if (g != nullptr) f.add_into(e + start, g + start, len);
       feedback_encode_chunk(f, e + start, len, norm_scale, out + start / 8, sc + c);
     }
@@ -456,8 +479,11 @@ void onebit_feedback_encode_cpu(const at::Tensor& residual, const c10::optional<
 
 void onebit_mean_feedback_encode_cpu(const at::Tensor& residual, const at::Tensor& parts_packed,
                                      const at::Tensor& parts_scales, int64_t chunk_size, bool norm_scale,
-                                     const at::Tensor& packed, const at::Tensor& scales) {
+                                     const at::Tensor& packed, const at::Tensor& scales,
+                                     const c10::optional<at::Tensor>& saved) {
   checks::onebit_mean_feedback_encode(residual, parts_packed, parts_scales, chunk_size, packed, scales, kCPU);
+  checks::saved_copy(saved, residual, kCPU, "onebit_mean_feedback_encode");
+  float* sv = saved_ptr(saved);
   const int64_t n = residual.numel();
   const int64_t chunks = (n + chunk_size - 1) / chunk_size;
   const int w = static_cast<int>(parts_packed.size(0));
@@ -478,6 +504,7 @@ void onebit_mean_feedback_encode_cpu(const at::Tensor& residual, const at::Tenso
         rows[j] = pp + j * p_stride + start / 8;
         row_scales[j] = ps[j * s_stride + c];
       }
+      save_floats(sv == nullptr ? nullptr : sv + start, e + start, len);
       f.onebit_mean_add(e + start, rows.data(), row_scales.data(), w, len, wf);
       feedback_encode_chunk(f, e + start, len, norm_scale, out + start / 8, sc + c);
     }
@@ -502,8 +529,10 @@ std::vector<float> transposed(const at::Tensor& q, int64_t rp, int64_t ldq, floa
 
 void lowrank_project_cpu(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& q,
                          const at::Tensor& p, bool subtract, const c10::optional<at::Tensor>& pending_p,
-                         const c10::optional<at::Tensor>& pending_q) {
+                         const c10::optional<at::Tensor>& pending_q, const c10::optional<at::Tensor>& saved) {
   checks::lowrank_project(residual, grad, q, p, pending_p, pending_q, kCPU);
+  checks::saved_copy(saved, residual, kCPU, "lowrank_project");
+  float* sv = saved_ptr(saved);
   const int64_t n = residual.size(0), k = residual.size(1), r = q.size(1);
   const int64_t rp = (r + 3) / 4 * 4;
   const int64_t ldq = padded_stride(k);
@@ -521,6 +550,7 @@ void lowrank_project_cpu(const at::Tensor& residual, const c10::optional<at::Ten
   at::parallel_for(0, n, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(k, 1)), [&](int64_t b, int64_t end) {
     for (int64_t i = b; i < end; i += kLowRankRows) {
       const int64_t nb = std::min<int64_t>(kLowRankRows, end - i);
+      save_floats(sv == nullptr ? nullptr : sv + i * k, e + i * k, nb * k);
       f.lr_project(e + i * k, g == nullptr ? nullptr : g + i * k, k, nb, k, qt.data(), ldq, r, rp, pp + i * r,
                    subtract, pending ? p_pend + i * rpend : nullptr, qt_pend.data(), rpend);
     }
@@ -528,8 +558,10 @@ void lowrank_project_cpu(const at::Tensor& residual, const c10::optional<at::Ten
 }
 
 void lowrank_gram_cpu(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& p,
-                      const at::Tensor& q) {
+                      const at::Tensor& q, const c10::optional<at::Tensor>& saved) {
   checks::lowrank_gram(residual, grad, p, q, kCPU);
+  checks::saved_copy(saved, residual, kCPU, "lowrank_gram");
+  float* sv = saved_ptr(saved);
   const int64_t n = residual.size(0), k = residual.size(1), r = p.size(1);
   // Column tiles: each element of Q^T sums the rows in order whatever the tiling, so any thread count
   // gives the same bits. A tile's accumulators (r x width floats) stay within 16 KiB, half of a
@@ -547,7 +579,7 @@ void lowrank_gram_cpu(const at::Tensor& residual, const c10::optional<at::Tensor
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t end) {
     for (int64_t t = b; t < end; ++t) {
       const int64_t j0 = t * width;
-      f.lr_gram(e, g, n, k, j0, std::min(width, k - j0), pp, r, qt.data(), ldq);
+      f.lr_gram(e, sv, g, n, k, j0, std::min(width, k - j0), pp, r, qt.data(), ldq);
     }
   });
   float* qp = q.data_ptr<float>();
@@ -556,8 +588,12 @@ void lowrank_gram_cpu(const at::Tensor& residual, const c10::optional<at::Tensor
 }
 
 void lowrank_outer_into_cpu(const at::Tensor& out, const at::Tensor& p, const at::Tensor& q, double alpha,
-                            bool accumulate) {
+                            bool accumulate, const c10::optional<at::Tensor>& when) {
   checks::lowrank_outer_into(out, p, q, kCPU);
+  if (when.has_value() && when->defined()) {
+    checks::device_flag(*when, out, "when", "lowrank_outer_into");
+    if (!*when->data_ptr<bool>()) return;
+  }
   const int64_t n = out.size(0), k = out.size(1), r = p.size(1);
   const int64_t ldq = padded_stride(k);
   const std::vector<float> qt = transposed(q, r, ldq, static_cast<float>(alpha));
@@ -570,6 +606,18 @@ void lowrank_outer_into_cpu(const at::Tensor& out, const at::Tensor& p, const at
       f.lr_outer(o + i * k, k, nb, pp + i * r, qt.data(), k, ldq, r, accumulate, false);
     }
   });
+}
+
+// ---------------------------------------------------------------- masked restore
+
+void copy_if_cpu(const at::Tensor& dst, const c10::optional<at::Tensor>& src, const at::Tensor& flag) {
+  checks::copy_if(dst, src, flag, kCPU);
+  if (!*flag.data_ptr<bool>()) return;
+  if (src.has_value() && src->defined()) {
+    dst.copy_(*src);
+  } else {
+    dst.zero_();
+  }
 }
 
 }  // namespace
@@ -612,4 +660,5 @@ TORCH_LIBRARY_IMPL(sylvie_comm, CPU, m) {
   m.impl("lowrank_project", &lowrank_project_cpu);
   m.impl("lowrank_gram", &lowrank_gram_cpu);
   m.impl("lowrank_outer_into", &lowrank_outer_into_cpu);
+  m.impl("copy_if", &copy_if_cpu);
 }

@@ -159,14 +159,22 @@ at::Tensor qbit_decode_cuda(const at::Tensor& packed, const at::Tensor& scale, c
 
 bool has_tensor(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
+// The residual as it is, into `saved` (when given), on the stream, before the op's kernel changes it. (The CPU
+// kernels copy each block as they reach it; here one device copy, at the device's bandwidth.)
+void save_residual(const c10::optional<at::Tensor>& saved, const at::Tensor& residual, const char* op) {
+  checks::saved_copy(saved, residual, kCUDA, op);
+  if (has_tensor(saved)) saved->view(-1).copy_(residual.view(-1));
+}
+
 void onebit_feedback_encode_cuda(const at::Tensor& residual, const c10::optional<at::Tensor>& grad,
                                  int64_t chunk_size, bool norm_scale, const at::Tensor& packed,
-                                 const at::Tensor& scales) {
+                                 const at::Tensor& scales, const c10::optional<at::Tensor>& saved) {
   const char* op = "onebit_feedback_encode";
   checks::onebit_feedback_encode(residual, grad, chunk_size, packed, scales, kCUDA);
   const int64_t n = residual.numel();
   const bool with_grad = has_tensor(grad);
   c10::cuda::CUDAGuard device_guard(residual.device());
+  save_residual(saved, residual, op);
   // Float64 partial sums when a chunk is split over several warps (empty otherwise), as onebit_encode.
   at::Tensor workspace =
       at::empty({onebit_encode_workspace_bytes(n, chunk_size)}, residual.options().dtype(at::kByte));
@@ -180,11 +188,13 @@ void onebit_feedback_encode_cuda(const at::Tensor& residual, const c10::optional
 
 void onebit_mean_feedback_encode_cuda(const at::Tensor& residual, const at::Tensor& parts_packed,
                                       const at::Tensor& parts_scales, int64_t chunk_size, bool norm_scale,
-                                      const at::Tensor& packed, const at::Tensor& scales) {
+                                      const at::Tensor& packed, const at::Tensor& scales,
+                                      const c10::optional<at::Tensor>& saved) {
   const char* op = "onebit_mean_feedback_encode";
   checks::onebit_mean_feedback_encode(residual, parts_packed, parts_scales, chunk_size, packed, scales, kCUDA);
   const int64_t n = residual.numel();
   c10::cuda::CUDAGuard device_guard(residual.device());
+  save_residual(saved, residual, op);
   at::Tensor workspace =
       at::empty({onebit_encode_workspace_bytes(n, chunk_size)}, residual.options().dtype(at::kByte));
   cudaError_t err = onebit_mean_feedback_encode(
@@ -197,11 +207,12 @@ void onebit_mean_feedback_encode_cuda(const at::Tensor& residual, const at::Tens
 
 void lowrank_project_cuda(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& q,
                           const at::Tensor& p, bool subtract, const c10::optional<at::Tensor>& pending_p,
-                          const c10::optional<at::Tensor>& pending_q) {
+                          const c10::optional<at::Tensor>& pending_q, const c10::optional<at::Tensor>& saved) {
   const char* op = "lowrank_project";
   checks::lowrank_project(residual, grad, q, p, pending_p, pending_q, kCUDA);
   const int64_t n = residual.size(0), k = residual.size(1), r = q.size(1);
   c10::cuda::CUDAGuard device_guard(residual.device());
+  save_residual(saved, residual, op);
   if (has_tensor(pending_p)) {
     // The pending update first, as lowrank_outer_into(residual, pending_p, pending_q, -1, true).
     cudaError_t perr = lowrank_outer_into(residual.data_ptr<float>(), n, k, pending_p->data_ptr<float>(),
@@ -216,11 +227,12 @@ void lowrank_project_cuda(const at::Tensor& residual, const c10::optional<at::Te
 }
 
 void lowrank_gram_cuda(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& p,
-                       const at::Tensor& q) {
+                       const at::Tensor& q, const c10::optional<at::Tensor>& saved) {
   const char* op = "lowrank_gram";
   checks::lowrank_gram(residual, grad, p, q, kCUDA);
   const int64_t n = residual.size(0), k = residual.size(1), r = p.size(1);
   c10::cuda::CUDAGuard device_guard(residual.device());
+  save_residual(saved, residual, op);
   // Fp32 partial sums of row slabs when the rows are split (empty otherwise).
   at::Tensor workspace = at::empty({lowrank_gram_workspace_bytes(n, k, r)}, residual.options().dtype(at::kByte));
   cudaError_t err = lowrank_gram(residual.data_ptr<float>(), has_tensor(grad) ? grad->data_ptr<float>() : nullptr, n,
@@ -231,13 +243,27 @@ void lowrank_gram_cuda(const at::Tensor& residual, const c10::optional<at::Tenso
 }
 
 void lowrank_outer_into_cuda(const at::Tensor& out, const at::Tensor& p, const at::Tensor& q, double alpha,
-                             bool accumulate) {
+                             bool accumulate, const c10::optional<at::Tensor>& when) {
   const char* op = "lowrank_outer_into";
   checks::lowrank_outer_into(out, p, q, kCUDA);
+  if (has_tensor(when)) checks::device_flag(*when, out, "when", op);
   const int64_t n = out.size(0), k = out.size(1), r = p.size(1);
   c10::cuda::CUDAGuard device_guard(out.device());
   cudaError_t err = lowrank_outer_into(out.data_ptr<float>(), n, k, p.data_ptr<float>(), q.data_ptr<float>(), r,
-                                       static_cast<float>(alpha), accumulate, at::cuda::getCurrentCUDAStream());
+                                       static_cast<float>(alpha), accumulate, at::cuda::getCurrentCUDAStream(),
+                                       has_tensor(when) ? when->data_ptr<bool>() : nullptr);
+  check_launch(err, op);
+}
+
+// ---------------------------------------------------------------- masked restore
+
+void copy_if_cuda(const at::Tensor& dst, const c10::optional<at::Tensor>& src, const at::Tensor& flag) {
+  const char* op = "copy_if";
+  checks::copy_if(dst, src, flag, kCUDA);
+  c10::cuda::CUDAGuard device_guard(dst.device());
+  const int64_t nbytes = dst.numel() * static_cast<int64_t>(dst.element_size());
+  cudaError_t err = copy_if(dst.data_ptr(), has_tensor(src) ? src->data_ptr() : nullptr, nbytes,
+                            flag.data_ptr<bool>(), at::cuda::getCurrentCUDAStream());
   check_launch(err, op);
 }
 
@@ -259,4 +285,5 @@ TORCH_LIBRARY_IMPL(sylvie_comm, CUDA, m) {
   m.impl("lowrank_project", &sylvie_comm::cuda::lowrank_project_cuda);
   m.impl("lowrank_gram", &sylvie_comm::cuda::lowrank_gram_cuda);
   m.impl("lowrank_outer_into", &sylvie_comm::cuda::lowrank_outer_into_cuda);
+  m.impl("copy_if", &sylvie_comm::cuda::copy_if_cuda);
 }

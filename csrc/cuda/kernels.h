@@ -94,9 +94,14 @@ cudaError_t lowrank_gram(float* residual, const float* grad, int64_t n, int64_t 
                          float* q, void* workspace, cudaStream_t stream);
 
 // out: (n, k), p: (n, r), q: (k, r). out = p (alpha q)^T, or out += p (alpha q)^T
-// with accumulate; the same arithmetic in the same order as the CPU kernel.
+// with accumulate; the same arithmetic in the same order as the CPU kernel. With
+// `when` (a device bool; null: always) every thread returns at once unless it is true.
 cudaError_t lowrank_outer_into(float* out, int64_t n, int64_t k, const float* p, const float* q, int64_t r,
-                               float alpha, bool accumulate, cudaStream_t stream);
+                               float alpha, bool accumulate, cudaStream_t stream, const bool* when = nullptr);
+
+// dst <- src (zeros when src is null), nbytes bytes, when *flag (a device bool) is true; else every thread
+// returns at once. The flag is read on the device.
+cudaError_t copy_if(void* dst, const void* src, int64_t nbytes, const bool* flag, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace sylvie_comm

@@ -310,7 +310,9 @@ __device__ __forceinline__ void load_scaled_q(float (&qa)[CB], const float* __re
 template <int CB>
 __global__ void __launch_bounds__(kThreads) lowrank_outer_kernel(float* __restrict__ out, const float* __restrict__ p,
                                                                  const float* __restrict__ q, int64_t n, int64_t k,
-                                                                 int64_t r, float alpha, bool accumulate) {
+                                                                 int64_t r, float alpha, bool accumulate,
+                                                                 const bool* __restrict__ when) {
+  if (when != nullptr && !*when) return;
   const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= k) return;
   const bool one_block = r <= CB;
@@ -349,14 +351,14 @@ __global__ void __launch_bounds__(kThreads) lowrank_outer_kernel(float* __restri
 
 template <int CB>
 cudaError_t launch_outer(float* out, int64_t n, int64_t k, const float* p, const float* q, int64_t r, float alpha,
-                         bool accumulate, cudaStream_t stream) {
+                         bool accumulate, cudaStream_t stream, const bool* when) {
   const int64_t col_blocks = ceil_div(k, kThreads);
   int64_t row_blocks = ceil_div(n, kOuterRows);
   const int64_t want = ceil_div(kOuterTargetBlocks, col_blocks);
   row_blocks = row_blocks < want ? row_blocks : want;
   row_blocks = row_blocks < kMaxGridY ? row_blocks : kMaxGridY;
   const dim3 grid(static_cast<unsigned>(col_blocks), static_cast<unsigned>(row_blocks));
-  lowrank_outer_kernel<CB><<<grid, kThreads, 0, stream>>>(out, p, q, n, k, r, alpha, accumulate);
+  lowrank_outer_kernel<CB><<<grid, kThreads, 0, stream>>>(out, p, q, n, k, r, alpha, accumulate, when);
   return cudaGetLastError();
 }
 
@@ -401,11 +403,11 @@ cudaError_t lowrank_gram(float* residual, const float* grad, int64_t n, int64_t 
 }
 
 cudaError_t lowrank_outer_into(float* out, int64_t n, int64_t k, const float* p, const float* q, int64_t r,
-                               float alpha, bool accumulate, cudaStream_t stream) {
+                               float alpha, bool accumulate, cudaStream_t stream, const bool* when) {
   if (!valid_sizes(n, k, r)) return cudaErrorInvalidValue;
   if (n == 0 || k == 0) return cudaSuccess;
   return dispatch_rank(r, [&](auto cb) {
-    return launch_outer<decltype(cb)::value>(out, n, k, p, q, r, alpha, accumulate, stream);
+    return launch_outer<decltype(cb)::value>(out, n, k, p, q, r, alpha, accumulate, stream, when);
   });
 }
 

@@ -245,5 +245,39 @@ inline void lowrank_outer_into(const at::Tensor& out, const at::Tensor& p, const
               k, " rows, got ", p.sizes(), " and ", q.sizes());
 }
 
+// Where a residual-updating op writes the residual as it was: a contiguous fp32 tensor of as many elements
+// on the residual's device, not the residual itself.
+inline void saved_copy(const c10::optional<at::Tensor>& saved, const at::Tensor& residual, c10::DeviceType type,
+                       const char* op) {
+  if (!saved.has_value() || !saved->defined()) return;
+  f32_contiguous(*saved, type, op, "saved");
+  TORCH_CHECK(saved->numel() == residual.numel(), op, ": saved has ", saved->numel(), " elements, residual ",
+              residual.numel());
+  same_device(*saved, residual, "saved", op);
+  TORCH_CHECK(saved->numel() == 0 || saved->data_ptr() != residual.data_ptr(), op,
+              ": saved must not be the residual itself");
+}
+
+// A one-element bool tensor on ref's device: the flag an op reads on the device to decide whether to act.
+inline void device_flag(const at::Tensor& flag, const at::Tensor& ref, const char* what, const char* op) {
+  TORCH_CHECK(flag.scalar_type() == at::kBool && flag.numel() == 1, op, ": ", what,
+              " must be a one-element bool tensor, got ", flag.scalar_type(), " of shape ", flag.sizes());
+  same_device(flag, ref, what, op);
+}
+
+inline void copy_if(const at::Tensor& dst, const c10::optional<at::Tensor>& src, const at::Tensor& flag,
+                    c10::DeviceType type) {
+  const char* op = "copy_if";
+  TORCH_CHECK(dst.device().type() == type && dst.is_contiguous(), op, ": dst must be a contiguous ",
+              c10::DeviceTypeName(type), " tensor, got shape ", dst.sizes(), " on ", dst.device());
+  if (src.has_value() && src->defined()) {
+    TORCH_CHECK(src->is_contiguous() && src->sizes() == dst.sizes() && src->scalar_type() == dst.scalar_type(), op,
+                ": src must be a contiguous ", dst.scalar_type(), " tensor of shape ", dst.sizes(), ", got ",
+                src->scalar_type(), " of shape ", src->sizes());
+    same_device(*src, dst, "src", op);
+  }
+  device_flag(flag, dst, "flag", op);
+}
+
 }  // namespace checks
 }  // namespace sylvie_comm

@@ -19,19 +19,28 @@ TORCH_LIBRARY(sylvie_comm, m) {
   m.def("qbit_decode_into(Tensor packed, Tensor scale, Tensor minimum, int bits, Tensor(a!) out) -> ()");
   // Error-fed one-bit encode in place: residual += grad (when given), encode it into packed and scales,
   // residual -= its decode. CPU and CUDA kernels (fp32, contiguous).
+  // With `saved`, the residual as it was is written there first, while it is read (one write, no extra read):
+  // what a step skipped for a non-finite input restores, for this op and the three below.
   m.def("onebit_feedback_encode(Tensor(a!) residual, Tensor? grad, int chunk_size, bool norm_scale, "
-        "Tensor(b!) packed, Tensor(c!) scales) -> ()");
+        "Tensor(b!) packed, Tensor(c!) scales, Tensor(d!)? saved=None) -> ()");
   // The same with residual += the mean of w one-bit rows (parts_packed (w, ceil(n / 8)) uint8 and parts_scales
   // (w, chunks) fp32, each row contiguous, any row stride): decoded, summed in fp32 in row order, divided by w.
   m.def("onebit_mean_feedback_encode(Tensor(a!) residual, Tensor parts_packed, Tensor parts_scales, int chunk_size, "
-        "bool norm_scale, Tensor(b!) packed, Tensor(c!) scales) -> ()");
+        "bool norm_scale, Tensor(b!) packed, Tensor(c!) scales, Tensor(d!)? saved=None) -> ()");
   // Low-rank steps (CPU and CUDA kernels, fp32): residual -= pending_p pending_q^T (when given; the same bits
   // as lowrank_outer_into(residual, pending_p, pending_q, -1, true)), residual += grad (when given),
   // p = residual q, and with subtract residual -= p q^T, all in one pass over the residual.
+  // (saved: the residual before the pending update.)
   m.def("lowrank_project(Tensor(a!) residual, Tensor? grad, Tensor q, Tensor(b!) p, bool subtract, "
-        "Tensor? pending_p=None, Tensor? pending_q=None) -> ()");
+        "Tensor? pending_p=None, Tensor? pending_q=None, Tensor(c!)? saved=None) -> ()");
   // residual += grad (when given), q = residual^T p.
-  m.def("lowrank_gram(Tensor(a!) residual, Tensor? grad, Tensor p, Tensor(b!) q) -> ()");
-  // out = p (alpha q)^T, or out += p (alpha q)^T with accumulate.
-  m.def("lowrank_outer_into(Tensor(a!) out, Tensor p, Tensor q, float alpha, bool accumulate) -> ()");
+  m.def("lowrank_gram(Tensor(a!) residual, Tensor? grad, Tensor p, Tensor(b!) q, Tensor(c!)? saved=None) -> ()");
+  // out = p (alpha q)^T, or out += p (alpha q)^T with accumulate; with `when` (a one-element bool tensor on
+  // out's device, read there) nothing happens unless it is true.
+  m.def("lowrank_outer_into(Tensor(a!) out, Tensor p, Tensor q, float alpha, bool accumulate, "
+        "Tensor? when=None) -> ()");
+  // dst <- src (zeros without src) when `flag`, a one-element bool tensor on dst's device, is true; else
+  // nothing. The flag is read on the device: no host synchronisation (the masked state restore of a step
+  // skipped for a non-finite input).
+  m.def("copy_if(Tensor(a!) dst, Tensor? src, Tensor flag) -> ()");
 }

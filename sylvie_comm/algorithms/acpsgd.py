@@ -6,6 +6,7 @@ from typing import Any
 
 from sylvie_comm import kernels
 from sylvie_comm.algorithms.base import Future, Group, then
+from sylvie_comm.algorithms.guard import nonfinite, poison
 from sylvie_comm.algorithms.lowrank import Factors, LowRankAlgorithm
 from sylvie_comm.codecs import lowrank
 from sylvie_comm.collectives import Meter
@@ -39,18 +40,24 @@ class ACPSGDAlgorithm(LowRankAlgorithm):
         buf, raw_at = (layout.pbuf, layout.raw_p) if p_step else (layout.qbuf, layout.raw_q)
 
         def encode() -> None:
+            if comp:
+                self._guard_factors(layout)
             fixed = [self._factors[m.name][1 if p_step else 0] for m in comp]
             lowrank.orthogonalize_(fixed)
             for m in comp:
                 p, q = self._factors[m.name]
-                res = self._residuals[m.name]
                 owed = self._pending.pop(m.name, None)
+                res = self._residuals[m.name]
                 if p_step:  # E <- E - P' Q'^T (owed), E <- M + E, P <- E Q, E <- E - P Q^T: one pass
-                    kernels.lowrank_project(res, self._matrix(m), q, p, subtract=True, pending=owed)
+                    saved = self._saved_slot(m.name)  # E as it was, written by the same pass
+                    kernels.lowrank_project(res, self._matrix(m), q, p, subtract=True, pending=owed, saved=saved)
+                    if owed is not None:
+                        self._reapply_if_skipped(m.name, owed)
                 else:  # E <- M + E, Q <- E^T P: one pass; E <- E - P Q^T is owed to the next P step
                     if owed is not None:  # a tensor that missed the P step (absent from its bucket then)
                         kernels.lowrank_outer_into(res, owed[0], owed[1], -1.0, accumulate=True)
-                    kernels.lowrank_gram(res, self._matrix(m), p, q)
+                    # E saved owing nothing: a skipped step owes nothing either
+                    kernels.lowrank_gram(res, self._matrix(m), p, q, saved=self._saved_slot(m.name))
                     self._defer_update(m.name, p, q)
             self._fill_raw(group, buf, raw_at)
 
@@ -58,10 +65,14 @@ class ACPSGDAlgorithm(LowRankAlgorithm):
 
         def decode(_: Future[Any]) -> None:
             def run() -> None:
+                # The factors and raw values every rank sent, summed: non-finite where any rank's input was.
+                bad = nonfinite(buf)
+                self.guard.report(bad)
                 for m in comp:
                     p, q = self._factors[m.name]
                     self._write_approx(m, p, q, 1.0 / self.world_size)
                 self._read_raw(group, buf, raw_at)
+                poison((m.tensor for m in comp), bad)
 
             meter.timed("decode", run)
 

@@ -100,6 +100,7 @@ class AutoAlgorithm(Algorithm):
             cls = ALGORITHMS[n]
             sub = {k: v for k, v in self.options.items() if k in cls.option_defaults}
             self.candidates[n] = cls(transport.fork(), sub, seed=seed)
+            self.candidates[n].guard = self.guard  # one decision per step, whichever candidates ran it
         self._timings: dict[int, dict[str, list[float]]] = {}  # group key -> candidate -> seconds per probe
         self._choice: dict[int, str] = {}
         # (candidate, group key) -> the group's signature and, per member, (compress, options) for that candidate
@@ -166,7 +167,7 @@ class AutoAlgorithm(Algorithm):
     def report(self) -> dict[str, Any]:
         """What ``stats()`` adds: the choice per group and, per group, each candidate's fastest probe (s)."""
         probes = {k: {n: min(v) for n, v in t.items()} for k, t in self._timings.items()}
-        return {"auto": {"choices": self.choices(), "probe_seconds": probes}}
+        return {**super().report(), "auto": {"choices": self.choices(), "probe_seconds": probes}}
 
     def persistent_tensors(self) -> list[torch.Tensor]:
         return [t for alg in self.candidates.values() for t in alg.persistent_tensors()]

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from sylvie_comm.algorithms.guard import StepGuard, nonfinite
 from sylvie_comm.collectives import Meter, SerialExecutor, Transport, fusion
 
 Future = torch.futures.Future
@@ -101,6 +102,12 @@ class Algorithm:
     in the same order; launching the second phase from future callbacks lets
     ranks interleave groups differently and gloo aborts with a size mismatch).
 
+    A step whose input is not finite on some rank is skipped (see
+    :mod:`sylvie_comm.algorithms.guard`): before changing a state tensor a step
+    :meth:`StepGuard.save` s it in ``self.guard``; once its collectives are
+    done it reports, from what every rank received, whether the step's input
+    was finite, and writes a non-finite average if not.
+
     Args:
         transport: the ranks to average among.
         options: algorithm options (see ``option_defaults``); unknown ones raise ValueError.
@@ -119,6 +126,7 @@ class Algorithm:
         self.world_size = transport.world_size
         self.seed = seed
         self._layouts: dict[int, tuple[tuple[tuple[str, bool], ...], Any]] = {}
+        self.guard = StepGuard()  # ``auto`` gives its candidates its own: one decision per step
         self._executor: SerialExecutor | None = SerialExecutor(f"sylvie-comm-{self.name}") if self.serial else None
 
     @classmethod
@@ -149,12 +157,13 @@ class Algorithm:
         ``step`` counts the compressed steps (0 first); ``meter`` counts bytes and seconds.
         """
         meter = meter if meter is not None else Meter(self.world_size)
+        self.guard.begin(step)
         layout = self._layout(group)
         if self._executor is not None:
             prepared = meter.timed("encode", lambda: self._prepare(group, layout, step, meter))
             job = self._executor.submit(lambda: self._finish(group, layout, step, meter, prepared))
-            return then(job, _done)
-        return self._step(group, layout, step, meter)
+            return self.guard.track(then(job, _done))
+        return self.guard.track(self._step(group, layout, step, meter))
 
     def _layout(self, group: Group) -> Any:
         cached = self._layouts.get(group.key)
@@ -192,16 +201,24 @@ class Algorithm:
         return self.transport.all_to_all(out, t)
 
     def _raw_all_reduce(self, group: Group, meter: Meter) -> Future[Any] | None:
-        """The group's raw members: one fused fp32 all-reduce of their means (None if there are none)."""
+        """The group's raw members: one fused fp32 all-reduce of their means (None if there are none).
+
+        Their non-finite values count towards the step's flag (a NaN in a bias skips the step too)."""
         raw = [m.tensor for m in group.raw]
         if not raw:
             return None
         flat = torch.cat([t.reshape(-1).float() for t in raw]).div_(self.world_size)
-        return then(self._all_reduce(flat, meter), lambda _: fusion.unpack(flat, raw))
+
+        def unpack(_: Future[Any]) -> None:
+            self.guard.report(nonfinite(flat))
+            fusion.unpack(flat, raw)
+
+        return then(self._all_reduce(flat, meter), unpack)
 
     def report(self) -> dict[str, Any]:
-        """What the integrations' ``stats()`` add beyond bytes and seconds (``auto``: its choices)."""
-        return {}
+        """What the integrations' ``stats()`` add beyond bytes and seconds: ``skipped_nonfinite``, the steps
+        skipped because their input was not finite on some rank (``auto`` adds its choices)."""
+        return {"skipped_nonfinite": self.guard.skipped()}
 
     # ------------------------------------------------------------------ state
 
@@ -210,8 +227,8 @@ class Algorithm:
         return []
 
     def memory_bytes(self) -> int:
-        """Bytes of tensors kept between steps."""
-        return sum(t.numel() * t.element_size() for t in self.persistent_tensors())
+        """Bytes of tensors kept between steps (with the guard's copies of what a step changes)."""
+        return sum(t.numel() * t.element_size() for t in self.persistent_tensors()) + self.guard.memory_bytes()
 
     def state_dict(self) -> dict[str, Any]:
         """Per-name state: ``{name: {key: tensor}}``."""
@@ -227,3 +244,4 @@ class Algorithm:
         if self._executor is not None:
             self._executor.close()
             self._executor = None
+        self.guard.settle()

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from sylvie_comm.algorithms.base import Algorithm, Future, Group, then
+from sylvie_comm.algorithms.guard import nonfinite
 from sylvie_comm.codecs.cast import Bf16Codec, CastCodec, Fp16Codec
 from sylvie_comm.collectives import Meter, Transport, fusion
 
@@ -29,6 +30,7 @@ class CastAlgorithm(Algorithm):
         def decode(_: Future[Any]) -> None:
             # Each rank sent x / w, so the summed wire tensor already holds the mean: cast it back.
             def run() -> None:
+                self.guard.report(nonfinite(wire))  # an overflow of the 16-bit sum shows as Inf too
                 buf.copy_(wire)
                 if group.flat is None:
                     fusion.unpack(buf, tensors)

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from sylvie_comm.algorithms.base import Algorithm
-from sylvie_comm.codecs import ErrorFeedback
+from sylvie_comm.codecs import Codec, ErrorFeedback
+from sylvie_comm.codecs.base import Encoded
 from sylvie_comm.collectives import Transport
 
 
@@ -21,11 +22,34 @@ class FeedbackAlgorithm(Algorithm):
         self.feedback = ErrorFeedback()
         super().__init__(transport, options, seed=seed)
 
+    def _guard_residual(self, feedback: ErrorFeedback, key: str, like: torch.Tensor) -> torch.Tensor | None:
+        """Save ``key``'s residual for the step guard before the step changes it in place; None when it has
+        none of ``like``'s shape yet (give what the step creates to :meth:`_guard_created`)."""
+        res = feedback.residual(key)
+        if res is None or res.shape != like.shape or res.device != like.device:
+            return None
+        self.guard.save((id(feedback), key), res)
+        return res
+
+    def _guard_created(self, feedback: ErrorFeedback, key: str, before: torch.Tensor | None) -> None:
+        """A residual the step created (``before`` None) goes back to zeros if the step is skipped."""
+        if before is None:
+            self.guard.zero_on_skip(feedback.residual(key))
+
+    def _feedback_encode(self, codec: Codec, name: str, tensor: torch.Tensor, **kwargs: Any) -> Encoded:
+        """:meth:`ErrorFeedback.encode` on the worker residual of ``name``, with the residual guarded."""
+        before = self._guard_residual(self.feedback, name, tensor)
+        enc = self.feedback.encode(codec, name, tensor, **kwargs)
+        self._guard_created(self.feedback, name, before)
+        return enc
+
     def persistent_tensors(self) -> list[torch.Tensor]:
         return [r for r in (self.feedback.residual(n) for n in self.feedback) if r is not None]
 
     def state_dict(self) -> dict[str, Any]:
+        self.guard.settle()
         return {n: {"residual": r.clone()} for n, r in self.feedback.state_dict()["residuals"].items()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.guard.settle()
         self.feedback.load_state_dict({"residuals": {n: s["residual"] for n, s in state.items()}})

@@ -123,14 +123,40 @@ class LowRankAlgorithm(Algorithm):
         pending = [t for pq in self._pending_bufs.values() for t in pq]
         return bufs + list(self._residuals.values()) + pending
 
-    def _defer_update(self, name: str, p: torch.Tensor, q: torch.Tensor) -> None:
-        """Owe ``E <- E - p q^T`` on ``name``'s residual (copies of p and q): the next consumer applies it."""
+    def _defer_update(self, name: str, p: torch.Tensor, q: torch.Tensor, keep_owed: bool = False) -> None:
+        """Owe ``E <- E - p q^T`` on ``name``'s residual (copies of p and q): the next consumer applies it.
+
+        If the step is skipped, what is owed goes back to what it was (``keep_owed``: the saved residual
+        still owes the previous update) or to nothing (zero factors: the saved residual owes nothing).
+        """
         bufs = self._pending_bufs.get(name)
-        if bufs is None or bufs[0].shape != p.shape or bufs[1].shape != q.shape:
+        reuse = bufs is not None and bufs[0].shape == p.shape and bufs[1].shape == q.shape
+        if reuse and keep_owed and bufs is not None:
+            self.guard.save((id(self), "pending_p", name), bufs[0])
+            self.guard.save((id(self), "pending_q", name), bufs[1])
+        if bufs is None or not reuse:
             bufs = self._pending_bufs[name] = (torch.empty_like(p), torch.empty_like(q))
+        if not (reuse and keep_owed):
+            self.guard.zero_on_skip(bufs[0])
         bufs[0].copy_(p)
         bufs[1].copy_(q)
         self._pending[name] = bufs
+
+    def _guard_factors(self, layout: Factors) -> None:
+        """Save a group's factor buffers before a step orthogonalizes or overwrites them."""
+        self.guard.save((id(self), "pbuf", id(layout)), layout.pbuf)
+        self.guard.save((id(self), "qbuf", id(layout)), layout.qbuf)
+
+    def _saved_slot(self, name: str) -> torch.Tensor | None:
+        """Where the kernel about to change ``name``'s residual writes it as it was (for the step guard)."""
+        return self.guard.slot((id(self), "residual", name), self._residuals[name])
+
+    def _reapply_if_skipped(self, name: str, owed: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """A step consumed the owed update ``owed`` (no longer owed on the host) from a residual it saved
+        before: if the step is skipped, the saved residual comes back and the update is applied to it,
+        on the device."""
+        res = self._residuals[name]
+        self.guard.on_skip(lambda bad: kernels.lowrank_outer_into(res, owed[0], owed[1], -1.0, True, when=bad))
 
     def _residual(self, name: str) -> torch.Tensor:
         """A copy of ``name``'s residual with any owed update applied (the same bits as applying it in place)."""
@@ -142,6 +168,7 @@ class LowRankAlgorithm(Algorithm):
 
     def state_dict(self) -> dict[str, Any]:
         """``{name: {"p", "q", "residual"}}``, including state loaded but not yet placed in a group."""
+        self.guard.settle()
         out: dict[str, Any] = {n: {"p": p.clone(), "q": q.clone()} for n, (p, q) in self._factors.items()}
         for n in self._residuals:
             out.setdefault(n, {})["residual"] = self._residual(n)
@@ -150,6 +177,7 @@ class LowRankAlgorithm(Algorithm):
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.guard.settle()
         for n, s in state.items():
             if not {"p", "q", "residual"} <= set(s):
                 raise ValueError(f"{self.name}: checkpoint entry '{n}' needs p, q and residual")

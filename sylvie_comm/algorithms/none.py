@@ -7,23 +7,30 @@ from typing import Any
 import torch
 
 from sylvie_comm.algorithms.base import Algorithm, Future, Group, then
+from sylvie_comm.algorithms.guard import nonfinite
 from sylvie_comm.collectives import Meter, fusion
 
 
 def plain_all_reduce(algorithm: Algorithm, group: Group, meter: Meter) -> Future[None]:
     """Divide by the world size, then sum: the mean, in the group's own dtype (DDP's default hook).
 
-    A group with a ``flat`` buffer is reduced in place; otherwise its tensors are packed first.
+    A group with a ``flat`` buffer is reduced in place; otherwise its tensors are packed first. A non-finite
+    input on any rank shows in the average; it is reported to the algorithm's guard (counted, nothing to restore).
     """
     w = algorithm.world_size
     if group.flat is not None:
         buf = group.flat
         buf.div_(w)
-        return then(algorithm._all_reduce(buf, meter), lambda _: None)
+        return then(algorithm._all_reduce(buf, meter), lambda _: algorithm.guard.report(nonfinite(buf)))
     tensors = [m.tensor for m in group.members]
     packed = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
     packed.div_(w)
-    return then(algorithm._all_reduce(packed, meter), lambda _: fusion.unpack(packed, tensors))
+
+    def unpack(_: Future[Any]) -> None:
+        algorithm.guard.report(nonfinite(packed))
+        fusion.unpack(packed, tensors)
+
+    return then(algorithm._all_reduce(packed, meter), unpack)
 
 
 class NoneAlgorithm(Algorithm):

@@ -12,6 +12,7 @@ import torch
 from sylvie_comm import kernels
 from sylvie_comm.algorithms.base import Group, Member
 from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
+from sylvie_comm.algorithms.guard import nonfinite, poison
 from sylvie_comm.codecs import ErrorFeedback
 from sylvie_comm.codecs.onebit import OneBitCodec, RowLayout, row_layout
 from sylvie_comm.collectives import Meter, Transport
@@ -158,7 +159,9 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         take five, with three temporaries the tensor's size). Same bits as that path."""
         lay = slot.layout
         res = self._residual_buffer(feedback, key, values.shape)
+        saved = self.guard.slot((id(feedback), key), res)  # the kernels write the residual as it was there
         r_flat, v_flat = res.view(-1), values.reshape(-1)
+        s_flat = None if saved is None else saved.view(-1)
         per, span = slot.per_rank, lay.span
         for j in range(parts):
             count = max(0, min(per, real - j * per))
@@ -169,6 +172,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                 kernels.onebit_feedback_encode(
                     r_flat[a:b], v_flat[a:b], lay.chunk, self._norm,
                     b_row[: count * lay.width // 8], s_row[: count * lay.nchunks],
+                    saved=None if s_flat is None else s_flat[a:b],
                 )  # fmt: skip
             if count < per:
                 self._pad(lay, count, s_row, b_row)
@@ -187,7 +191,9 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         (padding units stay zero in the residual and go out as an encode of zeros)."""
         lay, rank, per = slot.layout, self.transport.rank, slot.per_rank
         count = max(0, min(per, lay.units - rank * per))
-        res = self._residual_buffer(self.server_feedback, f"{slot.name}@{rank}", (per, lay.width))
+        key = f"{slot.name}@{rank}"
+        res = self._residual_buffer(self.server_feedback, key, (per, lay.width))
+        saved = self.guard.slot((id(self.server_feedback), key), res)
         s_row = ms[0, slot.scales_at : slot.scales_at + slot.n_scales]
         b_row = mb[0, slot.bits_at : slot.bits_at + slot.n_bytes]
         if count:
@@ -195,6 +201,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
             kernels.onebit_mean_feedback_encode(
                 res.view(-1)[: count * lay.span], rb[:, slot.bits_at : slot.bits_at + nb],
                 rs[:, slot.scales_at : slot.scales_at + nc], lay.chunk, self._norm, b_row[:nb], s_row[:nc],
+                saved=None if saved is None else saved.view(-1)[: count * lay.span],
             )  # fmt: skip
         if count < per:
             self._pad(lay, count, s_row, b_row)
@@ -226,7 +233,9 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                 continue
             comp = self.feedback.compensate(m.name, m.tensor)
             local = self._encode_into(slot, slot.layout.to_units(comp, w * slot.per_rank), 0, scales, bits)
+            before = self._guard_residual(self.feedback, m.name, comp)
             self.feedback.update(m.name, comp, slot.layout.from_units(local).view(m.tensor.shape))
+            self._guard_created(self.feedback, m.name, before)
         return send
 
     def _finish(self, group: Group, layout: _Rows, step: int, meter: Meter, prepared: Any) -> None:
@@ -251,7 +260,10 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                     parts = self._decode_from(slot, rs, rb).view(w, slot.per_rank, units.width)
                     avg = kernels.reference.mean_in_rank_order(parts)
                     comp = self.server_feedback.compensate(key, units.zero_padding_(avg, first))
-                    self.server_feedback.update(key, comp, self._encode_into(slot, comp, first, ms, mb))
+                    local = self._encode_into(slot, comp, first, ms, mb)
+                    before = self._guard_residual(self.server_feedback, key, comp)
+                    self.server_feedback.update(key, comp, local)
+                    self._guard_created(self.server_feedback, key, before)
                 return mine
 
             mine = meter.timed("encode", server)
@@ -260,12 +272,16 @@ class OneBitAlgorithm(FeedbackAlgorithm):
 
             def decode() -> None:
                 gs, gb = layout.sections(gathered)
+                # A NaN or Inf any rank sent makes its server's mean, hence a gathered scale, non-finite.
+                bad = nonfinite(gs)
+                self.guard.report(bad)
                 for slot in layout.slots:
                     t = members[slot.member].tensor
                     if _exact(slot.layout, t, any_float=True):
                         self._decode_fused(slot, gs, gb, t)
                         continue
                     t.copy_(slot.layout.from_units(self._decode_from(slot, gs, gb)).view(t.shape))
+                poison((members[slot.member].tensor for slot in layout.slots), bad)
 
             meter.timed("decode", decode)
         if raw is not None:

@@ -52,5 +52,7 @@ class Policy:
         numel = group.flat.numel() if group.flat is not None else sum(m.tensor.numel() for m in group.members)
         meter.uncompressed(4 * numel)
         if step < self.config.warmup_steps:
-            return plain_all_reduce(self.algorithm, group, meter)
+            guard = self.algorithm.guard
+            guard.begin(step - self.config.warmup_steps)  # before the compressed steps' 0, 1, ...
+            return guard.track(plain_all_reduce(self.algorithm, group, meter))
         return self.algorithm(group, step - self.config.warmup_steps, meter)

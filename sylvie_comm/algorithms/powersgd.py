@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from sylvie_comm import kernels
 from sylvie_comm.algorithms.base import Group
+from sylvie_comm.algorithms.guard import nonfinite, poison
 from sylvie_comm.algorithms.lowrank import Factors, LowRankAlgorithm
 from sylvie_comm.codecs import lowrank
 from sylvie_comm.collectives import Meter
@@ -34,12 +35,16 @@ class PowerSGDAlgorithm(LowRankAlgorithm):
     alternate = False
 
     def _prepare(self, group: Group, layout: Factors, step: int, meter: Meter) -> None:
+        if group.compressed:
+            self._guard_factors(layout)
         for m in group.compressed:
             p, q = self._factors[m.name]
             # E <- E - P' Q'^T (owed by the last step), E <- M + E, P <- E Q in one pass; the new
-            # residual waits for the averaged P.
-            owed = self._pending.pop(m.name, None)
-            kernels.lowrank_project(self._residuals[m.name], self._matrix(m), q, p, subtract=False, pending=owed)
+            # residual waits for the averaged P. A skipped step puts back E, which then still owes P' Q'^T.
+            # (The owed entry stays until the Q phase's _defer_update replaces it, saving it first.)
+            owed = self._pending.get(m.name)
+            res, saved = self._residuals[m.name], self._saved_slot(m.name)
+            kernels.lowrank_project(res, self._matrix(m), q, p, subtract=False, pending=owed, saved=saved)
         self._fill_raw(group, layout.pbuf, layout.raw_p)
 
     def _finish(self, group: Group, layout: Factors, step: int, meter: Meter, prepared: object) -> None:
@@ -52,7 +57,8 @@ class PowerSGDAlgorithm(LowRankAlgorithm):
                 p, q = self._factors[m.name]
                 res = self._residuals[m.name]
                 kernels.lowrank_gram(res, None, p, q)
-                self._defer_update(m.name, p, q)  # E <- M + E - P Q^T with this rank's Q, in the next pass
+                # E <- M + E - P Q^T with this rank's Q, in the next pass
+                self._defer_update(m.name, p, q, keep_owed=True)
 
         meter.timed("encode", q_phase)
         if comp:
@@ -60,10 +66,14 @@ class PowerSGDAlgorithm(LowRankAlgorithm):
             self._all_reduce(layout.qbuf[: layout.raw_q], meter).wait()
 
         def decode() -> None:
+            # P and the raw values every rank sent, then Q, summed: non-finite where any rank's input was.
+            bad = nonfinite(layout.pbuf, layout.qbuf[: layout.raw_q])
+            self.guard.report(bad)
             for m in comp:
                 p, q = self._factors[m.name]
                 q.div_(self.world_size)  # the averaged Q: decoded tensor and next step's warm start
                 self._write_approx(m, p, q, 1.0)
             self._read_raw(group, layout.pbuf, layout.raw_p)
+            poison((m.tensor for m in comp), bad)
 
         meter.timed("decode", decode)

@@ -11,6 +11,7 @@ import torch
 
 from sylvie_comm.algorithms.base import Future, Group, then
 from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
+from sylvie_comm.algorithms.guard import nonfinite, poison
 from sylvie_comm.codecs.base import Encoded, TensorMeta
 from sylvie_comm.codecs.quant import QBitCodec
 from sylvie_comm.collectives import Meter, Transport
@@ -56,8 +57,9 @@ class QSGDAlgorithm(FeedbackAlgorithm):
     about ``bits / 32`` of the fp32 bytes to each of its ``w - 1`` peers.
 
     Each tensor draws its noise from its own counter-based stream (seeded by
-    the agreed seed, its name and the rank), so the noise, and a resumed run,
-    do not depend on how tensors are grouped.
+    the agreed seed, its name and the rank), at a position set by the step
+    (``step * numel``), so the noise, and a resumed run, do not depend on how
+    tensors are grouped, and a skipped step leaves no stream position behind.
 
     Args (options):
         bits: 2, 4 or 8 (default 4). One bit is refused: with one-bit stochastic rounding, error
@@ -72,7 +74,6 @@ class QSGDAlgorithm(FeedbackAlgorithm):
         super().__init__(transport, options, seed=seed)
         self.bits: int = self.options["bits"]
         self._codecs: dict[str, QBitCodec] = {}
-        self._offsets: dict[str, int] = {}  # loaded, not yet given to a codec
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -89,7 +90,6 @@ class QSGDAlgorithm(FeedbackAlgorithm):
         if codec is None:
             stream = (self.seed * 1_000_003 + zlib.crc32(name.encode()) * 131 + self.transport.rank) % 2**31
             codec = self._codecs[name] = QBitCodec(bits=self.bits, seed=stream)
-            codec.offset = self._offsets.pop(name, 0)
         return codec
 
     def _build(self, group: Group) -> _Row:
@@ -112,7 +112,9 @@ class QSGDAlgorithm(FeedbackAlgorithm):
             metas = send[: layout.meta_bytes].view(torch.float32)
             packed = send[layout.meta_bytes :]
             for m, part in zip(members, layout.parts, strict=True):
-                enc = self.feedback.encode(self._codec(m.name), m.name, m.tensor)
+                codec = self._codec(m.name)
+                codec.offset = step * m.tensor.numel()  # the step's own noise: no stream position to keep
+                enc = self._feedback_encode(codec, m.name, m.tensor)
                 values, scale, minimum = enc.payload
                 metas[part.meta_at : part.meta_at + part.rows] = scale.reshape(-1)
                 metas[part.meta_at + part.rows : part.meta_at + 2 * part.rows] = minimum.reshape(-1)
@@ -129,6 +131,9 @@ class QSGDAlgorithm(FeedbackAlgorithm):
         def decode(_: Future[Any]) -> None:
             def run() -> None:
                 rows = gathered.view(w, layout.row_bytes)
+                # A row with NaN or Inf on any rank has a non-finite scale or minimum.
+                bad = nonfinite(rows[:, : layout.meta_bytes].view(torch.float32)) if layout.meta_bytes else None
+                self.guard.report(bad)
                 decoder = QBitCodec(bits=self.bits)
                 for m, part in zip(members, layout.parts, strict=True):
                     total = torch.zeros(part.rows, part.cols)
@@ -145,24 +150,13 @@ class QSGDAlgorithm(FeedbackAlgorithm):
                         )
                         total += decoder.decode(enc)
                     m.tensor.copy_(total.div_(w).view(m.tensor.shape))
+                poison((m.tensor for m in members), bad)
 
             meter.timed("decode", run)
 
         return then(futs, decode)
 
-    def state_dict(self) -> dict[str, Any]:
-        """``{name: {"residual", "offset"}}``: the residual and where the tensor's noise stream stands."""
-        out = super().state_dict()
-        for name, codec in self._codecs.items():
-            out.setdefault(name, {})["offset"] = codec.offset
-        for name, offset in self._offsets.items():
-            out.setdefault(name, {})["offset"] = offset
-        return out
-
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for n, s in state.items():
-            if not {"residual", "offset"} <= set(s):
-                raise ValueError(f"qsgd: checkpoint entry '{n}' needs residual and offset")
-        super().load_state_dict(state)
-        self._codecs.clear()
-        self._offsets = {n: int(s["offset"]) for n, s in state.items()}
+        """``{name: {"residual"}}``; an ``offset`` (checkpoints of releases that kept a noise position) is
+        ignored: the noise of a step is set by the step."""
+        super().load_state_dict({n: {k: v for k, v in s.items() if k != "offset"} for n, s in state.items()})

@@ -9,6 +9,7 @@ import torch
 
 from sylvie_comm.algorithms.base import Future, Group, then
 from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
+from sylvie_comm.algorithms.guard import nonfinite, poison
 from sylvie_comm.codecs.base import Encoded
 from sylvie_comm.codecs.sign import SignCodec
 from sylvie_comm.collectives import Meter, Transport
@@ -35,7 +36,7 @@ class SignAlgorithm(FeedbackAlgorithm):
         members = group.compressed
 
         def encode() -> tuple[list[Encoded], torch.Tensor, torch.Tensor]:
-            encs = [self.feedback.encode(self.codec, m.name, m.tensor) for m in members]
+            encs = [self._feedback_encode(self.codec, m.name, m.tensor) for m in members]
             signs = torch.cat([enc.payload[0] for enc in encs]) if encs else torch.zeros(0, dtype=torch.int8)
             scales = torch.cat([enc.payload[1] for enc in encs]) if encs else torch.zeros(0)
             return encs, signs, scales
@@ -47,6 +48,8 @@ class SignAlgorithm(FeedbackAlgorithm):
         def decode(_: Future[Any]) -> None:
             def run() -> None:
                 start = at = 0
+                bad = nonfinite(scales)  # a row with NaN or Inf on any rank has a non-finite summed scale
+                self.guard.report(bad)
                 scales.div_(self.world_size)
                 for m, enc in zip(members, encs, strict=True):
                     n, k = m.tensor.numel(), enc.payload[1].numel()
@@ -54,6 +57,7 @@ class SignAlgorithm(FeedbackAlgorithm):
                     self.codec.decode(summed, out=m.tensor)
                     start += n
                     at += k
+                poison((m.tensor for m in members), bad)
 
             meter.timed("decode", run)
 

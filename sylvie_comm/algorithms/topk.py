@@ -9,6 +9,7 @@ import torch
 
 from sylvie_comm.algorithms.base import Future, Group, then
 from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
+from sylvie_comm.algorithms.guard import nonfinite, poison
 from sylvie_comm.codecs.topk import TopKCodec, topk_count
 from sylvie_comm.collectives import Meter, Transport
 
@@ -43,7 +44,7 @@ class TopKAlgorithm(FeedbackAlgorithm):
         k = sum(counts)
 
         def encode() -> torch.Tensor:
-            encs = [self.feedback.encode(self.codec, m.name, m.tensor) for m in members]
+            encs = [self._feedback_encode(self.codec, m.name, m.tensor) for m in members]
             values = [enc.payload[0].float().view(torch.int32) for enc in encs]
             return torch.cat(values + [enc.payload[1] for enc in encs]) if encs else torch.zeros(0, dtype=torch.int32)
 
@@ -57,6 +58,9 @@ class TopKAlgorithm(FeedbackAlgorithm):
         def decode(_: Future[Any]) -> None:
             def run() -> None:
                 rows = gathered.view(self.world_size, 2 * k)
+                # NaN and Inf sort above every number: a non-finite input on any rank is among its values.
+                bad = nonfinite(rows[:, :k].view(torch.float32))
+                self.guard.report(bad)
                 start = 0
                 for m, ki in zip(members, counts, strict=True):
                     values = rows[:, start : start + ki].reshape(-1).view(torch.float32)
@@ -64,6 +68,7 @@ class TopKAlgorithm(FeedbackAlgorithm):
                     dense = torch.zeros(m.tensor.numel(), dtype=torch.float32).index_add_(0, idx, values)
                     m.tensor.copy_(dense.div_(self.world_size).view(m.tensor.shape))
                     start += ki
+                poison((m.tensor for m in members), bad)
 
             meter.timed("decode", run)
 

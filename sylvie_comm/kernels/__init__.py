@@ -14,6 +14,7 @@ from sylvie_comm import _ops
 from sylvie_comm.kernels import reference
 
 __all__ = [
+    "copy_if",
     "lowrank_gram",
     "lowrank_outer_into",
     "lowrank_project",
@@ -147,12 +148,16 @@ def onebit_feedback_encode(
     norm_scale: bool,
     packed: torch.Tensor,
     scales: torch.Tensor,
+    saved: torch.Tensor | None = None,
 ) -> None:
-    """``residual += grad``; encode it into ``packed``/``scales`` (contiguous); ``residual -= decode``: one pass."""
-    if _fused(residual, grad, scales) and packed.is_contiguous():
-        torch.ops.sylvie_comm.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales)
+    """``residual += grad``; encode it into ``packed``/``scales`` (contiguous); ``residual -= decode``: one pass.
+
+    With ``saved`` (as many fp32 elements) the residual as it was is written there in the same pass (what a
+    step skipped for a non-finite input restores; the same for the residual-updating ops below)."""
+    if _fused(residual, grad, scales, saved) and packed.is_contiguous():
+        torch.ops.sylvie_comm.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales, saved)
     else:
-        reference.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales)
+        reference.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales, saved)
 
 
 def onebit_mean_feedback_encode(
@@ -163,19 +168,20 @@ def onebit_mean_feedback_encode(
     norm_scale: bool,
     packed: torch.Tensor,
     scales: torch.Tensor,
+    saved: torch.Tensor | None = None,
 ) -> None:
     """``residual +=`` the mean of ``w`` one-bit rows, then as :func:`onebit_feedback_encode`: one pass over the
     residual, the rows decoded in registers (no decoded copy of them is ever written)."""
     rows_ok = parts_packed.dim() == 2 and parts_scales.dim() == 2
     rows_ok = rows_ok and parts_packed.stride(-1) == 1 and parts_scales.stride(-1) == 1
     same = parts_packed.device == residual.device and parts_scales.device == residual.device
-    if rows_ok and same and _fused(residual, scales) and packed.is_contiguous():
+    if rows_ok and same and _fused(residual, scales, saved) and packed.is_contiguous():
         torch.ops.sylvie_comm.onebit_mean_feedback_encode(
-            residual, parts_packed, parts_scales, chunk_size, norm_scale, packed, scales
+            residual, parts_packed, parts_scales, chunk_size, norm_scale, packed, scales, saved
         )
     else:
         reference.onebit_mean_feedback_encode(
-            residual, parts_packed, parts_scales, chunk_size, norm_scale, packed, scales
+            residual, parts_packed, parts_scales, chunk_size, norm_scale, packed, scales, saved
         )
 
 
@@ -186,33 +192,71 @@ def lowrank_project(
     p: torch.Tensor,
     subtract: bool,
     pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+    saved: torch.Tensor | None = None,
 ) -> None:
     """``residual -= P' Q'^T`` (``pending = (P', Q')``), ``residual += grad``, ``p = residual q`` and
-    (``subtract``) ``residual -= p q^T``: one pass.
+    (``subtract``) ``residual -= p q^T``: one pass. ``saved``: the residual before all of it.
 
     The pending update has the bits of :func:`lowrank_outer_into` ``(residual, P', Q', -1.0, accumulate=True)``
     on the same tensors, whichever path the rest takes (an fp16 ``grad`` sends the rest to the reference).
     """
     pp, pq = pending if pending is not None else (None, None)
-    if _fused(residual, grad, q, p, pp, pq):
-        torch.ops.sylvie_comm.lowrank_project(residual, grad, q, p, subtract, pp, pq)
+    if _fused(residual, grad, q, p, pp, pq, saved):
+        torch.ops.sylvie_comm.lowrank_project(residual, grad, q, p, subtract, pp, pq, saved)
         return
+    if saved is not None:
+        saved.view(-1).copy_(residual.view(-1))
     if pending is not None:
         lowrank_outer_into(residual, pending[0], pending[1], -1.0, accumulate=True)
     reference.lowrank_project(residual, grad, q, p, subtract)
 
 
-def lowrank_gram(residual: torch.Tensor, grad: torch.Tensor | None, p: torch.Tensor, q: torch.Tensor) -> None:
-    """``residual += grad``, ``q = residual^T p``: one pass."""
-    if _fused(residual, grad, p, q):
-        torch.ops.sylvie_comm.lowrank_gram(residual, grad, p, q)
+def lowrank_gram(
+    residual: torch.Tensor,
+    grad: torch.Tensor | None,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    saved: torch.Tensor | None = None,
+) -> None:
+    """``residual += grad``, ``q = residual^T p``: one pass (``saved``: the residual before)."""
+    if _fused(residual, grad, p, q, saved):
+        torch.ops.sylvie_comm.lowrank_gram(residual, grad, p, q, saved)
     else:
-        reference.lowrank_gram(residual, grad, p, q)
+        reference.lowrank_gram(residual, grad, p, q, saved)
 
 
-def lowrank_outer_into(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor, alpha: float, accumulate: bool) -> None:
-    """``out = p (alpha q)^T`` (or ``+=`` with ``accumulate``), written in place: one pass."""
-    if _fused(out, p, q):
-        torch.ops.sylvie_comm.lowrank_outer_into(out, p, q, alpha, accumulate)
+def lowrank_outer_into(
+    out: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    alpha: float,
+    accumulate: bool,
+    when: torch.Tensor | None = None,
+) -> None:
+    """``out = p (alpha q)^T`` (or ``+=`` with ``accumulate``), written in place: one pass.
+
+    With ``when`` (a one-element bool tensor on ``out``'s device) nothing changes unless it is true; the
+    kernel reads it on the device, so the host never waits for it, and a false one costs no pass over ``out``.
+    """
+    if _fused(out, p, q) and (when is None or _flag_on(when, out)):
+        torch.ops.sylvie_comm.lowrank_outer_into(out, p, q, alpha, accumulate, when)
     else:
-        reference.lowrank_outer_into(out, p, q, alpha, accumulate)
+        reference.lowrank_outer_into(out, p, q, alpha, accumulate, when)
+
+
+def _flag_on(flag: torch.Tensor, like: torch.Tensor) -> bool:
+    """Whether ``flag`` is a one-element bool tensor on ``like``'s device (what the kernels read)."""
+    return flag.dtype == torch.bool and flag.numel() == 1 and flag.device == like.device
+
+
+def copy_if(dst: torch.Tensor, src: torch.Tensor | None, flag: torch.Tensor) -> None:
+    """``dst <- src`` (zeros when ``src`` is None) if ``flag`` (a one-element bool tensor on ``dst``'s device) is
+    true, else nothing: the masked restore of a skipped step. The kernels read the flag on the device: no host
+    synchronisation, and a false flag moves no memory."""
+    same = src is None or (
+        src.device == dst.device and src.dtype == dst.dtype and src.shape == dst.shape and src.is_contiguous()
+    )
+    if uses_extension(dst) and dst.is_contiguous() and same and _flag_on(flag, dst):
+        torch.ops.sylvie_comm.copy_if(dst, src, flag)
+    else:
+        reference.copy_if(dst, src, flag)

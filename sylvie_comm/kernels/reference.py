@@ -246,9 +246,14 @@ def onebit_feedback_encode(
     norm_scale: bool,
     packed: torch.Tensor,
     scales: torch.Tensor,
+    saved: torch.Tensor | None = None,
 ) -> None:
     """Error-fed one-bit encode in place: ``residual += grad`` (when given), encode ``residual`` into
-    ``packed`` and ``scales`` (as :func:`onebit_encode`), then ``residual -= decode``. Flat tensors."""
+    ``packed`` and ``scales`` (as :func:`onebit_encode`), then ``residual -= decode``. Flat tensors.
+
+    With ``saved`` (as many elements), the residual as it was is copied there first (as every residual-updating
+    op below: what a skipped step restores)."""
+    _save(saved, residual)
     flat = residual.view(-1)
     if grad is not None:
         flat.add_(grad.reshape(-1))
@@ -256,6 +261,11 @@ def onebit_feedback_encode(
     packed.copy_(bits)
     scales.copy_(sc)
     flat.sub_(onebit_decode(bits, sc, flat.numel(), chunk_size, torch.float32))
+
+
+def _save(saved: torch.Tensor | None, residual: torch.Tensor) -> None:
+    if saved is not None:
+        saved.view(-1).copy_(residual.view(-1))
 
 
 def mean_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
@@ -286,12 +296,13 @@ def onebit_mean_feedback_encode(
     norm_scale: bool,
     packed: torch.Tensor,
     scales: torch.Tensor,
+    saved: torch.Tensor | None = None,
 ) -> None:
     """:func:`onebit_feedback_encode` with ``grad`` the :func:`onebit_mean` of ``w`` one-bit rows
     (the server side of the two-phase one-bit all-reduce: average what the ranks sent, compensate,
     encode)."""
     mean = onebit_mean(parts_packed, parts_scales, residual.numel(), chunk_size)
-    onebit_feedback_encode(residual, mean, chunk_size, norm_scale, packed, scales)
+    onebit_feedback_encode(residual, mean, chunk_size, norm_scale, packed, scales, saved)
 
 
 def lowrank_project(
@@ -301,10 +312,12 @@ def lowrank_project(
     p: torch.Tensor,
     subtract: bool,
     pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+    saved: torch.Tensor | None = None,
 ) -> None:
     """``residual -= P' Q'^T`` (``pending = (P', Q')``, as :func:`lowrank_outer_into` with ``alpha=-1``
     and ``accumulate``), ``residual += grad`` (when given), ``p = residual q``; with ``subtract``,
-    ``residual -= p q^T``."""
+    ``residual -= p q^T``. ``saved``: the residual before all of it."""
+    _save(saved, residual)
     if pending is not None:
         lowrank_outer_into(residual, pending[0], pending[1], -1.0, True)
     if grad is not None:
@@ -314,8 +327,15 @@ def lowrank_project(
         residual.sub_(torch.matmul(p, q.T))
 
 
-def lowrank_gram(residual: torch.Tensor, grad: torch.Tensor | None, p: torch.Tensor, q: torch.Tensor) -> None:
-    """``residual += grad`` (when given), ``q = residual^T p``."""
+def lowrank_gram(
+    residual: torch.Tensor,
+    grad: torch.Tensor | None,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    saved: torch.Tensor | None = None,
+) -> None:
+    """``residual += grad`` (when given), ``q = residual^T p``; ``saved``: the residual before."""
+    _save(saved, residual)
     if grad is not None:
         residual.add_(grad.view(residual.shape))
     # (p^T residual)^T: the product streams the residual's rows (residual^T p reads it column-wise,
@@ -323,8 +343,23 @@ def lowrank_gram(residual: torch.Tensor, grad: torch.Tensor | None, p: torch.Ten
     q.copy_(torch.mm(p.T, residual).T)
 
 
-def lowrank_outer_into(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor, alpha: float, accumulate: bool) -> None:
-    """``out = p (alpha q)^T``, or ``out += p (alpha q)^T`` with ``accumulate``; ``out`` is 2-D."""
+def lowrank_outer_into(
+    out: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor,
+    alpha: float,
+    accumulate: bool,
+    when: torch.Tensor | None = None,
+) -> None:
+    """``out = p (alpha q)^T``, or ``out += p (alpha q)^T`` with ``accumulate``; ``out`` is 2-D.
+
+    With ``when`` (a one-element bool tensor) ``out`` changes only if it is true, decided on its device.
+    """
+    if when is not None:
+        changed = out.clone()
+        lowrank_outer_into(changed, p, q, alpha, accumulate)
+        torch.where(when.reshape(()), changed, out, out=out)
+        return
     scaled = q * alpha if alpha != 1.0 else q
     if accumulate:
         out.add_(torch.matmul(p, scaled.T))
@@ -332,3 +367,10 @@ def lowrank_outer_into(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor, alph
         torch.matmul(p, scaled.T, out=out)
     else:
         out.copy_(torch.matmul(p, scaled.T))
+
+
+def copy_if(dst: torch.Tensor, src: torch.Tensor | None, flag: torch.Tensor) -> None:
+    """``dst <- src`` (zeros when ``src`` is None) if the one-element bool ``flag`` is true, else nothing;
+    decided on the tensors' device (no host read of ``flag``)."""
+    fill = src if src is not None else torch.zeros((), dtype=dst.dtype, device=dst.device)
+    torch.where(flag.reshape(()), fill, dst, out=dst)

@@ -231,6 +231,49 @@ def check_resume(rank: int) -> dict[str, Any]:
     return {codec: resume_codec(rank, codec) for codec in RESUME_CODECS}
 
 
+AMP_CODECS = ["acpsgd", "auto", "bf16", "fp16", "none", "onebit", "powersgd", "qsgd", "sign", "topk"]
+
+
+def check_amp(rank: int) -> dict[str, Any]:
+    """GradScaler with one NaN on rank 0 (see workloads.amp_run): our optimizer with every codec, and
+    hvd.DistributedOptimizer with our ACP-SGD compressor, as Horovod documents AMP (synchronize, unscale_,
+    step without synchronizing again)."""
+    hvd, sh = _hvd(), _sh()
+    out: dict[str, Any] = {}
+    for codec in AMP_CODECS:
+
+        def ours(model: nn.Module, opt: torch.optim.Optimizer, codec: str = codec) -> Any:
+            dist_opt = sh.DistributedOptimizer(opt, model.named_parameters(), codec, bucket_cap_mb=TINY_BUCKET_MB)
+
+            def step(scaler: Any, loss: torch.Tensor) -> None:
+                scaler.scale(loss).backward()
+                dist_opt.synchronize()
+                scaler.unscale_(dist_opt)
+                scaler.step(dist_opt, skip_synchronize=True)
+                scaler.update()
+
+            return model, step, dist_opt.close, dist_opt.stats, lambda: dist_opt.state_dict()["sylvie_comm"]["params"]
+
+        out[codec] = wl.amp_run(rank, ours)
+
+    def stock(model: nn.Module, opt: torch.optim.Optimizer) -> Any:
+        comp = sh.Compression.acpsgd(model.named_parameters(), rank=2)
+        dist_opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=comp)
+
+        def step(scaler: Any, loss: torch.Tensor) -> None:
+            scaler.scale(loss).backward()
+            dist_opt.synchronize()
+            scaler.unscale_(dist_opt)
+            with dist_opt.skip_synchronize():
+                scaler.step(dist_opt)
+            scaler.update()
+
+        return model, step, lambda: None, comp.stats, lambda: comp.state_dict()["params"]
+
+    out["hvd+acpsgd"] = wl.amp_run(rank, stock)
+    return out
+
+
 def check_errors(rank: int) -> dict[str, Any]:
     """Configurations that must fail on every rank, with a message, without a hang."""
     sh = _sh()
@@ -369,6 +412,7 @@ CHECKS: dict[str, Callable[[int], Any]] = {
     "optimizer": check_optimizer,
     "resume": check_resume,
     "errors": check_errors,
+    "amp": check_amp,
     "digits": check_digits,
     "equal": check_equal,
 }

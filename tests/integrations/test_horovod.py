@@ -58,7 +58,14 @@ def horovodrun(folder: Path, *checks: str, np: int = 2, timeout: float = 300.0) 
 def checks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
     """One launch for every quick check."""
     return horovodrun(
-        tmp_path_factory.mktemp("horovod"), "transport", "compression", "optimizer", "resume", "errors", "equal"
+        tmp_path_factory.mktemp("horovod"),
+        "transport",
+        "compression",
+        "optimizer",
+        "resume",
+        "errors",
+        "equal",
+        "amp",
     )
 
 
@@ -190,3 +197,14 @@ def test_import_sylvie_comm_does_not_import_horovod():
     code = "import sys, sylvie_comm, sylvie_comm.horovod; print(any(m.startswith('horovod') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ---------------------------------------------------------------- GradScaler and a non-finite gradient
+
+
+def test_one_nonfinite_step_is_skipped_under_grad_scaler(checks):
+    """Our optimizer with every codec and hvd.DistributedOptimizer with ACP-SGD: the scaler skips the
+    poisoned step only, and the compression state after it is what it was before it."""
+    from tests.integrations.test_amp import check_one_skipped_step
+
+    check_one_skipped_step(checks["amp"], [*hw.AMP_CODECS, "hvd+acpsgd"])

@@ -222,3 +222,76 @@ def rules_run(rank: int, world: int, config_path: str) -> dict[str, Any]:
     factors = {n: (tuple(p.shape), tuple(q.shape)) for n, (p, q) in state._factors.items()}
     state.close()
     return {"factors": factors, "stats": state.stats()}
+
+
+# ---------------------------------------------------------------- GradScaler and one non-finite gradient
+
+NAN_STEP = 4  # the step (from 0, warm-up included) at which rank 0's first weight gets one NaN
+AMP_STEPS = 9
+
+
+def _snapshot(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _snapshot(v) for k, v in state.items()}
+    return state
+
+
+def amp_run(rank: int, make: Any, steps: int = AMP_STEPS) -> dict[str, Any]:
+    """SGD momentum 0.9 under ``torch.amp.GradScaler`` with one NaN in one gradient element on rank 0 at
+    ``NAN_STEP``. ``make(model, opt) -> (forward, step, close, stats, state)`` adapts a framework:
+    ``forward(x)`` is the model's forward, ``step(scaler, loss)`` runs backward and the scaler's step,
+    ``state()`` is the compression state after a step.
+
+    Returns per step: the scale after it, whether the gradients the optimizer saw were finite, the
+    compression state; at the end the parameters and ``stats()``.
+    """
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    forward, step_fn, close, stats, state = make(model, opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    target = next(p for p in model.parameters() if p.dim() == 2)
+    scales, finite, states = [], [], []
+    for step in range(steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        hook = None
+        if rank == 0 and step == NAN_STEP:
+
+            def poison(g: torch.Tensor) -> torch.Tensor:
+                g = g.clone()
+                g.view(-1)[3] = float("nan")
+                return g
+
+            hook = target.register_hook(poison)
+        step_fn(scaler, F.cross_entropy(forward(x)[:, :8], y % 8))
+        if hook is not None:
+            hook.remove()
+        finite.append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None))
+        scales.append(scaler.get_scale())
+        states.append(_snapshot(state()))
+    out = {"scales": scales, "finite": finite, "states": states, "stats": stats(),
+           "params": [p.detach().clone() for p in model.parameters()]}  # fmt: skip
+    close()
+    return out
+
+
+def amp_ddp_run(rank: int, world: int, codecs: list[str]) -> dict[str, Any]:
+    """:func:`amp_run` for each hook, through DDP (several buckets)."""
+    out = {}
+    for codec in codecs:
+
+        def make(model: nn.Module, opt: torch.optim.Optimizer, codec: str = codec) -> Any:
+            ddp = DDP(model, bucket_cap_mb=TINY_BUCKET_MB)
+            hook = sylvie_comm.ddp.register(ddp, codec)
+
+            def step(scaler: Any, loss: torch.Tensor) -> None:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+
+            return ddp, step, hook.close, hook.stats, lambda: hook.state_dict()["params"]
+
+        out[codec] = amp_run(rank, make)
+    return out

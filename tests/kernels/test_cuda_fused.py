@@ -273,3 +273,32 @@ def test_checks() -> None:
     with pytest.raises(RuntimeError, match="expected a CUDA tensor"):
         OPS.onebit_mean_feedback_encode(z(8), z(2, 1, dtype=u8), z(2, 1, device="cpu"), 8, False, z(1, dtype=u8),
                                         z(1))  # fmt: skip
+
+
+@pytest.mark.parametrize("flag", [False, True])
+@pytest.mark.parametrize("n, dtype", [(0, torch.float32), (1, torch.uint8), (37, torch.uint8), (4099, torch.float32),
+                                      (1 << 20, torch.float16)])  # fmt: skip
+def test_copy_if(flag: bool, n: int, dtype: torch.dtype) -> None:
+    """copy_if on the device: src (or zeros) where the flag is set, nothing else; views one element into their
+    storage (not 16-byte aligned: the byte path) too."""
+    g = torch.Generator().manual_seed(n)
+    src = torch.randint(0, 100, (n + 1,), generator=g).to(dtype).cuda()
+    for at in (0, 1):
+        for source in (src[at : at + n], None):
+            whole = torch.full((n + 1,), 7).to(dtype).cuda()
+            dst = whole[at : at + n]
+            want = (source if source is not None else torch.zeros_like(dst)) if flag else dst.clone()
+            OPS.copy_if(dst, source, torch.tensor(flag, device="cuda"))
+            assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_lowrank_outer_into_when(flag: bool) -> None:
+    n, k, r = 300, 500, 8
+    out, _, q, p = data(n, k, r, seed=11)
+    (o,) = cuda(out)
+    OPS.lowrank_outer_into(o, p.cuda(), q.cuda(), -1.0, True, torch.tensor(flag, device="cuda"))
+    want = out.clone()
+    if flag:
+        OPS.lowrank_outer_into(want, p, q, -1.0, True)  # the CPU kernel: the same bits
+    assert torch.equal(o.cpu(), want)

@@ -291,3 +291,68 @@ def test_onebit_mean_feedback_encode_checks(parts: torch.Tensor, scales: torch.T
         torch.ops.sylvie_comm.onebit_mean_feedback_encode(
             torch.zeros(16), parts, scales, chunk, False, torch.zeros(2, dtype=U8), torch.zeros(1)
         )
+
+
+# ---------------------------------------------------------------- saved: the residual as it was
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize(("n", "k", "r"), [(1, 1, 1), (33, 70, 4), (130, 17, 5), (300, 500, 8)])
+def test_residual_ops_write_the_residual_as_it_was_into_saved(isa: str, threads: int, n: int, k: int, r: int) -> None:
+    """With ``saved``, every residual-updating op writes the residual it read there and changes nothing else:
+    the residual and outputs have the bits of the call without it, on every ISA and thread count."""
+    _ops.set_cpu_isa(isa)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        e, m, q, p = data(n, k, r, seed=n + k)
+        pend = (torch.randn(n, 2), torch.randn(k, 2))
+        calls = {
+            "project": lambda res, out, sv: kernels.lowrank_project(res, m, q, out[0], True, pend, saved=sv),
+            "gram": lambda res, out, sv: kernels.lowrank_gram(res, m, p, out[1], saved=sv),
+            "onebit": lambda res, out, sv: kernels.onebit_feedback_encode(
+                res.view(-1), m.view(-1), 64, False, out[2], out[3], saved=sv),
+        }  # fmt: skip
+        for name, call in calls.items():
+            outs = []
+            for with_saved in (False, True):
+                res = e.clone()
+                out = (torch.zeros(n, r), torch.zeros(k, r), torch.zeros((n * k + 7) // 8, dtype=torch.uint8),
+                       torch.zeros((n * k + 63) // 64))  # fmt: skip
+                sv = torch.full((n * k,), 7.0) if with_saved else None
+                call(res, out, sv)
+                outs.append((res, out, sv))
+            (r0, o0, _), (r1, o1, sv) = outs
+            assert sv is not None and torch.equal(sv.view(n, k), e), name
+            assert torch.equal(r0, r1) and all(torch.equal(a, b) for a, b in zip(o0, o1, strict=True)), name
+    finally:
+        torch.set_num_threads(old_threads)
+        _ops.set_cpu_isa(isas()[-1])
+
+
+def test_mean_feedback_encode_writes_saved() -> None:
+    w, n, chunk = 3, 1000, 64
+    res = torch.randn(n)
+    parts_packed = torch.randint(0, 256, (w, (n + 7) // 8), dtype=torch.uint8)
+    parts_scales = torch.rand(w, (n + chunk - 1) // chunk)
+    runs = []
+    for with_saved in (False, True):
+        r = res.clone()
+        bits, scales = torch.empty((n + 7) // 8, dtype=torch.uint8), torch.empty((n + chunk - 1) // chunk)
+        sv = torch.zeros(n) if with_saved else None
+        kernels.onebit_mean_feedback_encode(r, parts_packed, parts_scales, chunk, True, bits, scales, saved=sv)
+        runs.append((r, bits, scales, sv))
+    assert torch.equal(runs[1][3], res)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][:3], runs[1][:3], strict=True))
+
+
+def test_saved_is_checked() -> None:
+    res = torch.zeros(4, 4)
+    with pytest.raises(RuntimeError, match="saved has 3 elements"):
+        torch.ops.sylvie_comm.lowrank_gram(res, None, torch.zeros(4, 1), torch.zeros(4, 1), torch.zeros(3))
+    with pytest.raises(RuntimeError, match="saved must not be the residual itself"):
+        torch.ops.sylvie_comm.lowrank_gram(res, None, torch.zeros(4, 1), torch.zeros(4, 1), res)
+    with pytest.raises(RuntimeError, match="saved must be a contiguous float32"):
+        torch.ops.sylvie_comm.onebit_feedback_encode(res.view(-1), None, 8, False, torch.zeros(2, dtype=torch.uint8),
+                                                     torch.zeros(2), torch.zeros(16, dtype=torch.float64))  # fmt: skip

@@ -1,0 +1,208 @@
+"""Steps whose input is not finite on some rank: a non-finite average out, every rank's state as before.
+
+Mixed precision overflows on purpose: ``torch.amp.GradScaler`` raises its scale
+every ``growth_interval`` steps until the gradients overflow, skips that step
+and lowers the scale. An error-feedback algorithm that lets the overflowed
+step into its residuals or factors carries Inf/NaN into every later step, and
+the scaler then skips all of them (horovod#1699 is the same pattern). So a
+step whose input holds a NaN or an Inf on any rank
+
+* hands back a non-finite average (the scaler sees it and skips the step),
+* leaves every rank's state (residuals, factors, owed updates) exactly as it
+  was before the step, and
+* is decided identically on every rank, without the host reading a value on
+  the hot path.
+
+How:
+
+* **The flag travels with the payload.** Every algorithm sends something in
+  which a non-finite input shows: one-bit and sign scales (one per row),
+  q-bit scales and minimums, the values top-k selects (NaN and Inf sort
+  first), low-rank factors, the fp32 raw values, the cast values. After the
+  collective each rank tests the received small tensors, identical on every
+  rank, and :meth:`StepGuard.report` ors the group's flag (a bool tensor on
+  the data's device) into the step's.
+* **The state update is masked.** Before an algorithm changes a state tensor in
+  a step it :meth:`~StepGuard.save` s a copy (into a buffer kept for the next
+  step). When the next step begins, or the state is read, :meth:`~StepGuard.settle`
+  puts every saved tensor back where the step's flag is set, with
+  :func:`sylvie_comm.kernels.copy_if`, which reads the flag on the device: no
+  host synchronisation, and a step whose input was finite moves no memory
+  there. Decisions are per step, not per group: a NaN in one bucket restores
+  the state of every bucket (the scaler skips the whole step).
+* **Counted**: ``skipped_nonfinite`` in the integrations' ``stats()``.
+
+The price is one copy of the state a step changes (its residuals, a gradient's
+size for the error-feedback algorithms), in memory (``memory_bytes()``) and in
+one read and one write per step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any
+
+import torch
+
+from sylvie_comm import kernels
+
+Future = torch.futures.Future
+
+
+def nonfinite(*tensors: torch.Tensor | None) -> torch.Tensor | None:
+    """A 0-dim bool tensor, true where any element of ``tensors`` is NaN or Inf (None when all are empty).
+
+    One read of each tensor, on its device (``aminmax``: the smallest and the largest value are both finite
+    only when every value is).
+    """
+    flag: torch.Tensor | None = None
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        lo, hi = torch.aminmax(t.reshape(-1))
+        bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
+        flag = bad if flag is None else flag | bad
+    return flag
+
+
+def poison(tensors: Iterable[torch.Tensor], bad: torch.Tensor | None) -> None:
+    """Write NaN into the first element of every tensor where ``bad`` is set (no host read)."""
+    if bad is None:
+        return
+    for t in tensors:
+        if t.numel():
+            t.view(-1)[:1].masked_fill_(bad, float("nan"))
+
+
+class StepGuard:
+    """Saves what a step changes and puts it back when the step's input was not finite on some rank.
+
+    Shared by every algorithm that serves one integration (``auto`` hands its own to its candidates),
+    so a step is one decision over all its groups. A step's groups must complete (or fail) before the
+    next step begins, as every integration waits for them; a group that failed counts as a bad step.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._step: int | None = None
+        self._saved: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (state, copy; None: zeros)
+        self._keys: set[Hashable] = set()
+        self._actions: list[Callable[[torch.Tensor], None]] = []
+        self._bad: torch.Tensor | None = None
+        self._device: torch.device | None = None
+        self._begun = 0  # groups of this step
+        self._done = 0  # ... that completed
+        self._buffers: dict[Hashable, torch.Tensor] = {}  # copies, reused step after step
+        self._skipped: torch.Tensor | None = None  # device count of skipped steps
+
+    # ------------------------------------------------------------------ during a step
+
+    def begin(self, step: int) -> None:
+        """A group of step ``step`` starts (a new step number settles the step before)."""
+        if self._step is not None and step != self._step:
+            self.settle()
+        with self._lock:
+            self._step = step
+            self._begun += 1
+
+    def finish(self) -> None:
+        """A group of the step completed (its collectives and decoding are done)."""
+        with self._lock:
+            self._done += 1
+
+    def track(self, fut: Future[Any]) -> Future[Any]:
+        """``fut``, counting the group as completed (:meth:`finish`) once it succeeds."""
+
+        def completed(f: Future[Any]) -> Any:
+            value = f.value()  # raises the group's error: it is not counted
+            self.finish()
+            return value
+
+        return fut.then(completed)
+
+    def save(self, key: Hashable, state: torch.Tensor) -> None:
+        """Copy ``state`` (once per step and key) before the step changes it in place."""
+        with self._lock:
+            if key in self._keys:
+                return
+            self._keys.add(key)
+            buf = self._buffers.get(key)
+            if buf is None or buf.shape != state.shape or buf.dtype != state.dtype or buf.device != state.device:
+                buf = self._buffers[key] = torch.empty_like(state, memory_format=torch.contiguous_format)
+            self._saved.append((state, buf))
+            self._device = state.device
+        buf.copy_(state)
+
+    def slot(self, key: Hashable, state: torch.Tensor) -> torch.Tensor | None:
+        """A buffer for a kernel to write ``state`` into as it reads it (the fused ops' ``saved``), in place of
+        :meth:`save`'s copy: one write and no second read. None when ``key`` is already saved this step.
+
+        The buffer starts as zeros, so elements the kernel does not visit (padding) restore as zeros."""
+        with self._lock:
+            if key in self._keys:
+                return None
+            self._keys.add(key)
+            buf = self._buffers.get(key)
+            if buf is None or buf.shape != state.shape or buf.dtype != state.dtype or buf.device != state.device:
+                buf = self._buffers[key] = torch.zeros_like(state, memory_format=torch.contiguous_format)
+            self._saved.append((state, buf))
+            self._device = state.device
+        return buf
+
+    def zero_on_skip(self, state: torch.Tensor | None) -> None:
+        """``state`` (created by this step, where before there was none) becomes zeros if the step is skipped."""
+        if state is None:
+            return
+        with self._lock:
+            self._saved.append((state, None))
+            self._device = state.device
+
+    def on_skip(self, action: Callable[[torch.Tensor], None]) -> None:
+        """Run ``action(bad)`` when the step settles, after the saved tensors are back; it must change
+        nothing unless ``bad`` (a 0-dim bool tensor) is set, and read no value on the host."""
+        with self._lock:
+            self._actions.append(action)
+
+    def report(self, bad: torch.Tensor | None) -> None:
+        """Or a group's flag (from what every rank received) into the step's."""
+        if bad is None:
+            return
+        with self._lock:
+            self._bad = bad.reshape(()).clone() if self._bad is None else self._bad | bad.reshape(())
+            self._device = bad.device
+
+    # ------------------------------------------------------------------ between steps
+
+    def settle(self) -> None:
+        """Decide the last step: put its saved state back if its flag is set (or a group failed); count it."""
+        with self._lock:
+            saved, actions, bad, device = self._saved, self._actions, self._bad, self._device
+            failed = self._done < self._begun
+            self._saved, self._actions, self._keys, self._bad = [], [], set(), None
+            self._begun = self._done = 0
+            self._step = None
+        if device is None:
+            return
+        if failed:  # a collective failed mid-step: whatever it changed goes back
+            bad = torch.ones((), dtype=torch.bool, device=device)
+        if bad is None:
+            return
+        for state, copy in saved:
+            kernels.copy_if(state, copy, bad)
+        for action in actions:
+            action(bad)
+        count = bad.to(torch.int64)
+        self._skipped = count if self._skipped is None else self._skipped + count
+
+    def skipped(self) -> int:
+        """Steps skipped so far (settles the last one; reads the count on the host: not for the hot path)."""
+        self.settle()
+        return 0 if self._skipped is None else int(self._skipped.item())
+
+    def memory_bytes(self) -> int:
+        """Bytes of the copies kept for the next step."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+__all__ = ["StepGuard", "nonfinite", "poison"]

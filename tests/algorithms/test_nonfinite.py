@@ -1,0 +1,266 @@
+"""A step whose input is not finite on some rank: every algorithm skips it, on every rank, and recovers.
+
+Each algorithm runs in one process, ranks as threads of the in-process transport, behind its policy (warm-up
+included) as the integrations drive it. One NaN (or Inf) in one element of one tensor on one rank at one step:
+every rank gets a non-finite average back, every rank's state (residuals, factors, owed updates) is bit for bit
+what it was before the step, the step is counted in ``skipped_nonfinite``, and the following steps are those of
+a run whose state went through that step untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from sylvie_comm import kernels
+from sylvie_comm.algorithms import ALGORITHMS, Group, Member, Policy, make_algorithm
+from sylvie_comm.algorithms.guard import StepGuard, nonfinite, poison
+from sylvie_comm.collectives.local import run_local
+from sylvie_comm.config import Config
+
+SHAPES = {"a.weight": (12, 10), "a.bias": (12,), "b.weight": (6, 12), "b.bias": (6,)}
+# Two groups per step (as DDP's buckets): a NaN in one must restore the state of both.
+GROUPS = [["b.weight", "b.bias"], ["a.weight", "a.bias"]]
+STEPS = 11
+BAD_STEP = 8  # counted from 0, warm-up (2 steps) included; auto runs its candidates a second time from step 6
+ALL = sorted(ALGORITHMS)
+
+
+def grads(rank: int, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+def as_group(key: int, names: list[str], values: dict[str, torch.Tensor], policy: Policy) -> Group:
+    """A flat buffer whose slices are the members (as a DDP bucket)."""
+    flat = torch.cat([values[n].reshape(-1) for n in names])
+    members, at = [], 0
+    for n in names:
+        k = values[n].numel()
+        compress, options = policy.member_options(n, values[n].shape)
+        members.append(Member(n, flat[at : at + k].view(values[n].shape), compress, options))
+        at += k
+    return Group(key, members, flat=flat)
+
+
+def snapshot(state: Any) -> Any:
+    """A deep copy of a state dict with every tensor cloned (compared bit for bit)."""
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: snapshot(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(snapshot(v) for v in state)
+    return state
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype, where
+        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.bool else a,
+                           b.view(torch.uint8) if b.dtype != torch.bool else b), f"{where} changed"  # fmt: skip
+        return
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+        return
+    assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def run(name: str, world: int, poison_at: dict[tuple[int, int], tuple[str, float]]) -> list[dict[str, Any]]:
+    """Per rank: outputs and state after every step; ``poison_at[(rank, step)] = (tensor, value)``."""
+    config = Config(codec=name)
+
+    def body(tr: Any) -> dict[str, Any]:
+        alg = make_algorithm(name, tr, config.options, seed=3)
+        policy = Policy(alg, config)
+        outs, states = [], []
+        for step in range(STEPS):
+            values = grads(tr.rank, step)
+            hit = poison_at.get((tr.rank, step))
+            if hit is not None:
+                values[hit[0]].view(-1)[5] = hit[1]
+            groups = [as_group(k, names, values, policy) for k, names in enumerate(GROUPS)]
+            for fut in [policy(g, step) for g in groups]:
+                fut.wait()
+            outs.append({m.name: m.tensor.clone() for g in groups for m in g.members})
+            state = alg.state_dict()
+            # auto's probe timings measure the link, a skipped step's too: its candidates hold the state
+            states.append(snapshot(state["candidates"] if name == "auto" else state))
+        result = {"outs": outs, "states": states, "skipped": alg.report()["skipped_nonfinite"]}
+        alg.close()
+        return result
+
+    return run_local(world, body)
+
+
+def finite(outs: dict[str, torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in outs.values())
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("name", ALL)
+def test_a_nonfinite_step_is_skipped_on_every_rank(name: str, world: int, value: float) -> None:
+    bad_rank = world - 1
+    where = "a.weight" if name not in ("none",) else "a.bias"
+    ranks = run(name, world, {(bad_rank, BAD_STEP): (where, value)})
+    for rank, r in enumerate(ranks):
+        # the average handed back is not finite (so a GradScaler skips the step), on every rank
+        assert not finite(r["outs"][BAD_STEP]), f"rank {rank}: step {BAD_STEP} came back finite"
+        assert all(finite(o) for s, o in enumerate(r["outs"]) if s != BAD_STEP), f"rank {rank}: not recovered"
+        # the state after the skipped step is the state before it, bit for bit
+        assert_same(r["states"][BAD_STEP], r["states"][BAD_STEP - 1], f"{name} rank {rank}")
+        assert r["skipped"] == 1
+    for s in range(STEPS):  # replicas agree
+        for rank in range(1, world):
+            for n in SHAPES:
+                a, b = ranks[0]["outs"][s][n], ranks[rank]["outs"][s][n]
+                assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)), (s, n, rank)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_steps_after_a_skip_do_not_depend_on_where_the_nonfinite_value_was(name: str) -> None:
+    """A NaN on rank 0 or an Inf on rank 1, in either group: the same decision, the same later steps."""
+    a = run(name, 2, {(0, BAD_STEP): ("a.weight", float("nan"))})
+    b = run(name, 2, {(1, BAD_STEP): ("b.weight", float("inf"))})
+    # auto chooses by measured time after its probes (steps 2-9): compare its probe steps only
+    last = 10 if name == "auto" else STEPS
+    for s in range(BAD_STEP + 1, last):
+        for n in SHAPES:
+            assert torch.equal(a[0]["outs"][s][n], b[0]["outs"][s][n]), (name, s, n)
+        assert_same(a[0]["states"][s], b[0]["states"][s], f"{name} step {s}")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_skipped_first_compressed_step_leaves_residuals_at_zero(name: str) -> None:
+    """State that the skipped step created (where there was none) is left as a fresh state: zero residuals."""
+    ranks = run(name, 2, {(1, 2): ("a.weight", float("nan"))})
+    for r in ranks:
+        assert not finite(r["outs"][2]) and all(finite(o) for o in r["outs"][3:])
+
+        def residuals(state: Any) -> list[torch.Tensor]:
+            if isinstance(state, dict):
+                return [t for k, v in state.items() for t in
+                        ([v] if "residual" in k and isinstance(v, torch.Tensor) else residuals(v))]  # fmt: skip
+            return []
+
+        for t in residuals(r["states"][2]):
+            assert not t.any()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_a_nonfinite_step_in_warmup_is_counted(name: str) -> None:
+    ranks = run(name, 2, {(0, 0): ("a.bias", float("nan"))})
+    assert not finite(ranks[1]["outs"][0])
+    assert all(finite(o) for o in ranks[1]["outs"][1:])
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == 1
+
+
+def test_nonfinite_and_poison() -> None:
+    assert nonfinite(torch.zeros(0)) is None
+    assert not bool(nonfinite(torch.ones(3), torch.zeros(2)))
+    assert bool(nonfinite(torch.ones(3), torch.tensor([0.0, float("-inf")])))
+    assert bool(nonfinite(torch.tensor([float("nan")], dtype=torch.float16)))
+    t = torch.ones(2, 3)
+    poison([t], torch.tensor(False))
+    assert torch.equal(t, torch.ones(2, 3))
+    poison([t], torch.tensor(True))
+    assert torch.isnan(t[0, 0]) and int(torch.isnan(t).sum()) == 1
+
+
+def test_guard_restores_a_step_whose_group_never_completed() -> None:
+    """A group whose collective failed leaves the step half done: it is put back as a skipped step."""
+    guard = StepGuard()
+    state, made = torch.arange(6.0), torch.ones(3)
+    guard.begin(0)
+    guard.save("s", state)
+    state.add_(100.0)
+    guard.zero_on_skip(made)
+    guard.report(torch.tensor(False))
+    failed: torch.futures.Future[None] = torch.futures.Future()
+    tracked = guard.track(failed)
+    failed.set_exception(RuntimeError("peer died"))
+    with pytest.raises(RuntimeError, match="peer died"):
+        tracked.wait()
+    guard.settle()
+    assert torch.equal(state, torch.arange(6.0)) and torch.equal(made, torch.zeros(3))
+    assert guard.skipped() == 1
+
+
+def test_guard_keeps_a_good_step_and_counts_a_bad_one() -> None:
+    guard = StepGuard()
+    state = torch.arange(4.0)
+    for step, bad in enumerate([False, True, False, True]):
+        before = state.clone()
+        guard.begin(step)
+        guard.save("s", state)
+        state.mul_(2.0).add_(1.0)
+        guard.report(torch.tensor(bad))
+        fut: torch.futures.Future[None] = torch.futures.Future()
+        tracked = guard.track(fut)
+        fut.set_result(None)
+        tracked.wait()
+        guard.settle()
+        expected = before if bad else before * 2 + 1
+        assert torch.equal(state, expected), step
+    assert guard.skipped() == 2
+    assert guard.memory_bytes() == state.numel() * 4
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_copy_if_matches_its_reference(flag: bool) -> None:
+    for dtype in (torch.float32, torch.float16, torch.int32, torch.uint8):
+        src = torch.arange(37).to(dtype)
+        for source in (src, None):
+            dst, ref = torch.full((37,), 5).to(dtype), torch.full((37,), 5).to(dtype)
+            kernels.copy_if(dst, source, torch.tensor(flag))
+            kernels.reference.copy_if(ref, source, torch.tensor(flag))
+            assert torch.equal(dst, ref)
+            want = (src if source is not None else torch.zeros_like(src)) if flag else torch.full((37,), 5).to(dtype)
+            assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_lowrank_outer_into_when(flag: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    p, q = torch.randn(9, 3, generator=g), torch.randn(7, 3, generator=g)
+    out, ref, plain = (torch.randn(9, 7, generator=torch.Generator().manual_seed(1)) for _ in range(3))
+    kernels.lowrank_outer_into(out, p, q, -1.0, True, when=torch.tensor(flag))
+    kernels.reference.lowrank_outer_into(ref, p, q, -1.0, True, when=torch.tensor(flag))
+    expected = plain.clone()
+    if flag:
+        kernels.lowrank_outer_into(expected, p, q, -1.0, True)
+    assert torch.equal(out, expected) and torch.equal(ref.nan_to_num(), ref.nan_to_num())
+    assert torch.allclose(ref, expected, atol=1e-5)
+
+
+@pytest.mark.skipif(not kernels.uses_extension(torch.zeros(1)), reason="compiled kernels unavailable")
+def test_copy_if_argument_checks() -> None:
+    op = torch.ops.sylvie_comm.copy_if
+    with pytest.raises(RuntimeError, match="flag must be a one-element bool tensor"):
+        op(torch.zeros(3), None, torch.tensor([True, False]))
+    with pytest.raises(RuntimeError, match="flag must be a one-element bool tensor"):
+        op(torch.zeros(3), None, torch.tensor(1))
+    with pytest.raises(RuntimeError, match="src must be a contiguous"):
+        op(torch.zeros(3), torch.zeros(4), torch.tensor(True))
+    with pytest.raises(RuntimeError, match="dst must be a contiguous"):
+        op(torch.zeros(3, 4).T, None, torch.tensor(True))
+    with pytest.raises(RuntimeError, match="when must be a one-element bool tensor"):
+        torch.ops.sylvie_comm.lowrank_outer_into(torch.zeros(2, 2), torch.zeros(2, 1), torch.zeros(2, 1), 1.0,
+                                                 False, torch.tensor(1.0))  # fmt: skip
+
+
+def test_new_ops_have_fake_implementations() -> None:
+    if not kernels.uses_extension(torch.zeros(1)):
+        pytest.skip("compiled kernels unavailable")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        dst, flag = torch.empty(4), torch.empty((), dtype=torch.bool)
+        torch.ops.sylvie_comm.copy_if(dst, None, flag)
+        torch.ops.sylvie_comm.lowrank_outer_into(torch.empty(3, 2), torch.empty(3, 1), torch.empty(2, 1), 1.0,
+                                                 True, flag)  # fmt: skip
