@@ -122,6 +122,9 @@ def _bench_cleanup(args: argparse.Namespace) -> int:
         return 2
     removed = bl.cleanup()
     print(f"removed {len(removed)} leftover lab namespace(s){': ' + ', '.join(removed) if removed else ''}")
+    live = bl.live_labs()
+    if live:
+        print(bl.describe_live_labs(live))
     return 0
 
 

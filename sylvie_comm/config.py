@@ -28,6 +28,13 @@ from typing import Any
 
 UNCOMPRESSED = "uncompressed"
 
+# Bounds on a YAML config (Config.from_yaml). A real one is a few hundred bytes and a few dozen nodes;
+# thousands of per-layer rules fit in both. Aliases count as copies: a "billion laughs" document of a
+# few hundred bytes names 10**9 nodes, which every consumer of the data (digest, to_dict, the ranks'
+# agreement) would walk one by one.
+YAML_MAX_BYTES = 1 << 20
+YAML_MAX_NODES = 100_000
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -105,17 +112,13 @@ class Config:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> Config:
-        """Read a YAML file (see the module docstring for the fields)."""
-        import yaml
+        """Read a YAML file (see the module docstring for the fields).
 
-        p = Path(path)
-        try:
-            data = yaml.safe_load(p.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"config: no such file {str(p)!r}") from None
-        except yaml.YAMLError as exc:
-            raise ValueError(f"config: {p} is not valid YAML: {exc}") from None
-        return cls.from_dict(data or {})
+        The file may hold at most :data:`YAML_MAX_BYTES` bytes and :data:`YAML_MAX_NODES` YAML nodes
+        with every alias counted as a copy of what it names; larger files, recursive aliases and
+        nesting the parser cannot follow are a ValueError naming the file.
+        """
+        return cls.from_dict(load_yaml(path) or {})
 
     def with_options(self, **options: Any) -> Config:
         """A copy with ``options`` merged over this config's."""
@@ -158,3 +161,85 @@ def differences(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") ->
         elif va != vb:
             out.append((path, va, vb))
     return out
+
+
+def load_yaml(path: str | Path) -> Any:
+    """The data in the YAML file ``path`` (standard tags only: ``yaml.safe_load``'s), within bounds.
+
+    A ValueError naming the file where it holds more than :data:`YAML_MAX_BYTES` bytes, more than
+    :data:`YAML_MAX_NODES` nodes with every alias counted as a copy of what it names (counted on the
+    parsed document, before anything is built from it), an alias inside what it names, nesting the
+    parser cannot follow, or anything that is not YAML. FileNotFoundError where there is no file.
+    """
+    import yaml
+
+    p = Path(path)
+    limit = YAML_MAX_BYTES
+    try:
+        with p.open("rb") as f:
+            raw = f.read(limit + 1)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config: no such file {str(p)!r}") from None
+    if len(raw) > limit:
+        raise ValueError(
+            f"config: {p} is larger than {limit:,} bytes (sylvie_comm.config.YAML_MAX_BYTES); "
+            "a config file is a few hundred"
+        )
+    # libyaml's parser where PyYAML has it: it also stops at 1000 levels of nesting.
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(raw)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expanded_size(node, p)
+        return loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config: {p} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"config: {p} nests its lists and mappings too deeply to be read") from None
+    finally:
+        loader.dispose()
+
+
+def _yaml_children(node: Any) -> list[Any]:
+    import yaml
+
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _check_expanded_size(root: Any, path: Path) -> int:
+    """The number of nodes under ``root`` (itself included) with every alias expanded, or a ValueError
+    beyond :data:`YAML_MAX_NODES` or for an alias inside what it names.
+
+    An alias is the node it names, shared: each node's expanded size is counted once, from its
+    children's, so the work is linear in the parsed document however far it would expand.
+    """
+    limit = YAML_MAX_NODES
+    sizes: dict[int, int] = {}
+    started: set[int] = set()  # the nodes on the path from the root to the one being visited
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            started.discard(key)
+            sizes[key] = 1 + sum(sizes[id(child)] for child in _yaml_children(node))
+            if sizes[key] > limit:
+                raise ValueError(
+                    f"config: {path} holds more than {limit:,} YAML nodes once its aliases are expanded "
+                    "(an alias counts as a copy of what it names; the limit is sylvie_comm.config.YAML_MAX_NODES)"
+                )
+        elif key in started:
+            raise ValueError(
+                f"config: {path}: an alias refers to a node that contains it (the node at line "
+                f"{node.start_mark.line + 1}); a config must be a tree"
+            )
+        elif key not in sizes:
+            started.add(key)
+            stack.append((node, True))
+            stack.extend((child, False) for child in _yaml_children(node))
+    return sizes[id(root)]

@@ -33,7 +33,10 @@ Both launchers also start on the loopback fallback (``127.0.0.1``, interface ``l
 The namespaces go when the lab closes: on exit, on an error, on SIGINT/SIGTERM
 (the handlers clean up, then hand the signal on). :func:`cleanup` removes what a
 killed run left (every namespace named with :data:`LAB_PREFIX` whose owner
-process is gone); it is ``sylvie-comm bench --cleanup``.
+process is gone); it is ``sylvie-comm bench --cleanup``. A lab records its owner
+(pid and start time) in ``OWNERS_DIR/<run id>`` before it creates a namespace, so
+cleanup tells a live lab from a leftover whatever its run id, and two labs never
+share one.
 
 Without root, without ``ip``/``tc``, or where ``ip netns add`` fails, the lab
 falls back to loopback (plain processes on 127.0.0.1, link not shaped) and says
@@ -61,7 +64,7 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -91,6 +94,9 @@ _DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", 
 _HVD_LINE = re.compile(r"^\[(\d+)\]<(?:stdout|stderr)>:(.*)$")
 _IP_TIMEOUT = 20.0  # seconds one ip/tc command may take
 NETNS_ETC = Path("/etc/netns")  # ip netns exec NS bind-mounts /etc/netns/NS/<file> over /etc/<file>
+# One file per lab, named by its run id: "<owner pid> <its start time> <random>", written before its first namespace.
+# On /run (a tmpfs, like /run/netns where the namespaces live): both go at a reboot.
+OWNERS_DIR = Path("/run/sylvie-comm-labs")
 
 
 class ProgressTicks:
@@ -205,34 +211,140 @@ def _hosts_file(address: str) -> str:
     return "\n".join([head, *kept]) + "\n"
 
 
-def _owner_alive(name: str) -> bool:
-    """Whether the process that built namespace ``name`` still runs (its pid leads the run id)."""
-    head = name[len(LAB_PREFIX) :].split("-", 1)[0]
-    if not head.isdigit():
-        return False  # a run id given by hand: no owner to ask
+def _runid(name: str) -> str:
+    """The run id of lab namespace (or hosts folder) ``name``: ``sclab-<run id>-<sw or worker index>``."""
+    return name[len(LAB_PREFIX) :].rsplit("-", 1)[0]
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks after boot, from /proc), or None if it is gone (or a zombie)."""
     try:
-        os.kill(int(head), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]  # field 22 of proc(5); fields[0] is field 3
+
+
+def _owner_record() -> str:
+    """What a lab of this process writes as its owner: ``<pid> <start time> <random>`` (the last part tells
+    two labs of one process apart)."""
+    pid = os.getpid()
+    return f"{pid} {_start_time(pid) or '-'} {secrets.token_hex(4)}\n"
+
+
+def _owner(runid: str) -> int | None:
+    """The pid of the live process that owns lab ``runid``, or None if it is gone (-1: a record that
+    cannot be read, kept as if its owner ran).
+
+    From the lab's record in :data:`OWNERS_DIR`: the pid must run and have started when the record
+    says (a pid used again by another process is not the owner). A record that cannot be parsed
+    names no owner. Without a record (a lab of an older sylvie_comm, which had none) the pid that
+    leads the default run id ``<pid>-<random>`` is asked; such a run id given by hand names none.
+    """
+    try:
+        text = (OWNERS_DIR / runid).read_text()
+    except FileNotFoundError:
+        head = runid.split("-", 1)[0]
+        if not head.isdigit():
+            return None
+        try:
+            os.kill(int(head), 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return int(head)
+    except OSError:
+        return -1  # there is a record and it cannot be read: not known to be gone, so kept
+    parts = text.split()
+    if len(parts) < 2 or not parts[0].isdigit():
+        return None
+    pid = int(parts[0])
+    started = _start_time(pid)
+    if started is None or (parts[1] != "-" and started != parts[1]):
+        return None
+    return pid
+
+
+@contextlib.contextmanager
+def _owners_lock(*, create: bool) -> Iterator[None]:
+    """Hold ``OWNERS_DIR/.lock``: a lab claiming a run id and a cleanup deciding which labs are gone take
+    turns. ``create``: make the folder, and fail with OSError where the lock cannot be had (a lab must
+    record its owner); otherwise go on without it (a cleanup without root deletes nothing anyway)."""
+    import fcntl
+
+    fd = -1
+    try:
+        if create:
+            OWNERS_DIR.mkdir(mode=0o755, parents=True, exist_ok=True)
+        fd = os.open(OWNERS_DIR / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        if create:
+            raise
+    try:
+        if fd >= 0:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def live_labs(prefix: str = LAB_PREFIX) -> dict[str, int]:
+    """Run id -> owner pid of every lab with namespaces named ``prefix...`` whose owner still runs."""
+    out: dict[str, int] = {}
+    for runid in sorted({_runid(name) for name in namespaces(prefix)}):
+        pid = _owner(runid)
+        if pid is not None:
+            out[runid] = pid
+    return out
+
+
+def describe_live_labs(live: Mapping[str, int]) -> str:
+    """One line naming the labs :func:`cleanup` kept (``live``: :func:`live_labs`) and their owners."""
+    owners = ", ".join(f"{LAB_PREFIX}{runid}-* (pid {pid if pid > 0 else 'unknown'})" for runid, pid in live.items())
+    return f"kept {len(live)} lab(s) whose owner still runs: {owners}"
 
 
 def cleanup(prefix: str = LAB_PREFIX, *, force: bool = False) -> list[str]:
     """Remove what labs left behind: network namespaces named ``prefix...``, and what runs in them.
 
-    A lab's namespaces are named ``sclab-<owner pid>-<random>-...``; those whose owner still
-    runs are kept unless ``force`` (a live lab removes its own on exit). Deleting a namespace
-    deletes the veth ends and the bridge inside it. Returns the names removed.
+    A lab's namespaces are named ``sclab-<run id>-<sw or i>``, and the lab records its owner
+    (pid and start time) under :data:`OWNERS_DIR` before it creates them; the namespaces of a lab
+    whose owner still runs are kept unless ``force`` (a live lab removes its own on exit), however
+    its run id was chosen. Deleting a namespace deletes the veth ends and the bridge inside it;
+    the lab's hosts files and owner record go once its namespaces have. Returns the names removed.
     """
     if not prefix.startswith(LAB_PREFIX):
         raise ValueError(f"cleanup: prefix {prefix!r} must start with {LAB_PREFIX!r} (only labs' namespaces go)")
-    removed = [name for name in namespaces(prefix) if (force or not _owner_alive(name)) and _delete_namespace(name)]
-    with contextlib.suppress(OSError):  # hosts files of namespaces already gone
-        for folder in NETNS_ETC.glob(f"{prefix}*"):
-            if (force or not _owner_alive(folder.name)) and folder.name not in namespaces(prefix):
-                shutil.rmtree(folder, ignore_errors=True)
+    owners: dict[str, int | None] = {}
+
+    def gone(runid: str) -> bool:
+        if runid not in owners:
+            owners[runid] = _owner(runid)
+        return force or owners[runid] is None
+
+    def chosen(runid: str) -> bool:
+        return f"{LAB_PREFIX}{runid}-".startswith(prefix)
+
+    with _owners_lock(create=False):
+        removed = [name for name in namespaces(prefix) if gone(_runid(name)) and _delete_namespace(name)]
+        left = {_runid(name) for name in namespaces(prefix)}
+        with contextlib.suppress(OSError):  # hosts files of namespaces already gone
+            for folder in NETNS_ETC.glob(f"{prefix}*"):
+                if gone(_runid(folder.name)) and _runid(folder.name) not in left:
+                    shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(OSError):  # owner records of labs that are gone
+            for record in OWNERS_DIR.iterdir():
+                if not record.name.startswith("."):
+                    if chosen(record.name) and record.name not in left and gone(record.name):
+                        record.unlink(missing_ok=True)
+                    continue
+                parts = record.name.split(".")  # ".<run id>.<pid>.<random>": a record its writer died writing
+                if len(parts) == 4 and chosen(parts[1]) and parts[2].isdigit() and _start_time(int(parts[2])) is None:
+                    record.unlink(missing_ok=True)
     return removed
 
 
@@ -367,6 +479,7 @@ class Lab:
         self._logs: dict[int, IO[bytes]] = {}
         self._old_handlers: dict[int, Any] = {}
         self._closed = False
+        self._claimed = ""  # the owner record this lab wrote (see _claim()), until close() removes it
         self._logdir: tempfile.TemporaryDirectory[str] | None = None
 
     # ------------------------------------------------------------------ building
@@ -427,8 +540,51 @@ class Lab:
         _ip("ip", "netns", "add", name)
         self._created.append(name)
 
+    def _own_namespaces(self) -> list[str]:
+        """The namespaces named for this lab's run id (a worker count of another lab may differ)."""
+        return [name for name in namespaces(self.prefix) if _runid(name) == self.runid]
+
+    def _claim(self) -> None:
+        """Record this process as the owner of the run id (before any namespace exists), or LabError
+        if a live process owns it. A run id whose owner is gone is taken over, its namespaces removed
+        first."""
+        record = OWNERS_DIR / self.runid
+        mine = _owner_record()
+        try:
+            with _owners_lock(create=True):  # against another lab or a cleanup() deciding about this run id
+                leftovers = self._own_namespaces()
+                if record.exists() or leftovers:
+                    owner = _owner(self.runid)
+                    if owner is not None:
+                        raise LabError(
+                            f"Lab: run id {self.runid!r} is in use by process {owner} (its lab's namespaces "
+                            f"are {self.prefix}*); choose another runid"
+                        )
+                    for name in leftovers:
+                        _delete_namespace(name)
+                # Written whole, then moved into place: a reader sees the record complete or not at all.
+                tmp = OWNERS_DIR / f".{self.runid}.{os.getpid()}.{secrets.token_hex(4)}"
+                try:
+                    tmp.write_text(mine)
+                    self._claimed = mine  # before the move: a close() interrupting it finds out from the record
+                    os.replace(tmp, record)
+                finally:
+                    tmp.unlink(missing_ok=True)
+        except OSError as exc:
+            raise LabError(f"lab: cannot record this lab's owner in {OWNERS_DIR}: {exc}") from None
+
+    def _owns_record(self) -> bool:
+        """Whether the owner record of the run id is the one this lab wrote."""
+        if not self._claimed:
+            return False
+        try:
+            return (OWNERS_DIR / self.runid).read_text() == self._claimed
+        except OSError:
+            return False
+
     def _build(self) -> None:
         shape = LINKS[self.link]
+        self._claim()
         self._netns_add(self.switch)
         _ip("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("ip", "-n", self.switch, "link", "set", "br0", "up")
@@ -707,10 +863,14 @@ exec ip netns exec "$ns" /bin/sh -c "$*"
         for name in reversed(self._created):
             _delete_namespace(name)
         self._created = []
-        if self._want is False:
-            return
-        for name in namespaces(self.prefix):  # a half-built namespace from an interrupted _build()
+        if not self._owns_record():  # (a forced cleanup may have passed the run id on to another lab)
+            self._claimed = ""
+            return  # no namespace of this run id is this lab's (another lab's run id may extend this one's)
+        for name in self._own_namespaces():  # a half-built namespace from an interrupted _build()
             _delete_namespace(name)
+        with contextlib.suppress(OSError):
+            (OWNERS_DIR / self.runid).unlink()
+        self._claimed = ""
 
     def _install_signal_handlers(self) -> None:
         if not self.handle_signals:
@@ -746,6 +906,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     removed = cleanup()
     print(f"removed {len(removed)} lab namespace(s){': ' + ', '.join(removed) if removed else ''}")
+    live = live_labs()
+    if live:
+        print(describe_live_labs(live))
     return 0
 
 

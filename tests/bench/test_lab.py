@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -155,6 +156,111 @@ def test_cleanup_removes_hosts_files_whose_namespace_is_gone():
     assert not dead.exists()
 
 
+# An owner that builds a lab with the run id it is given, starts a worker in it and waits to be killed.
+OWNER = (
+    "import sys, time; from sylvie_comm.bench.lab import Lab\n"
+    "lab = Lab(2, 'none', runid=sys.argv[1], echo=None); lab.open(); assert lab.shaped, lab.banner\n"
+    "p = lab.spawn(1, [sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+    "print(lab.prefix, p.pid, flush=True); time.sleep(60)"
+)
+
+
+@needs_netns
+@pytest.mark.parametrize("head", ["mine", "999999999", "1"])
+def test_cleanup_keeps_a_live_lab_with_its_own_run_id_and_removes_it_once_the_owner_is_gone(head, capsys):
+    """However a lab is named: no pid in its name, a pid that does not run, a pid that runs (1) but is not its owner."""
+    from sylvie_comm import cli
+
+    runid = f"{head}-{secrets.token_hex(3)}"
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, runid], stdout=subprocess.PIPE, text=True)
+    names = sorted(f"{LAB_PREFIX}{runid}-{n}" for n in ("0", "1", "sw"))
+    try:
+        assert owner.stdout is not None
+        prefix, worker = owner.stdout.readline().split()
+        assert prefix == f"{LAB_PREFIX}{runid}-" and bl.namespaces(prefix) == names
+        assert cli.main(["bench", "--cleanup"]) == 0  # every lab's leftovers, as a user runs it
+        out = capsys.readouterr().out
+        assert bl.namespaces(prefix) == names, out  # the owner is alive: its lab is not a leftover
+        assert (bl.NETNS_ETC / f"{prefix}1" / "hosts").exists()
+        assert f"{prefix}* (pid {owner.pid})" in out, out
+        assert not _gone(int(worker), wait=0.2)
+    finally:
+        owner.kill()
+        owner.wait()
+    assert bl.namespaces(prefix) == names  # SIGKILL left them behind
+    assert sorted(bl.cleanup(prefix)) == names
+    assert bl.namespaces(prefix) == [] and not list(bl.NETNS_ETC.glob(f"{prefix}*"))
+    assert not (bl.OWNERS_DIR / runid).exists()  # nor the record of who owned it
+    assert _gone(int(worker))
+
+
+@needs_netns
+def test_a_second_lab_with_a_run_id_in_use_leaves_the_first_alone():
+    runid = f"twice-{secrets.token_hex(3)}"
+    with Lab(1, "none", runid=runid, echo=None) as first:
+        assert first.shaped
+        built = bl.namespaces(first.prefix)
+        with (
+            pytest.raises(LabError, match=rf"run id '{runid}' is in use by process {os.getpid()}"),
+            Lab(1, "none", runid=runid, shaped=True, echo=None),
+        ):
+            pass
+        lines: list[str] = []
+        with Lab(1, "none", runid=runid, echo=lines.append) as second:
+            assert not second.shaped and "in use by process" in lines[0]  # the loopback fallback, saying why
+        assert bl.namespaces(first.prefix) == built == sorted([first.switch, *first.worker_namespaces])
+        assert "hello" in first.run([sys.executable, "-c", "print('hello')"], timeout=30)[0].output
+    assert bl.namespaces(first.prefix) == [] and not (bl.OWNERS_DIR / runid).exists()
+
+
+@needs_netns
+def test_closing_a_lab_leaves_a_lab_whose_run_id_extends_its_own():
+    base = f"nest-{secrets.token_hex(3)}"
+    with Lab(1, "none", runid=f"{base}-x", echo=None) as inner:
+        inner_names = bl.namespaces(inner.prefix)
+        with Lab(1, "none", runid=base, echo=None) as outer:
+            assert outer.shaped and inner.prefix.startswith(outer.prefix)
+        assert bl.namespaces(outer.prefix) == inner_names == sorted([inner.switch, *inner.worker_namespaces])
+    assert bl.namespaces(outer.prefix) == []
+
+
+@needs_netns
+def test_a_run_id_left_by_a_killed_owner_is_taken_over():
+    runid = f"again-{secrets.token_hex(3)}"
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, runid], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        prefix, _ = owner.stdout.readline().split()
+    finally:
+        owner.kill()
+        owner.wait()
+    assert len(bl.namespaces(prefix)) == 3
+    with Lab(1, "none", runid=runid, shaped=True, echo=None) as lab:  # the leftovers of the dead owner go first
+        assert bl.namespaces(prefix) == sorted([lab.switch, *lab.worker_namespaces])
+        assert bl.live_labs(prefix) == {runid: os.getpid()}
+    assert bl.namespaces(prefix) == []
+
+
+def test_an_owner_record_names_its_owner_only_while_that_very_process_runs(monkeypatch, tmp_path):
+    monkeypatch.setattr(bl, "OWNERS_DIR", tmp_path)
+    me = os.getpid()
+    (tmp_path / "a").write_text(bl._owner_record())
+    assert bl._owner("a") == me
+    started = bl._start_time(me)
+    assert started is not None and started.isdigit()
+    (tmp_path / "b").write_text(f"{me} {int(started) + 1}\n")  # the pid, used again by a later process
+    assert bl._owner("b") is None
+    (tmp_path / "c").write_text("garbage")
+    assert bl._owner("c") is None
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "d").write_text(f"{dead.pid} 1\n")
+    assert bl._owner("d") is None
+    # No record (a lab of an older version): a leading pid, if any, is asked.
+    assert bl._owner(f"{me}-beef") == me and bl._owner(f"{dead.pid}-beef") is None and bl._owner("byhand-1") is None
+    assert bl._runid(f"{LAB_PREFIX}a-b-sw") == "a-b" and bl._runid(f"{LAB_PREFIX}a-b-12") == "a-b"
+
+
 def test_hosts_file_names_this_host_at_the_workers_address_first():
     import socket
 
@@ -228,7 +334,7 @@ def test_signal_to_the_owner_removes_the_lab_then_ends_it(sig):
     assert bl.namespaces(prefix) == [] and _gone(int(worker))
 
 
-def test_failing_netns_add_falls_back_to_loopback(monkeypatch):
+def test_failing_netns_add_falls_back_to_loopback(monkeypatch, tmp_path):
     def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         if args[:3] == ("ip", "netns", "add"):
             raise LabError(f"lab: '{' '.join(args)}' failed (1): mount of /run/netns: Operation not permitted")
@@ -236,6 +342,7 @@ def test_failing_netns_add_falls_back_to_loopback(monkeypatch):
 
     monkeypatch.setattr(bl, "unavailable_reason", lambda: None)
     monkeypatch.setattr(bl, "_ip", ip)
+    monkeypatch.setattr(bl, "OWNERS_DIR", tmp_path / "owners")  # writable without root too
     lines: list[str] = []
     with Lab(2, "100mbit", echo=lines.append) as lab:
         assert not lab.shaped and "Operation not permitted" in (lab.fallback_reason or "")
@@ -244,6 +351,16 @@ def test_failing_netns_add_falls_back_to_loopback(monkeypatch):
     with pytest.raises(LabError, match="Operation not permitted"), Lab(2, "100mbit", shaped=True, echo=None):
         pass
     assert signal.getsignal(signal.SIGTERM) is before  # a lab that failed to open left no handler behind
+    assert [f.name for f in (tmp_path / "owners").iterdir()] == [".lock"]  # nor an owner record
+
+
+def test_a_lab_that_cannot_record_its_owner_falls_back_to_loopback(monkeypatch, tmp_path):
+    monkeypatch.setattr(bl, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(bl, "_ip", lambda *args, check=True: pytest.fail(f"no namespace without a record: {args}"))
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(bl, "OWNERS_DIR", tmp_path / "file" / "owners")  # cannot be a folder
+    with Lab(1, "none", echo=None) as lab:
+        assert not lab.shaped and f"cannot record this lab's owner in {tmp_path}" in (lab.fallback_reason or "")
 
 
 def test_progress_ticks_write_one_dot_per_call_only_where_asked(tmp_path):
