@@ -21,6 +21,7 @@ this one is on the wire.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sylvie_comm.algorithms import ALGORITHMS, Group, Member, Policy, algorithm_class, then
+from sylvie_comm.algorithms.base import real_view
 from sylvie_comm.collectives import ProcessGroupTransport, Stats, agree
 from sylvie_comm.config import Config, differences
 
@@ -97,6 +99,8 @@ class HookState:
         self._names: dict[int, str] = {}
         self._auto_names = named_parameters is None
         if named_parameters is not None:
+            named_parameters = list(named_parameters)
+            self.policy.check_parameters(named_parameters, "ddp")
             self.bind(named_parameters)
         self._plans: dict[int, _Plan] = {}
         # stats
@@ -137,9 +141,12 @@ class HookState:
             return plan
         entries, offset = [], 0
         for name, p in zip(names, params, strict=True):
-            compress, options = self.policy.member_options(name, p.shape)
-            entries.append(_Entry(name, offset, p.shape, p.numel(), compress, options))
-            offset += p.numel()
+            # A complex parameter sits in the (real) bucket as its (real, imaginary) pairs: 2x numel floats.
+            shape = real_view(p.detach()).shape
+            numel = math.prod(shape)
+            compress, options = self.policy.member_options(name, shape)
+            entries.append(_Entry(name, offset, shape, numel, compress, options))
+            offset += numel
         plan = self._plans[bucket.index()] = _Plan(names, entries)
         return plan
 

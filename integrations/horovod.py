@@ -34,6 +34,7 @@ from torch import nn
 
 from sylvie_comm.algorithms import Group, Member, Policy, algorithm_class
 from sylvie_comm.algorithms.acpsgd import ACPSGDAlgorithm
+from sylvie_comm.algorithms.base import real_view
 from sylvie_comm.algorithms.guard import nonfinite
 from sylvie_comm.collectives import Stats, agree
 from sylvie_comm.collectives.horovod import HorovodTransport, import_horovod, supports
@@ -245,6 +246,7 @@ class ACPSGDCompressor:
         self.transport = _Deferred()
         self.algorithm = ACPSGDAlgorithm(self.transport, config.options, seed=config.seed)
         self.policy = Policy(self.algorithm, config)
+        self.policy.check_parameters(self._params, what)
         self._by_grad: dict[int, tuple[str, torch.Tensor]] = {}
         self._steps: dict[str, int] = {}
         self._stats = Stats()
@@ -278,16 +280,16 @@ class ACPSGDCompressor:
             self._world = import_horovod().size()
         meter = self._stats.meter(step, self._world)
         meter.uncompressed(4 * tensor.numel())
-        compress, options = self.policy.member_options(name, tensor.shape)
-        if step < self.config.warmup_steps or not compress or not tensor.dtype.is_floating_point:
+        compress, options = self.policy.member_options(name, real_view(tensor).shape)
+        if step < self.config.warmup_steps or not compress or not real_view(tensor).dtype.is_floating_point:
             meter.collective("all_reduce", tensor)
-            if not tensor.dtype.is_floating_point:
+            if not real_view(tensor).dtype.is_floating_point:
                 return tensor, None
             # Horovod averages it as it is; its average joins the step's non-finite check in decompress.
             self.algorithm.guard.begin(step - self.config.warmup_steps)
             return tensor, _PASSED
         member = Member(name, tensor, True, options)
-        member = Member(name, tensor, True, options)
+        member = Member(name, real_view(tensor), True, options)  # a complex gradient as its (re, im) pairs
         result = self.algorithm(Group(self._keys[name], [member]), step - self.config.warmup_steps, meter)
         ((buffer, wire),) = self.transport.issued
         self.transport.issued.clear()
@@ -447,7 +449,9 @@ class DistributedOptimizer:
             cfg = _config(what, codec, config, options)
             cls = algorithm_class(cfg.codec, "codec")
             algorithm = cls(self.transport, cfg.options, seed=cfg.seed)
-            return cfg, Policy(algorithm, cfg)
+            policy = Policy(algorithm, cfg)
+            policy.check_parameters(self._params, what)
+            return cfg, policy
 
         def describe(built: tuple[Config, Policy]) -> dict[str, Any]:
             shapes = ";".join(f"{n}:{tuple(p.shape)}" for n, p in self._params)
@@ -493,8 +497,9 @@ class DistributedOptimizer:
         groups: list[list[tuple[str, nn.Parameter, bool, Mapping[str, Any]]]] = []
         size = math.inf
         for name, p in reversed(self._params):
-            compress, options = self.policy.member_options(name, p.shape)
-            nbytes = self._wire_bytes(p.shape, compress, options)
+            shape = real_view(p.detach()).shape  # a complex parameter travels as its (re, im) pairs
+            compress, options = self.policy.member_options(name, shape)
+            nbytes = self._wire_bytes(shape, compress, options)
             if size + nbytes > cap and size > 0:
                 groups.append([])
                 size = 0.0
@@ -522,7 +527,7 @@ class DistributedOptimizer:
         for name, p, compress, options in self._groups[g]:
             if p.grad is None:  # no gradient on this rank: the others may have one (as Horovod does)
                 p.grad = torch.zeros_like(p)
-            members.append(Member(name, p.grad, compress, options))
+            members.append(Member(name, real_view(p.grad), compress, options))
         self._launched += 1
         meter = self._stats.meter(self.step_count, self.world_size)
         self._futures.append(self.policy(Group(g, members), self.step_count, meter))

@@ -64,6 +64,7 @@ class AutoAlgorithm(Algorithm):
         "rank": 4,
         "min_compression_rate": 2.0,
     }
+    per_name_options: ClassVar[frozenset[str]] = frozenset({"rank"})  # handed to the low-rank candidates
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -105,6 +106,10 @@ class AutoAlgorithm(Algorithm):
         self._choice: dict[int, str] = {}
         # (candidate, group key) -> the group's signature and, per member, (compress, options) for that candidate
         self._plans: dict[tuple[str, int], tuple[Any, list[tuple[bool, dict[str, Any]]]]] = {}
+
+    def compresses_dtype(self, dtype: torch.dtype) -> bool:
+        """Every candidate must take the gradients it may be chosen for."""
+        return all(alg.compresses_dtype(dtype) for alg in self.candidates.values())
 
     # ------------------------------------------------------------------ one group of one step
 

@@ -91,6 +91,12 @@ def _done(_: Future[Any]) -> None:
     return None
 
 
+def real_view(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as the real tensor of its (real, imaginary) pairs, shape ``(*shape, 2)`` (how DDP's
+    buckets hold it); any other tensor as it is."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 class Algorithm:
     """Base of the gradient algorithms.
 
@@ -119,6 +125,10 @@ class Algorithm:
     serial: ClassVar[bool] = False
     error_feedback: ClassVar[bool] = False
     option_defaults: ClassVar[dict[str, Any]] = {}
+    # Options a per-name rule may set (each tensor's own value is honoured); the others hold for the whole run.
+    per_name_options: ClassVar[frozenset[str]] = frozenset()
+    # Gradient dtypes the compressed tensors may have (None: every floating-point dtype).
+    gradient_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         self.options = self.validate_options(dict(options or {}))
@@ -137,6 +147,10 @@ class Algorithm:
             valid = ", ".join(sorted(cls.option_defaults)) or "none"
             raise ValueError(f"{cls.name}: unknown option(s) {', '.join(unknown)}; valid: {valid}")
         return {**cls.option_defaults, **options}
+
+    def compresses_dtype(self, dtype: torch.dtype) -> bool:
+        """Whether gradients of ``dtype`` can be compressed (see ``gradient_dtypes``)."""
+        return self.gradient_dtypes is None or dtype in self.gradient_dtypes
 
     def compressible(self, shape: torch.Size | tuple[int, ...], options: Mapping[str, Any]) -> bool:
         """Whether a tensor of this shape can be compressed at all (vectors cannot be factored)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+import torch
+
 from sylvie_comm.algorithms.base import Algorithm, Future, Group, then
 from sylvie_comm.algorithms.guard import nonfinite
 from sylvie_comm.codecs.cast import Bf16Codec, CastCodec, Fp16Codec
@@ -16,6 +18,7 @@ class CastAlgorithm(Algorithm):
     so the sum of ``w`` ranks cannot overflow where each rank's values fit."""
 
     codec_cls: ClassVar[type[CastCodec]]
+    gradient_dtypes = (torch.float32, torch.float16, torch.bfloat16)
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         super().__init__(transport, options, seed=seed)

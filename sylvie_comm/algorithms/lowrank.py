@@ -34,6 +34,7 @@ class LowRankAlgorithm(Algorithm):
 
     error_feedback = True
     option_defaults: ClassVar[dict[str, Any]] = {"rank": 4}
+    per_name_options: ClassVar[frozenset[str]] = frozenset({"rank"})
     alternate: ClassVar[bool]  # one factor per step (ACP-SGD) or both (PowerSGD): changes the compression rate
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:

@@ -28,6 +28,7 @@ class _Slot:
     per_rank: int  # rank j owns units [j * per_rank, (j + 1) * per_rank)
     scales_at: int  # fp32 scales before this tensor's, in a row
     bits_at: int  # bytes of sign bits before this tensor's, in a row's bit section
+    norm: bool = False  # the tensor's scale is the RMS (option ``scale: norm``) rather than the mean |x|
 
     @property
     def n_scales(self) -> int:
@@ -90,17 +91,18 @@ class OneBitAlgorithm(FeedbackAlgorithm):
     Args (options):
         chunk_size: longest run of values sharing one scale (default 2048).
         scale: ``mean`` (mean absolute value, default) or ``norm``.
+        A per-name rule may set either.
     """
 
     name = "onebit"
     codec_name = "onebit"
     serial = True
     option_defaults: ClassVar[dict[str, Any]] = {"chunk_size": 2048, "scale": "mean"}
+    per_name_options: ClassVar[frozenset[str]] = frozenset({"chunk_size", "scale"})
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         self.server_feedback = ErrorFeedback()
         super().__init__(transport, options, seed=seed)
-        self._norm = self.options["scale"] == "norm"
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -109,13 +111,14 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         return out
 
     def _build(self, group: Group) -> _Rows:
-        w, limit = self.world_size, self.options["chunk_size"]
+        w = self.world_size
         slots, scales, bits = [], 0, 0
         for i, m in enumerate(group.compressed):
-            layout = row_layout(m.tensor.shape, limit, pieces=w)
+            opts = {**self.options, **m.options}  # a per-name rule may set chunk_size and scale
+            layout = row_layout(m.tensor.shape, opts["chunk_size"], pieces=w)
             if not layout.units:
                 continue  # an empty tensor: nothing to send
-            slot = _Slot(i, m.name, layout, math.ceil(layout.units / w), scales, bits)
+            slot = _Slot(i, m.name, layout, math.ceil(layout.units / w), scales, bits, opts["scale"] == "norm")
             slots.append(slot)
             scales += slot.n_scales
             bits += slot.n_bytes
@@ -128,7 +131,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         """Encode ``units`` (the tensor's units from ``first`` on, one part per row of ``scales``
         and ``bits``) into the slot's columns; return the local decode with its padding zeroed."""
         layout = slot.layout
-        packed, s = layout.encode_units(units, self._norm, first)
+        packed, s = layout.encode_units(units, slot.norm, first)
         n = scales.shape[0]
         scales[:, slot.scales_at : slot.scales_at + slot.n_scales] = s.view(n, -1)
         bits[:, slot.bits_at : slot.bits_at + slot.n_bytes] = packed.view(n, -1)
@@ -170,7 +173,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
             if count:
                 a, b = j * per * span, (j * per + count) * span
                 kernels.onebit_feedback_encode(
-                    r_flat[a:b], v_flat[a:b], lay.chunk, self._norm,
+                    r_flat[a:b], v_flat[a:b], lay.chunk, slot.norm,
                     b_row[: count * lay.width // 8], s_row[: count * lay.nchunks],
                     saved=None if s_flat is None else s_flat[a:b],
                 )  # fmt: skip
@@ -200,7 +203,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
             nb, nc = count * lay.width // 8, count * lay.nchunks
             kernels.onebit_mean_feedback_encode(
                 res.view(-1)[: count * lay.span], rb[:, slot.bits_at : slot.bits_at + nb],
-                rs[:, slot.scales_at : slot.scales_at + nc], lay.chunk, self._norm, b_row[:nb], s_row[:nc],
+                rs[:, slot.scales_at : slot.scales_at + nc], lay.chunk, slot.norm, b_row[:nb], s_row[:nc],
                 saved=None if saved is None else saved.view(-1)[: count * lay.span],
             )  # fmt: skip
         if count < per:

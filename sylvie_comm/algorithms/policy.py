@@ -11,12 +11,12 @@ the config's rules over the algorithm's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from sylvie_comm.algorithms.base import Algorithm, Future, Group
+from sylvie_comm.algorithms.base import Algorithm, Future, Group, real_view
 from sylvie_comm.algorithms.none import plain_all_reduce
 from sylvie_comm.collectives import Meter
 from sylvie_comm.config import UNCOMPRESSED, Config
@@ -33,6 +33,28 @@ class Policy:
     def __init__(self, algorithm: Algorithm, config: Config) -> None:
         self.algorithm = algorithm
         self.config = config
+        for i, rule in enumerate(config.rules):
+            self._check_rule(i, rule.match, rule.options)
+
+    def _check_rule(self, i: int, match: str, options: Mapping[str, Any]) -> None:
+        """A rule's options: known to the algorithm, allowed per name, and valid (as the base options are)."""
+        alg = self.algorithm
+        where = f"{alg.name}: rules[{i}] (match {match!r})"
+        unknown = sorted(set(options) - set(alg.option_defaults))
+        if unknown:
+            valid = ", ".join(sorted(alg.per_name_options)) or "none"
+            raise ValueError(f"{where} sets unknown option(s) {', '.join(unknown)}; per-name options: {valid}")
+        fixed = sorted(set(options) - alg.per_name_options)
+        if fixed:
+            valid = ", ".join(sorted(alg.per_name_options)) or "none"
+            raise ValueError(
+                f"{where} sets {', '.join(fixed)}, which holds for the whole run and cannot differ per "
+                f"parameter; per-name options of {alg.name}: {valid}"
+            )
+        try:
+            alg.validate_options({**alg.options, **options})
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
 
     def member_options(self, name: str, shape: torch.Size | tuple[int, ...]) -> tuple[bool, Mapping[str, Any]]:
         """Whether the tensor ``name`` compresses, and the algorithm options it uses."""
@@ -45,6 +67,25 @@ class Policy:
             alg.compression_rate(shape, options) >= self.config.min_compression_rate
         )
         return compress, options
+
+    def check_parameters(self, named: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
+        """Refuse, at registration, parameters whose gradients the algorithm cannot compress (a float64 weight
+        for an error-feedback codec), naming the first and what would work. Complex parameters are judged as
+        the real tensors of their pairs (how they travel)."""
+        alg = self.algorithm
+        for name, p in named:
+            t = real_view(p.detach())
+            if not t.dtype.is_floating_point or alg.compresses_dtype(t.dtype):
+                continue
+            compress, _ = self.member_options(name, t.shape)
+            if compress:
+                half = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+                kinds = ", ".join(str(d).replace("torch.", "") for d in half if alg.compresses_dtype(d))
+                raise ValueError(
+                    f"{what}[{alg.name}]: parameter '{name}' is {str(p.dtype).replace('torch.', '')}; {alg.name} "
+                    f"compresses {kinds} gradients. Cast the model (model.float()), send it raw with a rule "
+                    f"({{match: '{name}', codec: uncompressed}}), or use acpsgd, powersgd or none"
+                )
 
     def __call__(self, group: Group, step: int, meter: Meter | None = None) -> Future[None]:
         """One group of step ``step`` (counted from 0, warm-up included)."""

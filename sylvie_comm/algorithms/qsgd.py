@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from sylvie_comm.algorithms.base import Future, Group, then
+from sylvie_comm.algorithms.base import Future, Group, Member, then
 from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
 from sylvie_comm.algorithms.guard import nonfinite, poison
 from sylvie_comm.codecs.base import Encoded, TensorMeta
@@ -26,6 +27,7 @@ class _Part:
 
     rows: int
     cols: int
+    bits: int  # the tensor's own width (a per-name rule may set it)
     packed_per_row: int  # bytes of one row's packed values
     meta_at: int  # fp32 elements before this tensor's scales in the meta section
     packed_at: int  # bytes before this tensor's packed values in the packed section
@@ -62,13 +64,14 @@ class QSGDAlgorithm(FeedbackAlgorithm):
     tensors are grouped, and a skipped step leaves no stream position behind.
 
     Args (options):
-        bits: 2, 4 or 8 (default 4). One bit is refused: with one-bit stochastic rounding, error
-            feedback diverges (the residual grows with every step).
+        bits: 2, 4 or 8 (default 4; a per-name rule may set it). One bit is refused: with one-bit
+            stochastic rounding, error feedback diverges (the residual grows with every step).
     """
 
     name = "qsgd"
     codec_name = "qbit"
     option_defaults: ClassVar[dict[str, Any]] = {"bits": 4}
+    per_name_options: ClassVar[frozenset[str]] = frozenset({"bits"})
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         super().__init__(transport, options, seed=seed)
@@ -79,25 +82,31 @@ class QSGDAlgorithm(FeedbackAlgorithm):
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
         out = super().validate_options(options)
         bits = out["bits"]
-        if isinstance(bits, bool) or bits not in BITS:
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits not in BITS:
             raise ValueError(
                 f"qsgd: bits must be 2, 4 or 8, got {bits!r} (with 1-bit stochastic rounding error feedback diverges)"
             )
         return out
 
-    def _codec(self, name: str) -> QBitCodec:
+    def _codec(self, name: str, bits: int) -> QBitCodec:
         codec = self._codecs.get(name)
-        if codec is None:
+        if codec is None or codec.bits != bits:
             stream = (self.seed * 1_000_003 + zlib.crc32(name.encode()) * 131 + self.transport.rank) % 2**31
-            codec = self._codecs[name] = QBitCodec(bits=self.bits, seed=stream)
+            codec = self._codecs[name] = QBitCodec(bits=bits, seed=stream)
         return codec
+
+    @staticmethod
+    def _members(group: Group) -> list[Member]:
+        """The compressed members with values (an empty tensor sends nothing and has nothing to average)."""
+        return [m for m in group.compressed if m.tensor.numel()]
 
     def _build(self, group: Group) -> _Row:
         parts, meta, packed = [], 0, 0
-        for m in group.compressed:
+        for m in self._members(group):
             shape = m.tensor.shape
-            rows, cols = (shape[0], m.tensor[0].numel()) if len(shape) >= 2 else (1, m.tensor.numel())
-            part = _Part(rows, cols, packed_cols(cols, self.bits), meta, packed)
+            rows, cols = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, m.tensor.numel())
+            bits = int(m.options.get("bits", self.bits))
+            part = _Part(rows, cols, bits, packed_cols(cols, bits), meta, packed)
             parts.append(part)
             meta += 2 * rows
             packed += part.packed_bytes
@@ -105,14 +114,14 @@ class QSGDAlgorithm(FeedbackAlgorithm):
         return _Row(parts, 4 * meta, row + (-row) % 4)
 
     def _step(self, group: Group, layout: _Row, step: int, meter: Meter) -> Future[None]:
-        members, w = group.compressed, self.world_size
+        members, w = self._members(group), self.world_size
 
         def encode() -> torch.Tensor:
             send = torch.zeros(layout.row_bytes, dtype=torch.uint8)
             metas = send[: layout.meta_bytes].view(torch.float32)
             packed = send[layout.meta_bytes :]
             for m, part in zip(members, layout.parts, strict=True):
-                codec = self._codec(m.name)
+                codec = self._codec(m.name, part.bits)
                 codec.offset = step * m.tensor.numel()  # the step's own noise: no stream position to keep
                 enc = self._feedback_encode(codec, m.name, m.tensor)
                 values, scale, minimum = enc.payload
@@ -123,10 +132,14 @@ class QSGDAlgorithm(FeedbackAlgorithm):
 
         send = meter.timed("encode", encode)
         gathered = torch.empty(w * layout.row_bytes, dtype=torch.uint8)
-        futs = [self._all_gather(gathered, send, meter)]
+        futs = [self._all_gather(gathered, send, meter)] if layout.row_bytes else []
         raw = self._raw_all_reduce(group, meter)
         if raw is not None:
             futs.append(raw)
+        if not futs:  # nothing but empty tensors
+            done: Future[None] = torch.futures.Future()
+            done.set_result(None)
+            futs.append(done)
 
         def decode(_: Future[Any]) -> None:
             def run() -> None:
@@ -134,8 +147,8 @@ class QSGDAlgorithm(FeedbackAlgorithm):
                 # A row with NaN or Inf on any rank has a non-finite scale or minimum.
                 bad = nonfinite(rows[:, : layout.meta_bytes].view(torch.float32)) if layout.meta_bytes else None
                 self.guard.report(bad)
-                decoder = QBitCodec(bits=self.bits)
                 for m, part in zip(members, layout.parts, strict=True):
+                    decoder = QBitCodec(bits=part.bits)
                     total = torch.zeros(part.rows, part.cols)
                     for r in range(w):
                         metas = rows[r, : layout.meta_bytes].view(torch.float32)

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from sylvie_comm.algorithms.base import Future, Group, then
+from sylvie_comm.algorithms.base import Future, Group, Member, then
 from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
 from sylvie_comm.algorithms.guard import nonfinite, poison
 from sylvie_comm.codecs.topk import TopKCodec, topk_count
@@ -21,16 +21,26 @@ class TopKAlgorithm(FeedbackAlgorithm):
     does not depend on how tensors are grouped.
 
     Args (options):
-        ratio: fraction of each tensor's entries sent, in (0, 1] (default 0.1).
+        ratio: fraction of each tensor's entries sent, in (0, 1] (default 0.1); a per-name rule may set it.
     """
 
     name = "topk"
     codec_name = "topk"
     option_defaults: ClassVar[dict[str, Any]] = {"ratio": 0.1}
+    per_name_options: ClassVar[frozenset[str]] = frozenset({"ratio"})
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         super().__init__(transport, options, seed=seed)
         self.codec = TopKCodec(ratio=self.options["ratio"])
+        self._codecs: dict[float, TopKCodec] = {self.codec.ratio: self.codec}
+
+    def _codec_of(self, m: Member) -> TopKCodec:
+        """The codec of a member's own ``ratio`` (a per-name rule may set it)."""
+        ratio = float(m.options.get("ratio", self.codec.ratio))
+        codec = self._codecs.get(ratio)
+        if codec is None:
+            codec = self._codecs[ratio] = TopKCodec(ratio=ratio)
+        return codec
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -40,11 +50,12 @@ class TopKAlgorithm(FeedbackAlgorithm):
 
     def _step(self, group: Group, layout: Any, step: int, meter: Meter) -> Future[None]:
         members = group.compressed
-        counts = [topk_count(m.tensor.numel(), self.codec.ratio) for m in members]
+        codecs = [self._codec_of(m) for m in members]
+        counts = [topk_count(m.tensor.numel(), c.ratio) for m, c in zip(members, codecs, strict=True)]
         k = sum(counts)
 
         def encode() -> torch.Tensor:
-            encs = [self._feedback_encode(self.codec, m.name, m.tensor) for m in members]
+            encs = [self._feedback_encode(c, m.name, m.tensor) for m, c in zip(members, codecs, strict=True)]
             values = [enc.payload[0].float().view(torch.int32) for enc in encs]
             return torch.cat(values + [enc.payload[1] for enc in encs]) if encs else torch.zeros(0, dtype=torch.int32)
 

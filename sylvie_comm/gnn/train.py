@@ -397,6 +397,7 @@ class GradientAverage:
         self.policy = Policy(self.algorithm, self.config)
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # Whether each parameter compresses, and with which options: fixed by its name and shape.
+        self.policy.check_parameters(self.params, "sylvie_comm.gnn gradients")
         self.plan = [self.policy.member_options(n, p.shape) for n, p in self.params]
         self.world_size = transport.world_size
         self.step = 0

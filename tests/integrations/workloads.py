@@ -295,3 +295,50 @@ def amp_ddp_run(rank: int, world: int, codecs: list[str]) -> dict[str, Any]:
 
         out[codec] = amp_run(rank, make)
     return out
+
+
+# ---------------------------------------------------------------- complex parameters
+
+
+class ComplexMLP(nn.Module):
+    """A real input through a complex 16x16 weight (its modulus onwards): DDP's buckets hold the complex
+    gradient as 2 x 256 floats."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(16, 16)
+        self.mix = nn.Parameter(torch.randn(16, 16, dtype=torch.complex64) / 4)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x)).to(torch.complex64) @ self.mix
+        return self.out(h.abs())
+
+
+def compare_complex(rank: int, world: int, hooks: list[tuple[str, dict[str, Any]]], steps: int = 5) -> dict[str, Any]:
+    """Per hook: gradients (complex ones as their real pairs) against DDP's default all-reduce, at the same
+    parameters each step, and the parameters replicas end with."""
+    out: dict[str, Any] = {}
+    for name, options in hooks:
+        base, test = ComplexMLP(), ComplexMLP()
+        ddp_base, ddp_test = DDP(base, bucket_cap_mb=TINY_BUCKET_MB), DDP(test, bucket_cap_mb=TINY_BUCKET_MB)
+        state = sylvie_comm.ddp.register(ddp_test, name, **options)
+        opt = torch.optim.SGD(test.parameters(), lr=0.05)
+        errors = []
+        for step in range(steps):
+            x, y = batch(rank, step)
+            for model in (ddp_base, ddp_test):
+                model.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+            got = [torch.view_as_real(p.grad) if p.is_complex() else p.grad for p in test.parameters()]
+            want = [torch.view_as_real(p.grad) if p.is_complex() else p.grad for p in base.parameters()]
+            if step >= state.config.warmup_steps:
+                errors.append(relative_error(got, want))
+            opt.step()
+            with torch.no_grad():
+                for pb, pt in zip(base.parameters(), test.parameters(), strict=True):
+                    pb.copy_(pt)
+        state.close()
+        out[name] = {"errors": errors, "params": [p.detach().clone() for p in test.parameters()]}
+    return out
