@@ -7,6 +7,11 @@ torch (``--no-build-isolation``, as the README says) and installs it with
 project environment's site-packages for torch and the other dependencies, but
 not the checkout or its editable install. The commands then run from a
 temporary directory.
+
+A second environment is a base install (``pip install .``, no extras): it sees
+the project environment's site-packages through folders of links that leave out
+the packages the extras install (DGL, pymetis, OGB, Horovod), and its ``PATH``
+has no ``horovodrun``; ``sylvie-comm demo`` must run there too.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import site
 import subprocess
@@ -28,7 +34,16 @@ from pathlib import Path
 
 import pytest
 
-from sylvie_comm.demo import DDP_RUNS, GNN_RUNS, HOROVOD_RUN, LAB_CODECS, ddp_table, gnn_table, lab_table
+from sylvie_comm.demo import (
+    DDP_RUNS,
+    GNN_PARTITION,
+    GNN_RUNS,
+    HOROVOD_RUN,
+    LAB_CODECS,
+    ddp_table,
+    gnn_table,
+    lab_table,
+)
 
 pytestmark = pytest.mark.slow  # builds the extension (about a minute), then trains on several processes
 
@@ -149,6 +164,51 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+# The top-level packages the optional extras install (sylvie-comm[dgl], [ogb], [horovod]) and the base install does not.
+EXTRA_PACKAGES = ("dgl", "pymetis", "ogb", "horovod")
+
+
+def _from_an_extra(name: str) -> bool:
+    """Whether a site-packages entry (package, module, ``.dist-info``, ``.libs``) belongs to an extra's package."""
+    return re.split(r"[-.]", name, maxsplit=1)[0].lower() in EXTRA_PACKAGES
+
+
+def _base_install_view(dest: Path) -> list[Path]:
+    """This environment's site-packages as folders of links to every entry but the extras' packages (and the
+    checkout's editable install): the dependencies a base install has."""
+    views = []
+    for i, packages in enumerate(p for p in site.getsitepackages() if Path(p).is_dir()):
+        view = dest / f"site-packages-{i}"
+        view.mkdir(parents=True)
+        for entry in Path(packages).iterdir():
+            skip = entry.suffix == ".pth" or entry.name.startswith(("__editable__", "sylvie_comm"))
+            if not skip and not _from_an_extra(entry.name):
+                (view / entry.name).symlink_to(entry)
+        views.append(view)
+    return views
+
+
+@pytest.fixture(scope="module")
+def base_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh virtual environment holding the wheel and seeing only the base install's dependencies."""
+    root = tmp_path_factory.mktemp("base-venv") / "env"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(root)], cwd=root.parent, timeout=120)
+    python = root / "bin" / "python"
+    purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root,
+                   timeout=60).stdout.strip()  # fmt: skip
+    views = _base_install_view(root.parent / "deps")
+    (Path(purelib) / "project-dependencies.pth").write_text("".join(f"{p}\n" for p in views))
+    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
+         cwd=root, timeout=300)  # fmt: skip
+    return root
+
+
+def _path_without_horovodrun(venv: Path) -> str:
+    """``PATH`` with the venv's bin first and no folder holding a ``horovodrun`` (the base install has none)."""
+    kept = [d for d in os.environ.get("PATH", "").split(os.pathsep) if d and not (Path(d) / "horovodrun").exists()]
+    return os.pathsep.join([str(venv / "bin"), *kept])
+
+
 @pytest.fixture()
 def outside(tmp_path: Path) -> Path:
     """A working directory outside the checkout."""
@@ -227,3 +287,24 @@ def test_demo_runs_from_the_installed_package(venv: Path, outside: Path) -> None
     assert lab_table(lab) in proc.stdout
     assert proc.stdout.startswith("1) data-parallel training: 2 processes")
     assert proc.stdout.rstrip().endswith("wrote demo.json")
+
+
+def test_demo_runs_on_the_base_install(base_venv: Path, outside: Path) -> None:
+    """No extras: no pymetis, DGL, OGB or Horovod importable (checked), yet ``sylvie-comm demo`` runs its DDP part
+    and its GNN part, whose partitioner (plain torch) it names."""
+    python = str(base_venv / "bin" / "python")
+    probe = "import importlib.util as u, sys; print(sorted(m for m in sys.argv[1:] if u.find_spec(m)))"
+    found = _run([python, "-c", probe, *EXTRA_PACKAGES], cwd=outside, timeout=120).stdout.strip()
+    assert found == "[]", f"the base install sees {found}"
+    path = _path_without_horovodrun(base_venv)
+    assert shutil.which("horovodrun", path=path) is None
+    cmd = [str(base_venv / "bin" / "sylvie-comm"), "demo", "--steps", "5", "--epochs", "2", "--gnn-nproc", "2",
+           "--no-lab", "--out", "demo.json"]  # fmt: skip
+    proc = _run(cmd, cwd=outside, timeout=900, PATH=path)
+    res = json.loads((outside / "demo.json").read_text())
+    assert [r["codec"] for r in res["ddp"]] == [codec for codec, _ in DDP_RUNS]
+    assert "Horovod is not installed" in proc.stdout
+    assert [r["label"] for r in res["gnn"]] == [label for label, _ in GNN_RUNS]
+    assert all(r["partition"] == GNN_PARTITION and r["world_size"] == 2 and r["epochs"] == 2 for r in res["gnn"])
+    assert f"   partitioner: {GNN_PARTITION} (" in proc.stdout
+    assert gnn_table(res["gnn"]) in proc.stdout and res["lab"] is None

@@ -2,7 +2,7 @@
 
 On a generated CSBM graph with community structure (default 200k nodes, 128
 features, 200 communities keeping 80% of the edges local), GraphSAGE with
-3 layers and hidden 256, partitioned once with METIS (in the parent process),
+3 layers and hidden 256, partitioned once with ``bfs`` (plain torch, in the parent process),
 each setting trains in fresh processes (so peak memory is its training's own):
 
 * ``vanilla``: fp32 halos, synchronous (staleness 0);
@@ -74,8 +74,14 @@ def model_config(layers: int = 3, hidden: int = 256) -> dict[str, Any]:
     return {"model": "sage", "layers": layers, "hidden": hidden, "dropout": 0.0, "lr": 0.01, "backend": "torch"}
 
 
+# The benchmarks' partitioner: plain torch, so `sylvie-comm bench gnn` runs on the base install (on these
+# graphs it cuts as many edges as METIS; see sylvie_comm.gnn.partition.assign_bfs).
+PARTITION_METHOD = "bfs"
+
+
 def make_partitions(graph: dict[str, Any], world: int, folder: str | Path, seed: int = 0) -> dict[str, Any]:
-    """Generate the graph and save its METIS partition into ``folder`` (same arguments: same partition).
+    """Generate the graph and save its ``PARTITION_METHOD`` partition into ``folder`` (same arguments: same
+    partition).
 
     Done once, in the calling process: the workers load their part (their peak memory is then
     their training's alone). Returns the partition's sizes (halo rows per rank).
@@ -84,7 +90,7 @@ def make_partitions(graph: dict[str, Any], world: int, folder: str | Path, seed:
     from sylvie_comm.gnn.partition import partition, save_partitions
 
     g = gdata.csbm(**graph)
-    parts = partition((g.src, g.dst), world, "metis", num_nodes=g.num_nodes, ndata=g.ndata, seed=seed)
+    parts = partition((g.src, g.dst), world, PARTITION_METHOD, num_nodes=g.num_nodes, ndata=g.ndata, seed=seed)
     save_partitions(parts, folder)
     return {"edges": int(g.src.numel()), "inner_rows": [p.n_inner for p in parts],
             "halo_rows": [p.n_halo for p in parts]}  # fmt: skip

@@ -1,13 +1,14 @@
 """Full-graph GNN on shaped links: every halo setting on every link, in one invocation.
 
 ``sylvie-comm bench gnn --link 100mbit,1gbit,none --workers 4`` generates the CSBM graph of
-:mod:`sylvie_comm.bench.gnn` (default 50,000 nodes, 128 features), partitions it once with
-METIS (seeded: the same seed gives the same partition) into a temporary folder, then for each
-link builds one :class:`~sylvie_comm.bench.lab.Lab` (N worker network namespaces behind a
-bridge, the link shaped with ``tc tbf`` both ways; ``none``: namespaces, not shaped; loopback
-where namespaces cannot be built) and starts one process per worker
-(``python -m sylvie_comm.bench.gnn_link --worker CONFIG``). Each worker loads its partition
-and trains GraphSAGE (3 layers, hidden 256) under every setting in turn, a fresh trainer each:
+:mod:`sylvie_comm.bench.gnn` (default 50,000 nodes, 128 features), partitions it once with the
+pure-torch ``bfs`` partitioner (seeded: the same seed gives the same partition) into a
+temporary folder, then for each link builds one :class:`~sylvie_comm.bench.lab.Lab` (N worker
+network namespaces behind a bridge, the link shaped with ``tc tbf`` both ways; ``none``:
+namespaces, not shaped; loopback where namespaces cannot be built) and starts one process per
+worker (``python -m sylvie_comm.bench.gnn_link --worker CONFIG``). Each worker loads its
+partition and trains GraphSAGE (3 layers, hidden 256) under every setting in turn, a fresh
+trainer each:
 
 * ``vanilla``: fp32 halos, synchronous;
 * ``pipegcn``: fp32 halos, staleness 1 (PipeGCN-like);
@@ -257,7 +258,7 @@ def run(
         "shaped": shaped_all,
         "fallback_reason": next((r["lab"]["fallback_reason"] for r in out.values() if not r["lab"]["shaped"]), None),
         "graph": graph,
-        "partition": {"method": "metis", "seed": seed, **sizes, "seconds": partition_s},
+        "partition": {"method": bg.PARTITION_METHOD, "seed": seed, **sizes, "seconds": partition_s},
         "model": model,
         "settings": names,
         "epochs": epochs,
@@ -296,7 +297,8 @@ def format_table(rec: dict[str, Any]) -> str:
         first,
         "",
         f"CSBM {g['num_nodes']:,} nodes x {g['feat_dim']} features (avg degree {g['avg_degree']}, {g['communities']} "
-        f"communities, locality {g['locality']}), METIS seed {rec['partition']['seed']}, {m['model']} {m['layers']} "
+        f"communities, locality {g['locality']}), {rec['partition']['method']} partition, "
+        f"seed {rec['partition']['seed']}, {m['model']} {m['layers']} "
         f"layers hidden {m['hidden']}, {rec['epochs']} epochs (epoch 0 excluded){rounds}; {mach['cpu_count']} CPUs "
         f"({mach['cpu_model']}), torch {mach['torch']}",
         "",

@@ -32,6 +32,9 @@ DDP_RUNS: tuple[tuple[str, tuple[str, ...]], ...] = (("none", ()), ("acpsgd", ("
 # Under horovodrun (when Horovod is installed): the same training, Horovod's collectives, our optimizer.
 HOROVOD_RUN: tuple[str, tuple[str, ...]] = ("acpsgd", ("--rank", "4"))
 GNN_NODES = 4000  # the generated CSBM graph
+# The partitioner of the GNN part: plain torch and seeded, so the base install runs it and every machine gets
+# the same parts (METIS needs pymetis, an extra; on this graph it cuts about as many edges).
+GNN_PARTITION = "bfs"
 # (label, extra arguments): halo precision and staleness.
 GNN_RUNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("fp32, synchronous", ()),
@@ -138,10 +141,13 @@ def run(
 
     echo(f"\n2) full-graph GNN: {gnn_nproc} processes, generated CSBM graph ({GNN_NODES} nodes), GraphSAGE, "
          f"{epochs} epochs; halo exchange fp32 synchronous vs 1-bit with staleness 1")  # fmt: skip
+    echo(f"   partitioner: {GNN_PARTITION} (greedy BFS region growing and balanced refinement, plain torch, "
+         "seed 0: the same parts on every machine)")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="sylvie-comm-parts-") as parts:
         for label, extra in GNN_RUNS:
             echo(f"   running {label} ...")
-            cmd = [*extra, "--nodes", str(GNN_NODES), "--epochs", str(epochs), "--parts-dir", parts]
+            cmd = [*extra, "--nodes", str(GNN_NODES), "--epochs", str(epochs), "--partition", GNN_PARTITION,
+                   "--parts-dir", parts]  # fmt: skip
             r = torchrun(GNN_MODULE, gnn_nproc, cmd)
             results["gnn"].append({"label": label, **r})
     echo("\n" + gnn_table(results["gnn"]))

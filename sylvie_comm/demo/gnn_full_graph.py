@@ -11,10 +11,15 @@ Under horovodrun every collective (halos, weight gradients, set-up) goes through
 Horovod, with the same results as under torchrun.
 
 Without torchrun it trains in a single process. Rank 0 partitions the graph
-(METIS by default) into a folder; every rank loads its own part. The progress
-bar shows loss, accuracy, epoch time and the halo bytes rank 0 sent; rank 0
-ends with test accuracy and bytes per epoch, and with ``--json-out`` writes
-them as JSON. ``examples/gnn_full_graph.py`` runs this module.
+into a folder; every rank loads its own part. The default partitioner,
+``bfs`` (greedy BFS region growing plus balanced refinement, plain torch,
+seeded), needs nothing beyond the base install and gives the same parts on
+every machine; ``--partition metis`` (pymetis: ``pip install
+'sylvie-comm[dgl]'``) often cuts somewhat fewer edges, ``random`` far more.
+The progress bar shows loss, accuracy, epoch time and the halo bytes rank 0
+sent; rank 0 ends with test accuracy and bytes per epoch (and the
+partitioner), and with ``--json-out`` writes them as JSON.
+``examples/gnn_full_graph.py`` runs this module.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from tqdm import tqdm
 from sylvie_comm.demo.launch import rank_and_size, run_worker
 from sylvie_comm.gnn import data as gdata
 from sylvie_comm.gnn.models import LAYERS
-from sylvie_comm.gnn.partition import shared_partition
+from sylvie_comm.gnn.partition import METHODS, shared_partition
 from sylvie_comm.gnn.train import TrainConfig, Trainer, horovod_transport
 
 
@@ -52,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--error-feedback", action="store_true", help="range-bounded error feedback on q-bit halos")
     p.add_argument("--staleness", type=int, default=0, help="0: synchronous; S: halos up to S epochs old")
     p.add_argument("--sync-every", type=int, default=0, help="every K-th epoch synchronous (0: only the first)")
-    p.add_argument("--partition", default="metis", choices=["metis", "random"])
+    p.add_argument("--partition", default="bfs", choices=list(METHODS),
+                   help="bfs (default: plain torch, seeded), metis (needs pymetis) or random")  # fmt: skip
     p.add_argument("--parts-dir", default=None, help="where rank 0 writes the partitions (default: a temp dir)")
     p.add_argument("--backend", default="auto", choices=["auto", "dgl", "torch"])
     p.add_argument("--grad-hook", default=None, help="a sylvie_comm.ddp hook for the weight gradients")
@@ -111,6 +117,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "config": label,
         "dataset": args.dataset,
+        "partition": args.partition,
         "world_size": world,
         "nodes": part.num_nodes,
         "epochs": epochs,
@@ -128,7 +135,8 @@ def report(result: dict[str, Any]) -> str:
     """Rank 0's closing line."""
     return (
         f"{result['config']}: test accuracy {result['test_acc']:.2f}% (val {result['val_acc']:.2f}%) after "
-        f"{result['epochs']} epochs on {result['world_size']} ranks; {result['epoch_seconds']:.3f} s/epoch; rank 0 "
+        f"{result['epochs']} epochs on {result['world_size']} ranks ({result['partition']} partition); "
+        f"{result['epoch_seconds']:.3f} s/epoch; rank 0 "
         f"sent {result['halo_bytes_per_epoch'] / 1e6:.3f} MB of halos and "
         f"{result['grad_bytes_per_epoch'] / 1e6:.3f} MB of weight gradients per epoch; "
         f"observed staleness <= {result['max_observed_staleness']}"

@@ -21,7 +21,7 @@ def _check_record(rec: dict, links: list[str]) -> None:
     assert rec["benchmark"] == "gnn-link" and rec["links"] == links and rec["workers"] == 2
     assert list(rec["results"]) == links and rec["settings"] == ["vanilla", "sylvie"] and rec["epochs"] == 2
     assert set(rec["machine"]) >= {"cpu_count", "cpu_model", "torch", "python", "sylvie_comm"}
-    assert rec["partition"]["method"] == "metis" and len(rec["partition"]["halo_rows"]) == 2
+    assert rec["partition"]["method"] == "bfs" and len(rec["partition"]["halo_rows"]) == 2
     for link in links:
         settings = rec["results"][link]["settings"]
         assert list(settings) == ["vanilla", "sylvie"]

@@ -36,6 +36,11 @@ def graph():
     return src[keep], dst[keep], g
 
 
+def current_version(folder):
+    """The version folder a partition folder's CURRENT pointer names."""
+    return Path(folder) / (Path(folder) / "CURRENT").read_text().strip()
+
+
 def check_invariants(parts, src, dst, n):
     owner = torch.empty(n, dtype=torch.int64)
     for p in parts:
@@ -60,7 +65,7 @@ def check_invariants(parts, src, dst, n):
 
 
 @pytest.mark.parametrize("num_parts", [1, 2, 4])
-@pytest.mark.parametrize("method", ["random", "metis"])
+@pytest.mark.parametrize("method", ["random", "metis", "bfs"])
 def test_partition_invariants(num_parts, method):
     src, dst, g = graph()
     parts = partition((src, dst), num_parts, method, num_nodes=500, ndata=g.ndata)
@@ -98,7 +103,7 @@ def test_metis_without_pymetis_names_it(monkeypatch):
         partition((src, dst), 2, "metis", num_nodes=500)
 
 
-@pytest.mark.parametrize("method", ["metis", "random"])
+@pytest.mark.parametrize("method", ["metis", "random", "bfs"])
 def test_the_seed_chooses_the_partition(method):
     src, dst, _ = graph()
 
@@ -182,8 +187,11 @@ def test_save_and_load_one_rank(tmp_path):
             assert v == getattr(mine, k)
     with pytest.raises(ValueError, match="rank 3 is outside the 3 partitions"):
         load_partition(tmp_path, 3)
-    with pytest.raises(FileNotFoundError, match=r"no meta\.json"):
+    with pytest.raises(FileNotFoundError, match=r"nowhere does not exist; write a partition there"):
         load_partition(tmp_path / "nowhere", 0)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"empty holds no partition \(no CURRENT pointer, no meta\.json\)"):
+        load_partition(tmp_path / "empty", 0)
 
 
 @pytest.mark.parametrize(
@@ -211,11 +219,14 @@ def test_save_replaces_a_partition_folder_and_nothing_else(tmp_path):
     folder = tmp_path / "parts"
     save_partitions(partition((src, dst), 3, "random", num_nodes=500), folder)
     save_partitions(partition((src, dst), 2, "random", num_nodes=500, seed=4), folder)
-    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "part0.pt", "part1.pt"]
-    assert json.loads((folder / "meta.json").read_text())["num_parts"] == 2
-    assert [p.name for p in tmp_path.iterdir()] == ["parts"]  # no staging or retired folders left behind
+    version = current_version(folder)
+    # The pointer, the writers' lock and one version: no staging folder, no previous version left behind.
+    assert sorted(p.name for p in folder.iterdir()) == [".lock", "CURRENT", version.name]
+    assert sorted(p.name for p in version.iterdir()) == ["meta.json", "part0.pt", "part1.pt"]
+    assert json.loads((version / "meta.json").read_text())["num_parts"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["parts"]
     (folder / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match=r"holds files that are not a partition's \(notes\.txt\)"):
+    with pytest.raises(ValueError, match=r"holds entries that are not a partition's \(notes\.txt\)"):
         save_partitions(partition((src, dst), 2, "random", num_nodes=500), folder)
     assert (folder / "notes.txt").read_text() == "mine"
 
@@ -282,10 +293,10 @@ def test_shared_partition_redoes_an_incomplete_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(partition_mod, "partition", counting)
     folder = tmp_path / "parts"
     shared_partition(small_csbm, 0, 2, folder, "random")
-    (folder / "part1.pt").unlink()  # as if written by hand and interrupted
+    (current_version(folder) / "part1.pt").unlink()  # as if damaged by hand
     assert recorded_inputs(folder) is None
     shared_partition(small_csbm, 0, 2, folder, "random")
-    assert counting.calls == 2 and (folder / "part1.pt").is_file()
+    assert counting.calls == 2 and (current_version(folder) / "part1.pt").is_file()
 
 
 def test_node_data_is_part_of_the_recorded_inputs():
@@ -303,13 +314,13 @@ def _shared_worker(rank, world, folder):
     counting = CountingPartition()
     pm.partition = counting
     if rank == 1:  # a slow reader: rank 0's next call must not rewrite the folder before it has loaded
-        load = pm.load_partition
+        load = pm._load
 
         def slow_load(*args, **kwargs):
             time.sleep(1.0)
             return load(*args, **kwargs)
 
-        pm.load_partition = slow_load
+        pm._load = slow_load
     out = []
     for seed in (0, 0, 2):  # a run, the same run again, a run with another seed
         before = counting.calls
