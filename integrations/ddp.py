@@ -33,8 +33,9 @@ from torch import nn
 
 from sylvie_comm.algorithms import ALGORITHMS, Group, Member, Policy, algorithm_class, then
 from sylvie_comm.algorithms.base import real_view
+from sylvie_comm.algorithms.checkpoint import check_checkpoint
 from sylvie_comm.collectives import ProcessGroupTransport, Stats, agree
-from sylvie_comm.config import Config, differences
+from sylvie_comm.config import Config
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import GradBucket
@@ -97,6 +98,7 @@ class HookState:
         # internal state
         self.step = 0
         self._names: dict[int, str] = {}
+        self._shapes: dict[str, torch.Size] = {}
         self._auto_names = named_parameters is None
         if named_parameters is not None:
             named_parameters = list(named_parameters)
@@ -117,7 +119,9 @@ class HookState:
 
     def bind(self, named_parameters: Iterable[tuple[str, nn.Parameter]]) -> None:
         """Name the parameters (state is keyed by these names)."""
-        self._names = {id(p): n for n, p in named_parameters}
+        named = list(named_parameters)
+        self._names = {id(p): n for n, p in named}
+        self._shapes = {n: real_view(p.detach()).shape for n, p in named}  # as they sit in DDP's buckets
         self._auto_names = False
 
     def _name_of(self, p: torch.Tensor) -> str:
@@ -181,31 +185,36 @@ class HookState:
         return self.algorithm.memory_bytes()
 
     def state_dict(self) -> dict[str, Any]:
-        """Step counter and per-parameter state, keyed by parameter name."""
+        """Step counter and per-parameter state, keyed by parameter name, of this rank (``rank``: residuals
+        are per rank, so every rank saves its own)."""
         return {
             "hook": self.name,
             "config": self.config.to_dict(),
             "world_size": self.world_size,
+            "rank": self.transport.rank,
             "step": self.step,
             "params": self.algorithm.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if state.get("hook") != self.name:
-            raise ValueError(f"ddp[{self.name}]: checkpoint is for hook {state.get('hook')!r}, not {self.name!r}")
-        diff = differences(self.config.to_dict(), state.get("config", {}))
-        if diff:
-            f, mine, theirs = diff[0]
-            raise ValueError(
-                f"ddp[{self.name}]: checkpoint config differs: '{f}' is {theirs!r}, this hook has {mine!r}"
-            )
-        if state.get("world_size") != self.world_size:
-            raise ValueError(
-                f"ddp[{self.name}]: checkpoint was written with world size {state.get('world_size')}, "
-                f"this run has {self.world_size}"
-            )
-        self.algorithm.load_state_dict(state.get("params", {}))
-        self.step = int(state["step"])
+        """Resume from this rank's :meth:`state_dict` (a collective: every rank loads its own checkpoint).
+
+        Every field is checked before anything is loaded (a ValueError names the first that does not fit:
+        another hook, configuration, world size or rank, foreign or missing parameter names, shapes, dtypes,
+        NaN), then the ranks agree: all of them load, or none, and only checkpoints of one step.
+        """
+        what = f"ddp[{self.name}]"
+
+        def check() -> int:
+            step = check_checkpoint(what, state, self.name, self.config, self.world_size, self.transport.rank)
+            tensors = self.policy.compressed_tensors(self._shapes.items()) if not self._auto_names else None
+            stepped = step > self.config.warmup_steps
+            self.algorithm.check_state_dict(state["params"], tensors, stepped)
+            return step
+
+        step = agree(self.transport, check, lambda step: {"step": step}, f"{what} load_state_dict", "checkpoint")
+        self.algorithm.load_state_dict(state["params"])
+        self.step = step
 
     def close(self) -> None:
         """Stop the communication thread and destroy the hook's process group, now, on this thread.

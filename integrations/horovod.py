@@ -35,10 +35,11 @@ from torch import nn
 from sylvie_comm.algorithms import Group, Member, Policy, algorithm_class
 from sylvie_comm.algorithms.acpsgd import ACPSGDAlgorithm
 from sylvie_comm.algorithms.base import real_view
+from sylvie_comm.algorithms.checkpoint import check_checkpoint
 from sylvie_comm.algorithms.guard import nonfinite
 from sylvie_comm.collectives import Stats, agree
 from sylvie_comm.collectives.horovod import HorovodTransport, import_horovod, supports
-from sylvie_comm.config import Config, differences
+from sylvie_comm.config import Config
 
 Future = torch.futures.Future
 
@@ -318,14 +319,32 @@ class ACPSGDCompressor:
         return {**self._stats.summary(max(self._steps.values(), default=0)), **self.algorithm.report()}
 
     def state_dict(self) -> dict[str, Any]:
-        """Per-parameter steps and ACP-SGD state (factors, residuals), keyed by parameter name."""
-        return {"codec": "acpsgd", "config": self.config.to_dict(), "steps": dict(self._steps),
-                "params": self.algorithm.state_dict()}  # fmt: skip
+        """Per-parameter steps and ACP-SGD state (factors, residuals) of this rank, keyed by parameter name."""
+        hvd = import_horovod()
+        return {"codec": "acpsgd", "config": self.config.to_dict(), "world_size": hvd.size(), "rank": hvd.rank(),
+                "steps": dict(self._steps), "params": self.algorithm.state_dict()}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        _check_config("Compression.acpsgd", self.config, state)
-        self.algorithm.load_state_dict(state.get("params", {}))
-        self._steps = {str(n): int(s) for n, s in state.get("steps", {}).items()}
+        """Resume from this rank's :meth:`state_dict` (a collective: every rank loads its own); every field is
+        checked first, and the ranks agree on the steps (see ``sylvie_comm.ddp.HookState.load_state_dict``)."""
+        what = "Compression.acpsgd"
+        hvd = import_horovod()
+
+        def check() -> dict[str, int]:
+            step = check_checkpoint(what, state, "acpsgd", self.config, hvd.size(), hvd.rank(),
+                                    name_key="codec", step_key="steps")  # fmt: skip
+            unknown = sorted(set(state["steps"]) - set(self._keys))
+            if unknown:
+                raise ValueError(f"{what}: checkpoint steps name '{unknown[0]}', not a parameter of this model")
+            shapes = [(n, real_view(p.detach()).shape) for n, p in self._params]
+            tensors = self.policy.compressed_tensors(shapes)
+            self.algorithm.check_state_dict(state["params"], tensors, step > self.config.warmup_steps)
+            return dict(state["steps"])
+
+        steps = agree(_HorovodObjects(), check, lambda steps: {"steps": steps}, f"{what} load_state_dict",
+                      "checkpoint")  # fmt: skip
+        self.algorithm.load_state_dict(state["params"])
+        self._steps = dict(steps)
 
 
 class Compression:
@@ -357,13 +376,11 @@ class Compression:
         return ACPSGDCompressor(named_parameters, _config("Compression.acpsgd", "acpsgd", config, options))
 
 
-def _check_config(what: str, config: Config, state: Mapping[str, Any]) -> None:
-    if state.get("codec") != config.codec:
-        raise ValueError(f"{what}: checkpoint is for codec {state.get('codec')!r}, not {config.codec!r}")
-    diff = differences(config.to_dict(), state.get("config", {}))
-    if diff:
-        f, mine, theirs = diff[0]
-        raise ValueError(f"{what}: checkpoint config differs: '{f}' is {theirs!r}, this run has {mine!r}")
+class _HorovodObjects:
+    """Horovod's object all-gather, for agreeing across ranks where no transport of ours runs."""
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return list(import_horovod().allgather_object(obj))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -599,26 +616,33 @@ class DistributedOptimizer:
                 "codec": self.name,
                 "config": self.config.to_dict(),
                 "world_size": self.world_size,
+                "rank": self.transport.rank,
                 "step": self.step_count,
                 "params": self.algorithm.state_dict(),
             },
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from this rank's :meth:`state_dict` (a collective: every rank loads its own); every field is
+        checked first, and the ranks agree on the step (see ``sylvie_comm.ddp.HookState.load_state_dict``)."""
         what = f"sylvie_comm.horovod.DistributedOptimizer[{self.name}]"
         if not isinstance(state, Mapping) or "optimizer" not in state or "sylvie_comm" not in state:
             raise ValueError(f"{what}: expected a dict from DistributedOptimizer.state_dict() "
                              "with 'optimizer' and 'sylvie_comm' entries")  # fmt: skip
         ours = state["sylvie_comm"]
-        _check_config(what, self.config, ours)
-        if ours.get("world_size") != self.world_size:
-            raise ValueError(
-                f"{what}: checkpoint was written with world size {ours.get('world_size')}, this run has "
-                f"{self.world_size}"
-            )
+
+        def check() -> int:
+            step = check_checkpoint(what, ours, self.name, self.config, self.world_size, self.transport.rank,
+                                    name_key="codec")  # fmt: skip
+            shapes = [(n, real_view(p.detach()).shape) for n, p in self._params]
+            tensors = self.policy.compressed_tensors(shapes)
+            self.algorithm.check_state_dict(ours["params"], tensors, step > self.config.warmup_steps)
+            return step
+
+        step = agree(self.transport, check, lambda step: {"step": step}, f"{what} load_state_dict", "checkpoint")
         self.optimizer.load_state_dict(state["optimizer"])
-        self.algorithm.load_state_dict(ours.get("params", {}))
-        self.step_count = int(ours["step"])
+        self.algorithm.load_state_dict(ours["params"])
+        self.step_count = step
 
     def close(self) -> None:
         """Remove the gradient hooks, stop the algorithm's thread and the transport's waiter (idempotent)."""

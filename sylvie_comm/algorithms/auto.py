@@ -184,6 +184,47 @@ class AutoAlgorithm(Algorithm):
             "candidates": {n: alg.state_dict() for n, alg in self.candidates.items()},
         }  # fmt: skip
 
+    def check_state_dict(
+        self, state: Any, tensors: Mapping[str, tuple[tuple[int, ...], Mapping[str, Any]]] | None, stepped: bool
+    ) -> None:
+        """The choices, the timings and each candidate's state (for the tensors that candidate compresses)."""
+        if isinstance(state, Mapping) and not state:
+            return
+        if not isinstance(state, Mapping) or set(state) != {"auto", "candidates"}:
+            keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"auto: expected a state with 'auto' and 'candidates', got {keys}")
+        meta, cands = state["auto"], state["candidates"]
+        if not isinstance(meta, Mapping) or set(meta) != {"choices", "timings"}:
+            raise ValueError("auto: checkpoint field 'auto' must hold 'choices' and 'timings'")
+        if not isinstance(cands, Mapping):
+            raise ValueError(f"auto: checkpoint field 'candidates' must be a mapping, got {type(cands).__name__}")
+        unknown = sorted(set(cands) - set(self.candidates))
+        if unknown:
+            raise ValueError(f"auto: the checkpoint holds candidates {unknown} this run does not have "
+                             f"({', '.join(self.names)})")  # fmt: skip
+        for key, choice in dict(meta["choices"]).items():
+            if not _int_like(key) or choice not in self.candidates:
+                raise ValueError(
+                    f"auto: checkpoint choice {choice!r} for group {key!r} is not one of this run's candidates "
+                    f"({', '.join(self.names)})"
+                )
+        for key, per in dict(meta["timings"]).items():
+            ok = _int_like(key) and isinstance(per, Mapping) and set(per) <= set(self.candidates)
+            ok = ok and all(isinstance(v, (list, tuple)) and all(_seconds(x) for x in v) for v in per.values())
+            if not ok:
+                raise ValueError(f"auto: checkpoint timings of group {key!r} must map candidates to lists of seconds")
+        rate = self.options["min_compression_rate"]
+        for n, sub in cands.items():
+            alg = self.candidates[n]
+            mine = None
+            if tensors is not None:
+                mine = {}
+                for name, (shape, opts) in tensors.items():
+                    o = {k: v for k, v in opts.items() if k in alg.option_defaults}
+                    if alg.compressible(shape, o) and alg.compression_rate(shape, o) >= rate:
+                        mine[name] = (shape, o)
+            alg.check_state_dict(sub, mine, stepped=False)  # a candidate holds state only where it ran
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if not state:
             return
@@ -206,6 +247,15 @@ class AutoAlgorithm(Algorithm):
             if close is not None:
                 close()
         super().close()
+
+
+def _int_like(key: Any) -> bool:
+    """A group key as a checkpoint holds it: an int (or its decimal string, after a JSON round trip)."""
+    return (isinstance(key, int) and not isinstance(key, bool)) or (isinstance(key, str) and key.lstrip("-").isdigit())
+
+
+def _seconds(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
 
 __all__ = ["AutoAlgorithm", "pick"]

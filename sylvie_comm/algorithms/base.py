@@ -91,6 +91,26 @@ def _done(_: Future[Any]) -> None:
     return None
 
 
+def check_entry(where: str, entry: Mapping[str, Any], spec: Mapping[str, tuple[int, ...]],
+                legacy: frozenset[str] = frozenset()) -> None:  # fmt: skip
+    """One per-name checkpoint entry: exactly the spec's keys (plus legacy ones), each a finite fp32 tensor of its
+    shape; a ValueError naming the field otherwise."""
+    keys = set(entry) - legacy
+    if keys != set(spec):
+        raise ValueError(f"{where} has {sorted(keys)}; expected {sorted(spec)}")
+    for key, shape in spec.items():
+        t = entry[key]
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{where}: '{key}' must be a tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32 or tuple(t.shape) != tuple(shape):
+            raise ValueError(
+                f"{where}: '{key}' must be a float32 tensor of shape {tuple(shape)}, got {t.dtype} of shape "
+                f"{tuple(t.shape)}"
+            )
+        if t.numel() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{where}: '{key}' holds NaN or Inf")
+
+
 def real_view(t: torch.Tensor) -> torch.Tensor:
     """A complex tensor as the real tensor of its (real, imaginary) pairs, shape ``(*shape, 2)`` (how DDP's
     buckets hold it); any other tensor as it is."""
@@ -247,6 +267,55 @@ class Algorithm:
     def state_dict(self) -> dict[str, Any]:
         """Per-name state: ``{name: {key: tensor}}``."""
         return {}
+
+    def state_spec(self, shape: torch.Size | tuple[int, ...], options: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        """The per-name state this algorithm keeps for a compressed tensor of ``shape``: key -> shape (fp32)."""
+        return {}
+
+    # Per-name keys a checkpoint may hold beside the spec's (an older release's), ignored on load.
+    legacy_state_keys: ClassVar[frozenset[str]] = frozenset()
+
+    def check_state_dict(
+        self, state: Any, tensors: Mapping[str, tuple[tuple[int, ...], Mapping[str, Any]]] | None, stepped: bool
+    ) -> None:
+        """Raise a ValueError naming the first field of ``state`` (from :meth:`state_dict`) that this algorithm
+        could not resume from, before anything is loaded.
+
+        Args:
+            state: the per-name state.
+            tensors: the shape and options of every tensor that compresses, by name (None where the names are
+                not known: then the entries are checked against themselves only).
+            stepped: whether the checkpoint was taken after a compressed step (every compressed tensor must then
+                have its state).
+        """
+        where = self.name
+        if not isinstance(state, Mapping):
+            raise ValueError(
+                f"{where}: checkpoint state must be a mapping of parameter names, got {type(state).__name__}"
+            )
+        for name, entry in state.items():
+            if not isinstance(name, str) or not isinstance(entry, Mapping):
+                raise ValueError(f"{where}: checkpoint entry {name!r} must map a parameter name to a dict of tensors")
+            if tensors is not None and name not in tensors:
+                raise ValueError(
+                    f"{where}: the checkpoint holds state for '{name}', which is not a compressed parameter of this "
+                    "model (a parameter of another model, or one this configuration sends uncompressed)"
+                )
+            if tensors is not None:
+                spec = self.state_spec(*tensors[name])
+            else:  # the tensor's shape unknown: take the residual's (every stateful algorithm keeps one)
+                res = entry.get("residual")
+                shape = tuple(res.shape) if isinstance(res, torch.Tensor) and res.dim() >= 1 else (1, 1)
+                spec = self.state_spec(shape, self.options)
+            check_entry(f"{where}: checkpoint entry '{name}'", entry, spec, self.legacy_state_keys)
+        if tensors is not None and stepped:
+            missing = [n for n, (shape, opts) in tensors.items() if self.state_spec(shape, opts) and n not in state]
+            if missing:
+                raise ValueError(
+                    f"{where}: the checkpoint has no state for '{missing[0]}'"
+                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                    + ", which this configuration compresses: was it written for another model or configuration?"
+                )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace the per-name state by ``state`` (from :meth:`state_dict`, possibly of another grouping)."""

@@ -47,6 +47,9 @@ class FeedbackAlgorithm(Algorithm):
     def persistent_tensors(self) -> list[torch.Tensor]:
         return [r for r in (self.feedback.residual(n) for n in self.feedback) if r is not None]
 
+    def state_spec(self, shape: torch.Size | tuple[int, ...], options: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        return {"residual": tuple(shape)}
+
     def state_dict(self) -> dict[str, Any]:
         self.guard.settle()
         return {n: {"residual": r.clone()} for n, r in self.feedback.state_dict()["residuals"].items()}

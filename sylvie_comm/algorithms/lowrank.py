@@ -61,6 +61,11 @@ class LowRankAlgorithm(Algorithm):
     def compression_rate(self, shape: torch.Size | tuple[int, ...], options: Mapping[str, Any]) -> float:
         return lowrank.compression_rate(shape, options.get("rank", self.options["rank"]), alternate=self.alternate)
 
+    def state_spec(self, shape: torch.Size | tuple[int, ...], options: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        n, k = lowrank.matrix_shape(torch.Size(shape))
+        r = lowrank.effective_rank(torch.Size(shape), {**self.options, **options}["rank"])
+        return {"p": (n, r), "q": (k, r), "residual": (n, k)}
+
     def _rank_of(self, m: Member) -> int:
         return lowrank.effective_rank(m.tensor.shape, m.options.get("rank", self.options["rank"]))
 

@@ -294,6 +294,14 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         server = [r for r in (self.server_feedback.residual(n) for n in self.server_feedback) if r is not None]
         return super().persistent_tensors() + server
 
+    def state_spec(self, shape: torch.Size | tuple[int, ...], options: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        """The worker residual (the tensor's shape) and this rank's server residual (its part's units)."""
+        layout = row_layout(torch.Size(shape), {**self.options, **options}["chunk_size"], pieces=self.world_size)
+        if not layout.units:
+            return {}
+        per = math.ceil(layout.units / self.world_size)
+        return {"residual": tuple(shape), f"server_residual@{self.transport.rank}": (per, layout.width)}
+
     def state_dict(self) -> dict[str, Any]:
         """Worker residuals under ``residual``; this rank's server residual under ``server_residual@<rank>``."""
         out = super().state_dict()

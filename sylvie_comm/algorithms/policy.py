@@ -68,6 +68,17 @@ class Policy:
         )
         return compress, options
 
+    def compressed_tensors(
+        self, shapes: Iterable[tuple[str, torch.Size | tuple[int, ...]]]
+    ) -> dict[str, tuple[tuple[int, ...], Mapping[str, Any]]]:
+        """The tensors that compress, by name: their shape and options (what a checkpoint's state must fit)."""
+        out: dict[str, tuple[tuple[int, ...], Mapping[str, Any]]] = {}
+        for name, shape in shapes:
+            compress, options = self.member_options(name, shape)
+            if compress:
+                out[name] = (tuple(shape), options)
+        return out
+
     def check_parameters(self, named: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
         """Refuse, at registration, parameters whose gradients the algorithm cannot compress (a float64 weight
         for an error-feedback codec), naming the first and what would work. Complex parameters are judged as

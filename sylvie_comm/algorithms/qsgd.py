@@ -72,6 +72,7 @@ class QSGDAlgorithm(FeedbackAlgorithm):
     codec_name = "qbit"
     option_defaults: ClassVar[dict[str, Any]] = {"bits": 4}
     per_name_options: ClassVar[frozenset[str]] = frozenset({"bits"})
+    legacy_state_keys: ClassVar[frozenset[str]] = frozenset({"offset"})  # a noise position, now set by the step
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         super().__init__(transport, options, seed=seed)

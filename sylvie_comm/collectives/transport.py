@@ -271,8 +271,19 @@ def _destroy(group: dist.ProcessGroup) -> None:
 T = TypeVar("T")
 
 
-def agree(transport: Transport, build: Callable[[], T], describe: Callable[[T], dict[str, Any]], what: str) -> T:
+class ObjectGather(Protocol):
+    """What :func:`agree` needs of a transport: the object all-gather."""
+
+    def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+
+def agree(
+    transport: ObjectGather, build: Callable[[], T], describe: Callable[[T], dict[str, Any]], what: str,
+    subject: str = "configuration",
+) -> T:  # fmt: skip
     """Build something on every rank and fail on every rank if any rank failed or they disagree.
+
+    ``subject`` names what the descriptions describe in the messages (``checkpoint`` when ranks load one).
 
     ``build`` runs locally; its ValueError/TypeError/ImportError is caught so
     that this rank still takes part in the exchange of descriptions (a rank that
@@ -295,15 +306,17 @@ def agree(transport: Transport, build: Callable[[], T], describe: Callable[[T], 
         if theirs["error"] is not None:
             if failure is not None:
                 raise failure
-            raise ValueError(f"{what}: rank {rank} could not set up: {theirs['error']}")
+            action = "set up" if subject == "configuration" else f"take its {subject}"
+            raise ValueError(f"{what}: rank {rank} could not {action}: {theirs['error']}")
     reference = everyone[0]["config"]
     for rank, theirs in enumerate(everyone):
         diff = differences(reference, theirs["config"])
         if diff:
             field_, a, b = diff[0]
+            advice = "use the same settings" if subject == "configuration" else f"load a {subject} of the same step"
             raise ValueError(
-                f"{what}: ranks disagree on the configuration: '{field_}' is {a!r} on rank 0 but {b!r} "
-                f"on rank {rank}; every rank must use the same settings"
+                f"{what}: ranks disagree on the {subject}: '{field_}' is {a!r} on rank 0 but {b!r} "
+                f"on rank {rank}; every rank must {advice}"
             )
     assert obj is not None
     return obj

@@ -420,11 +420,17 @@ class GradientAverage:
         return {"codec": self.config.codec, "step": self.step, "params": self.algorithm.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """This rank's :meth:`state_dict`, every field checked first (the trainer agrees on the step)."""
         if state.get("codec") != self.config.codec:
             raise ValueError(f"gnn: the checkpoint's gradients used {state.get('codec')!r}, "
                              f"this trainer {self.config.codec!r}")  # fmt: skip
+        step = state.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"gnn: the checkpoint's gradient step must be an integer >= 0, got {step!r}")
+        tensors = self.policy.compressed_tensors((n, p.shape) for n, p in self.params)
+        self.algorithm.check_state_dict(state.get("params", {}), tensors, step > self.config.warmup_steps)
         self.algorithm.load_state_dict(state.get("params", {}))
-        self.step = int(state["step"])
+        self.step = step
 
     def close(self) -> None:
         self.algorithm.close()

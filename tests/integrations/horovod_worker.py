@@ -309,6 +309,33 @@ def check_errors(rank: int) -> dict[str, Any]:
         out["extra_pass"] = str(exc)
     opt.synchronize()
     opt.close()
+    # Checkpoints that do not fit: rank 0's on every rank, and of two steps, refused on every rank.
+    hvd = _hvd()
+    for key, codec in (("optimizer", "onebit"), ("compressor", "acpsgd")):
+        model = wl.mlp()
+        if key == "optimizer":
+            o = sh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(), codec,
+                                        bucket_cap_mb=TINY_BUCKET_MB)  # fmt: skip
+            holder, close = o, o.close
+        else:
+            comp = sh.Compression.acpsgd(model.named_parameters(), rank=2)
+            o = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                         named_parameters=model.named_parameters(), compression=comp)  # fmt: skip
+            holder, close = comp, lambda: None
+        _train(o, model, rank, range(4))
+        early = holder.state_dict()
+        _train(o, model, rank, range(4, 6))
+        late = holder.state_dict()
+        everyone = hvd.allgather_object(late)
+        for case, ckpt in (("rank0", everyone[0]), ("steps", early if rank == 0 else late)):
+            try:
+                holder.load_state_dict(ckpt)
+                out[f"ckpt_{key}_{case}"] = "loaded"
+            except ValueError as exc:
+                out[f"ckpt_{key}_{case}"] = str(exc)
+        holder.load_state_dict(late)
+        out[f"ckpt_{key}_own"] = "loaded"
+        close()
     return out
 
 

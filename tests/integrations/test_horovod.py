@@ -157,6 +157,12 @@ def test_configuration_errors_fail_every_rank_with_a_message(checks):
         assert "not in named_parameters" in res["unnamed"]
         assert "backward_passes_per_step must be an integer >= 1, got 0" in res["passes"]
         assert "more than backward_passes_per_step=1" in res["extra_pass"]
+        for key in ("optimizer", "compressor"):
+            rank0 = res[f"ckpt_{key}_rank0"]
+            assert ("written by rank 0 and is loaded on rank 1" if rank else "rank 1 could not take") in rank0, rank0
+            steps = res[f"ckpt_{key}_steps"]
+            assert "ranks disagree on the checkpoint" in steps and "on rank 0 but" in steps, steps
+            assert res[f"ckpt_{key}_own"] == "loaded"
 
 
 def _ddp_equal_worker(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
