@@ -123,22 +123,16 @@ class StepGuard:
 
     def save(self, key: Hashable, state: torch.Tensor) -> None:
         """Copy ``state`` (once per step and key) before the step changes it in place."""
-        with self._lock:
-            if key in self._keys:
-                return
-            self._keys.add(key)
-            buf = self._buffers.get(key)
-            if buf is None or buf.shape != state.shape or buf.dtype != state.dtype or buf.device != state.device:
-                buf = self._buffers[key] = torch.empty_like(state, memory_format=torch.contiguous_format)
-            self._saved.append((state, buf))
-            self._device = state.device
-        buf.copy_(state)
+        buf = self.slot(key, state)
+        if buf is not None:
+            buf.copy_(state)
 
     def slot(self, key: Hashable, state: torch.Tensor) -> torch.Tensor | None:
         """A buffer for a kernel to write ``state`` into as it reads it (the fused ops' ``saved``), in place of
         :meth:`save`'s copy: one write and no second read. None when ``key`` is already saved this step.
 
-        The buffer starts as zeros, so elements the kernel does not visit (padding) restore as zeros."""
+        The buffer starts as zeros, so elements the kernel does not visit (padding) restore as zeros; it is
+        kept for the next step (one allocation per key)."""
         with self._lock:
             if key in self._keys:
                 return None
