@@ -310,17 +310,18 @@ def test_node_data_is_part_of_the_recorded_inputs():
 
 def _shared_worker(rank, world, folder):
     import sylvie_comm.gnn.partition as pm
+    import sylvie_comm.gnn.partition_store as store
 
     counting = CountingPartition()
     pm.partition = counting
     if rank == 1:  # a slow reader: rank 0's next call must not rewrite the folder before it has loaded
-        load = pm._load
+        load = store._load
 
         def slow_load(*args, **kwargs):
             time.sleep(1.0)
             return load(*args, **kwargs)
 
-        pm._load = slow_load
+        store._load = slow_load
     out = []
     for seed in (0, 0, 2):  # a run, the same run again, a run with another seed
         before = counting.calls

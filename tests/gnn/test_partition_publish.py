@@ -2,7 +2,7 @@
 
 The deterministic tests run a reader after every filesystem change a writer makes (os.replace, os.rename,
 os.mkdir, os.unlink, os.rmdir, shutil.rmtree: wrapped for the duration of the test), and between the steps
-of a read (through ``partition._step``); the last one races real processes, with a bounded number of writes.
+of a read (through ``partition_store._step``); the last one races real processes, with a bounded number of writes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sylvie_comm.gnn import data as gdata
-from sylvie_comm.gnn import partition as partition_mod
+from sylvie_comm.gnn import partition_store
 from sylvie_comm.gnn.partition import load_partition, partition, recorded_inputs, save_partitions
 
 N, PARTS = 200, 3
@@ -46,8 +46,8 @@ def read_everything(folder, writes):
     assert inputs in [w[1] for w in writes.values()], f"recorded_inputs saw {inputs!r}"
     seen = {inputs["write"]}
     for r in range(PARTS):
-        if hasattr(partition_mod, "_load"):  # the part and the meta.json of the version it came from
-            part, meta = partition_mod._load(Path(folder), r)
+        if hasattr(partition_store, "_load"):  # the part and the meta.json of the version it came from
+            part, meta = partition_store._load(Path(folder), r)
             which = meta["inputs"]["write"]
         else:  # (before versions existed: which write the part equals)
             part = load_partition(folder, r)
@@ -128,8 +128,8 @@ def test_a_reader_whose_version_is_replaced_mid_read_reads_the_new_one(tmp_path,
             save_partitions(writes[1][0], folder, writes[1][1])
             save_partitions(writes[2][0], folder, writes[2][1])
 
-    monkeypatch.setattr(partition_mod, "_step", step)
-    part, meta = partition_mod._load(folder, 1)
+    monkeypatch.setattr(partition_store, "_step", step)
+    part, meta = partition_store._load(folder, 1)
     assert meta["inputs"] == {"write": 2} and same(part, writes[2][0][1])
     resolved = [s for s in steps if s.startswith("read: resolved")]
     assert len(resolved) == 2 and resolved[0] != resolved[1]
@@ -153,7 +153,7 @@ def test_a_crashed_first_write_leaves_no_partition_and_is_cleaned_up(tmp_path, m
         if what == "write: wrote meta.json":
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(partition_mod, "_step", crash)
+    monkeypatch.setattr(partition_store, "_step", crash)
     with pytest.raises(KeyboardInterrupt):
         save(folder, 0)
     monkeypatch.undo()
