@@ -67,12 +67,16 @@ def nonfinite(*tensors: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def poison(tensors: Iterable[torch.Tensor], bad: torch.Tensor | None) -> None:
-    """Write NaN into the first element of every tensor where ``bad`` is set (no host read)."""
+    """Where ``bad`` is set, write NaN into the first element of the first non-empty tensor (no host read).
+
+    One NaN makes the group's average non-finite, which is what a scaler (or a norm) sees; one small op per
+    group rather than per tensor keeps it off the launch count of models with many parameters."""
     if bad is None:
         return
     for t in tensors:
         if t.numel():
             t.view(-1)[:1].masked_fill_(bad, float("nan"))
+            return
 
 
 class StepGuard:

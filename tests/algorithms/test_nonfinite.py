@@ -165,11 +165,11 @@ def test_nonfinite_and_poison() -> None:
     assert not bool(nonfinite(torch.ones(3), torch.zeros(2)))
     assert bool(nonfinite(torch.ones(3), torch.tensor([0.0, float("-inf")])))
     assert bool(nonfinite(torch.tensor([float("nan")], dtype=torch.float16)))
-    t = torch.ones(2, 3)
-    poison([t], torch.tensor(False))
-    assert torch.equal(t, torch.ones(2, 3))
-    poison([t], torch.tensor(True))
-    assert torch.isnan(t[0, 0]) and int(torch.isnan(t).sum()) == 1
+    t, u = torch.ones(2, 3), torch.ones(4)
+    poison([torch.zeros(0), t, u], torch.tensor(False))
+    assert torch.equal(t, torch.ones(2, 3)) and torch.equal(u, torch.ones(4))
+    poison([torch.zeros(0), t, u], torch.tensor(True))
+    assert torch.isnan(t[0, 0]) and int(torch.isnan(t).sum()) == 1 and torch.equal(u, torch.ones(4))
 
 
 def test_guard_restores_a_step_whose_group_never_completed() -> None:
