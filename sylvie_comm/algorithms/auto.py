@@ -148,17 +148,18 @@ class AutoAlgorithm(Algorithm):
         return alg(Group(group.key, members, group.flat), step, meter)
 
     def _decide(self, key: int) -> str:
-        """Agree on the group's choice: one all-reduce of every rank's timings (a collective, in group order)."""
+        """Agree on the group's choice: one object all-gather of every rank's timings (a collective, in group
+        order; host numbers, so it runs the same on gloo and NCCL), added up in rank order on every rank."""
         mine = self._timings.get(key, {})
         best = [min(mine.get(n, [math.inf])) for n in self.names]
         if any(math.isinf(b) for b in best):
             raise RuntimeError(f"auto: group {key} was not probed with every candidate ({mine})")
-        total = torch.tensor(best, dtype=torch.float64)
-        self.transport.all_reduce(total).wait()
-        choice = pick(self.names, total.tolist())
+        everyone = self.transport.all_gather_object(best)
+        total = [math.fsum(rank[i] for rank in everyone) for i in range(len(self.names))]
+        choice = pick(self.names, total)
         self._choice[key] = choice
         if self.transport.rank == 0:
-            means = zip(self.names, total.tolist(), strict=True)
+            means = zip(self.names, total, strict=True)
             per = ", ".join(f"{n} {s / self.world_size * 1e3:.2f} ms" for n, s in means)
             LOG.info("sylvie_comm auto: group %d uses %s (mean over ranks of the fastest probe: %s)", key, choice, per)
         return choice

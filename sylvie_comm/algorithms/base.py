@@ -52,6 +52,13 @@ class Group:
     flat: torch.Tensor | None = None
 
     @property
+    def device(self) -> torch.device:
+        """Where the group's tensors live: every buffer serving them is made there."""
+        if self.flat is not None:
+            return self.flat.device
+        return self.members[0].tensor.device if self.members else torch.device("cpu")
+
+    @property
     def signature(self) -> tuple[tuple[str, bool], ...]:
         return tuple((m.name, m.compress) for m in self.members)
 

@@ -26,8 +26,8 @@ class FeedbackAlgorithm(Algorithm):
     def _guard_residual(self, feedback: ErrorFeedback, key: str, like: torch.Tensor) -> torch.Tensor | None:
         """Save ``key``'s residual for the step guard before the step changes it in place; None when it has
         none of ``like``'s shape yet (give what the step creates to :meth:`_guard_created`)."""
-        res = feedback.residual(key)
-        if res is None or res.shape != like.shape or res.device != like.device:
+        res = feedback.residual(key, like.device)
+        if res is None or res.shape != like.shape:
             return None
         self.guard.save((id(feedback), key), res)
         return res

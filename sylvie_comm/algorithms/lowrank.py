@@ -83,8 +83,9 @@ class LowRankAlgorithm(Algorithm):
         sizes_p = [n * r for (n, _), r in zip(shapes, ranks, strict=True)]
         sizes_q = [k * r for (_, k), r in zip(shapes, ranks, strict=True)]
         raw = fusion.numel([m.tensor for m in group.raw])
-        pbuf = torch.zeros(sum(sizes_p) + raw)
-        qbuf = torch.zeros(sum(sizes_q) + raw)
+        device = group.device
+        pbuf = torch.zeros(sum(sizes_p) + raw, device=device)
+        qbuf = torch.zeros(sum(sizes_q) + raw, device=device)
         op = oq = 0
         for m, (n, k), r in zip(comp, shapes, ranks, strict=True):
             p, q = pbuf[op : op + n * r].view(n, r), qbuf[oq : oq + k * r].view(k, r)
@@ -102,7 +103,8 @@ class LowRankAlgorithm(Algorithm):
             self._factors[m.name] = (p, q)
             if m.name not in self._residuals:
                 loaded = self._loaded.get(m.name)
-                self._residuals[m.name] = loaded["residual"].clone() if loaded else torch.zeros(n, k)
+                res = loaded["residual"].to(device, copy=True) if loaded else torch.zeros(n, k, device=device)
+                self._residuals[m.name] = res
             op += n * r
             oq += k * r
         return Factors(pbuf, qbuf, op, oq)

@@ -23,7 +23,7 @@ def plain_all_reduce(algorithm: Algorithm, group: Group, meter: Meter) -> Future
         buf.div_(w)
         return then(algorithm._all_reduce(buf, meter), lambda _: algorithm.guard.report(nonfinite(buf)))
     tensors = [m.tensor for m in group.members]
-    packed = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+    packed = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0, device=group.device)
     packed.div_(w)
 
     def unpack(_: Future[Any]) -> None:

@@ -144,11 +144,14 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         b = bits[:, slot.bits_at : slot.bits_at + slot.n_bytes].reshape(-1)
         return slot.layout.decode_units(b, s, n * slot.per_rank)
 
-    def _residual_buffer(self, feedback: ErrorFeedback, key: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
-        """``key``'s residual, a zero tensor of ``shape`` before its first step."""
-        res = feedback.residual(key)
-        if res is None or res.shape != shape:
-            zero = torch.zeros(shape)
+    def _residual_buffer(
+        self, feedback: ErrorFeedback, key: str, shape: torch.Size | tuple[int, ...], device: torch.device
+    ) -> torch.Tensor:
+        """``key``'s residual on ``device``, a zero tensor of ``shape`` before its first step (the checkpoint check
+        keeps a loaded one of another shape out)."""
+        res = feedback.residual(key, device)
+        if res is None:
+            zero = torch.zeros(shape, device=device)
             res = feedback.update(key, zero, zero)  # the residual's buffer, zero before the first step
         return res
 
@@ -161,7 +164,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         update the residual: one pass, in the residual's buffer (compensate, encode, decode and update
         take five, with three temporaries the tensor's size). Same bits as that path."""
         lay = slot.layout
-        res = self._residual_buffer(feedback, key, values.shape)
+        res = self._residual_buffer(feedback, key, values.shape, values.device)
         saved = self.guard.slot((id(feedback), key), res)  # the kernels write the residual as it was there
         r_flat, v_flat = res.view(-1), values.reshape(-1)
         s_flat = None if saved is None else saved.view(-1)
@@ -195,7 +198,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         lay, rank, per = slot.layout, self.transport.rank, slot.per_rank
         count = max(0, min(per, lay.units - rank * per))
         key = f"{slot.name}@{rank}"
-        res = self._residual_buffer(self.server_feedback, key, (per, lay.width))
+        res = self._residual_buffer(self.server_feedback, key, (per, lay.width), rb.device)
         saved = self.guard.slot((id(self.server_feedback), key), res)
         s_row = ms[0, slot.scales_at : slot.scales_at + slot.n_scales]
         b_row = mb[0, slot.bits_at : slot.bits_at + slot.n_bytes]
@@ -225,7 +228,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
 
     def _prepare(self, group: Group, layout: _Rows, step: int, meter: Meter) -> torch.Tensor:
         w, members = self.world_size, group.compressed
-        send = torch.zeros(w, layout.row_bytes, dtype=torch.uint8)
+        send = torch.zeros(w, layout.row_bytes, dtype=torch.uint8, device=group.device)
         if not layout.slots:
             return send  # only raw tensors (empty rows cannot be viewed as fp32 scales)
         scales, bits = layout.sections(send)
@@ -250,7 +253,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
             self._all_to_all(recv, send, meter).wait()
 
             def server() -> torch.Tensor:
-                mine = torch.zeros(1, layout.row_bytes, dtype=torch.uint8)
+                mine = torch.zeros(1, layout.row_bytes, dtype=torch.uint8, device=send.device)
                 rs, rb = layout.sections(recv)
                 ms, mb = layout.sections(mine)
                 for slot in layout.slots:
@@ -270,7 +273,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                 return mine
 
             mine = meter.timed("encode", server)
-            gathered = torch.empty(w, layout.row_bytes, dtype=torch.uint8)
+            gathered = torch.empty(w, layout.row_bytes, dtype=torch.uint8, device=send.device)
             self._all_gather(gathered.view(-1), mine.view(-1), meter).wait()
 
             def decode() -> None:

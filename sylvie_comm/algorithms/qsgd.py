@@ -118,7 +118,7 @@ class QSGDAlgorithm(FeedbackAlgorithm):
         members, w = self._members(group), self.world_size
 
         def encode() -> torch.Tensor:
-            send = torch.zeros(layout.row_bytes, dtype=torch.uint8)
+            send = torch.zeros(layout.row_bytes, dtype=torch.uint8, device=group.device)
             metas = send[: layout.meta_bytes].view(torch.float32)
             packed = send[layout.meta_bytes :]
             for m, part in zip(members, layout.parts, strict=True):
@@ -132,7 +132,7 @@ class QSGDAlgorithm(FeedbackAlgorithm):
             return send
 
         send = meter.timed("encode", encode)
-        gathered = torch.empty(w * layout.row_bytes, dtype=torch.uint8)
+        gathered = torch.empty(w * layout.row_bytes, dtype=torch.uint8, device=send.device)
         futs = [self._all_gather(gathered, send, meter)] if layout.row_bytes else []
         raw = self._raw_all_reduce(group, meter)
         if raw is not None:
@@ -150,7 +150,7 @@ class QSGDAlgorithm(FeedbackAlgorithm):
                 self.guard.report(bad)
                 for m, part in zip(members, layout.parts, strict=True):
                     decoder = QBitCodec(bits=part.bits)
-                    total = torch.zeros(part.rows, part.cols)
+                    total = torch.zeros(part.rows, part.cols, device=gathered.device)
                     for r in range(w):
                         metas = rows[r, : layout.meta_bytes].view(torch.float32)
                         values = rows[r, layout.meta_bytes + part.packed_at :][: part.packed_bytes]

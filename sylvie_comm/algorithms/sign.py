@@ -37,8 +37,9 @@ class SignAlgorithm(FeedbackAlgorithm):
 
         def encode() -> tuple[list[Encoded], torch.Tensor, torch.Tensor]:
             encs = [self._feedback_encode(self.codec, m.name, m.tensor) for m in members]
-            signs = torch.cat([enc.payload[0] for enc in encs]) if encs else torch.zeros(0, dtype=torch.int8)
-            scales = torch.cat([enc.payload[1] for enc in encs]) if encs else torch.zeros(0)
+            device = group.device
+            signs = torch.cat([e.payload[0] for e in encs]) if encs else torch.zeros(0, dtype=torch.int8, device=device)
+            scales = torch.cat([e.payload[1] for e in encs]) if encs else torch.zeros(0, device=device)
             return encs, signs, scales
 
         encs, signs, scales = meter.timed("encode", encode)

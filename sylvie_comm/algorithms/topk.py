@@ -57,10 +57,12 @@ class TopKAlgorithm(FeedbackAlgorithm):
         def encode() -> torch.Tensor:
             encs = [self._feedback_encode(c, m.name, m.tensor) for m, c in zip(members, codecs, strict=True)]
             values = [enc.payload[0].float().view(torch.int32) for enc in encs]
-            return torch.cat(values + [enc.payload[1] for enc in encs]) if encs else torch.zeros(0, dtype=torch.int32)
+            if not encs:
+                return torch.zeros(0, dtype=torch.int32, device=group.device)
+            return torch.cat(values + [enc.payload[1] for enc in encs])
 
         packed = meter.timed("encode", encode)
-        gathered = torch.empty(self.world_size * packed.numel(), dtype=torch.int32)
+        gathered = torch.empty(self.world_size * packed.numel(), dtype=torch.int32, device=packed.device)
         futs = [self._all_gather(gathered, packed, meter)]
         raw = self._raw_all_reduce(group, meter)
         if raw is not None:
@@ -76,7 +78,7 @@ class TopKAlgorithm(FeedbackAlgorithm):
                 for m, ki in zip(members, counts, strict=True):
                     values = rows[:, start : start + ki].reshape(-1).view(torch.float32)
                     idx = rows[:, k + start : k + start + ki].reshape(-1).long()
-                    dense = torch.zeros(m.tensor.numel(), dtype=torch.float32).index_add_(0, idx, values)
+                    dense = torch.zeros(m.tensor.numel(), device=values.device).index_add_(0, idx, values)
                     m.tensor.copy_(dense.div_(self.world_size).view(m.tensor.shape))
                     start += ki
                 poison((m.tensor for m in members), bad)

@@ -39,14 +39,18 @@ class ErrorFeedback:
     def __len__(self) -> int:
         return len(self._residuals)
 
-    def residual(self, name: str) -> torch.Tensor | None:
-        """The current residual of ``name`` (None before its first update)."""
-        return self._residuals.get(name)
+    def residual(self, name: str, device: torch.device | None = None) -> torch.Tensor | None:
+        """The current residual of ``name`` (None before its first update); with ``device``, on that device
+        (a residual loaded from a checkpoint written on another device moves there, once)."""
+        res = self._residuals.get(name)
+        if res is not None and device is not None and res.device != device:
+            res = self._residuals[name] = res.to(device)
+        return res
 
     def compensate(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor + residual`` as a new fp32 tensor (the input is not modified)."""
         check_tensor(tensor, "ErrorFeedback.compensate")
-        res = self._residuals.get(name)
+        res = self.residual(name, tensor.device)
         if res is None:
             return tensor.to(torch.float32, copy=True)
         _check_shape(name, res, tensor)
@@ -73,7 +77,7 @@ class ErrorFeedback:
         diverge.
         """
         check_tensor(tensor, "ErrorFeedback.encode")
-        res = self._residuals.get(name)
+        res = self.residual(name, tensor.device)
         if res is None:
             comp = tensor.to(torch.float32, copy=True)
             self._residuals[name] = comp

@@ -55,7 +55,7 @@ class RowLayout:
     def last(self) -> int:
         return self.numel - (self.units - 1) * self.span if self.units else 0
 
-    def scale_factors(self, first: int, count: int) -> torch.Tensor | None:
+    def scale_factors(self, first: int, count: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
         """``chunk / real elements`` of every chunk of units ``first .. first + count`` (count, nchunks).
 
         None when every chunk there is full. Chunks without real elements get 1 (their scale is 0).
@@ -63,13 +63,13 @@ class RowLayout:
         has_last = first <= self.units - 1 < first + count
         if count == 0 or (self.span % self.chunk == 0 and (self.last == self.span or not has_last)):
             return None
-        real = torch.full((count, 1), float(self.span))
-        units = torch.arange(first, first + count)
+        real = torch.full((count, 1), float(self.span), device=device)
+        units = torch.arange(first, first + count, device=device)
         real[units == self.units - 1] = float(self.last)
         real[units >= self.units] = 0.0
-        starts = torch.arange(self.nchunks, dtype=torch.float32) * self.chunk
+        starts = torch.arange(self.nchunks, dtype=torch.float32, device=device) * self.chunk
         counts = (real - starts).clamp(0, self.chunk)
-        return torch.where(counts > 0, self.chunk / counts.clamp_min(1), torch.ones(()))
+        return torch.where(counts > 0, self.chunk / counts.clamp_min(1), torch.ones((), device=device))
 
     def to_units(self, x: torch.Tensor, total: int | None = None) -> torch.Tensor:
         """``x`` (any shape, ``numel`` elements) as a zero-padded ``(total, width)`` matrix (default ``units``)."""
@@ -104,7 +104,7 @@ class RowLayout:
         The rows are units ``first .. first + count`` of the tensor; padding must be zero.
         """
         packed, scales = kernels.onebit_encode(units, self.chunk, norm)
-        factors = self.scale_factors(first, units.shape[0])
+        factors = self.scale_factors(first, units.shape[0], units.device)
         if factors is not None:  # the kernel averaged over the padding too
             scales.view(units.shape[0], self.nchunks).mul_(factors.sqrt() if norm else factors)
         return packed, scales
