@@ -53,36 +53,35 @@ def _register_fakes() -> None:
                  "lowrank_project", "lowrank_gram", "lowrank_outer_into", "copy_if"):  # fmt: skip
         torch.library.register_fake(lib + name)(no_output)
 
-    @torch.library.register_fake(lib + "pack_bits")
     def _pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
         return values.new_empty((values.shape[0], _packed_cols(values.shape[1], bits)), dtype=torch.uint8)
 
-    @torch.library.register_fake(lib + "unpack_bits")
     def _unpack_bits(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
         return packed.new_empty((packed.shape[0], cols), dtype=torch.uint8)
 
-    @torch.library.register_fake(lib + "onebit_encode")
     def _onebit_encode(x: torch.Tensor, chunk_size: int, norm_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
         n = x.numel()
         packed = x.new_empty(((n + 7) // 8,), dtype=torch.uint8)
         return packed, x.new_empty(((n + chunk_size - 1) // chunk_size,), dtype=torch.float32)
 
-    @torch.library.register_fake(lib + "onebit_decode")
     def _onebit_decode(packed: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int,
                        dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
         return packed.new_empty((numel,), dtype=dtype)
 
-    @torch.library.register_fake(lib + "qbit_encode")
     def _qbit_encode(x: torch.Tensor, bits: int, seed: int, offset: int,
                      meta_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         rows, cols = x.shape
         packed = x.new_empty((rows, _packed_cols(cols, bits)), dtype=torch.uint8)
         return packed, x.new_empty((rows,), dtype=meta_dtype), x.new_empty((rows,), dtype=meta_dtype)
 
-    @torch.library.register_fake(lib + "qbit_decode")
     def _qbit_decode(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, cols: int,
                      dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
         return packed.new_empty((packed.shape[0], cols), dtype=dtype)
+
+    shaped = {"pack_bits": _pack_bits, "unpack_bits": _unpack_bits, "onebit_encode": _onebit_encode,
+              "onebit_decode": _onebit_decode, "qbit_encode": _qbit_encode, "qbit_decode": _qbit_decode}  # fmt: skip
+    for name, fake in shaped.items():
+        torch.library.register_fake(lib + name)(fake)
 
 
 if _C is not None:
