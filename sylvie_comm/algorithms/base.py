@@ -202,7 +202,10 @@ class Algorithm:
         layout = self._layout(group)
         if self._executor is not None:
             prepared = meter.timed("encode", lambda: self._prepare(group, layout, step, meter))
-            job = self._executor.submit(lambda: self._finish(group, layout, step, meter, prepared))
+            # On CUDA the job runs on the caller's current stream (ordered after the gradients' producer).
+            device = group.device
+            stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+            job = self._executor.submit(lambda: self._finish(group, layout, step, meter, prepared), stream)
             return self.guard.track(then(job, _done))
         return self.guard.track(self._step(group, layout, step, meter))
 

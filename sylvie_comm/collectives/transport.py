@@ -141,8 +141,11 @@ class ProcessGroupTransport:
         self._failure: CollectiveError | None = None  # the first collective that failed
         group = process_group
         if dedicated:
-            ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
-            group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=self.timeout))
+            parent = process_group or dist.group.WORLD
+            ranks = dist.get_process_group_ranks(parent)
+            # The parent's backend (NCCL for CUDA tensors, gloo for CPU ones), whatever the default group's.
+            backend = dist.get_backend(parent)
+            group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=self.timeout), backend=backend)
         # Borrowed, never owned: torch.distributed's registry owns the group and drops it in
         # destroy_process_group(), on the calling thread. Future callbacks run on the group's own
         # worker threads and hold whoever issued the collective (a hook state, and through it this
@@ -197,6 +200,19 @@ class ProcessGroupTransport:
             work = start(group)
         except dist.DistError as exc:  # e.g. the connection to a peer is already broken
             raise self._fail(self._error(what, exc)) from exc
+        if t.is_cuda:
+            # NCCL's work future is CUDA-aware: a then() callback runs on a stream that waits for the
+            # collective, and the future it returns makes its consumer's stream wait (as torch's own DDP hooks
+            # return fut.then(...)). A fresh Future completed from here would record its events before the
+            # collective ran.
+            def checked(f: Future[Any]) -> Any:
+                try:
+                    return f.value()
+                except Exception as exc:
+                    raise self._fail(self._error(what, exc)) from exc
+
+            chained: Future[Any] = work.get_future().then(checked)
+            return chained
 
         def settle(f: Future[Any]) -> None:
             # Runs on the group's worker thread. Only a successful collective hands its buffers on.
@@ -334,18 +350,23 @@ class SerialExecutor:
 
     def __init__(self, name: str = "sylvie-comm") -> None:
         self.name = name
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any], Any] | None] = queue.SimpleQueue()
         # The thread holds the queue, not the executor, so dropping the executor stops the thread.
         self._thread = threading.Thread(target=_serve, args=(self._jobs,), name=name, daemon=True)
         self._thread.start()
         self._stop = weakref.finalize(self, self._jobs.put, None)
         _LIVE_EXECUTORS.add(self)
 
-    def submit(self, job: Callable[[], Any]) -> Future[Any]:
+    def submit(self, job: Callable[[], Any], stream: Any = None) -> Future[Any]:
+        """Run ``job`` on the thread. With a CUDA ``stream`` (the submitter's current one), the job runs with
+        it current, so its kernels follow the work that produced its inputs, and the returned future is
+        CUDA-aware: its consumer's stream waits for the job's kernels, not the host."""
         if not self._stop.alive:
             raise RuntimeError(f"sylvie_comm: the executor {self.name!r} is closed; it runs no more jobs")
-        fut: Future[Any] = torch.futures.Future()
-        self._jobs.put((job, fut))
+        fut: Future[Any] = (
+            torch.futures.Future(devices=[stream.device]) if stream is not None else torch.futures.Future()
+        )
+        self._jobs.put((job, fut, stream))
         return fut
 
     def close(self, timeout: float = 5.0) -> None:
@@ -356,23 +377,24 @@ class SerialExecutor:
             self._thread.join(timeout)
 
 
-def _serve(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]) -> None:
+def _serve(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any], Any] | None]) -> None:
     while (item := jobs.get()) is not None:
         _run(*item)
         # Not kept until the next job arrives: it would pin the job's closure (a hook state, its buffers).
         del item
 
 
-def _run(job: Callable[[], Any], fut: Future[Any]) -> None:
-    try:
-        result = job()
-    except Exception as exc:  # delivered to whoever waits on the future
-        fut.set_exception(exc)
-    except BaseException as exc:  # e.g. SystemExit: still complete the future, or its waiter hangs
-        fut.set_exception(RuntimeError(f"sylvie_comm: a job of the executor raised {type(exc).__name__}: {exc}"))
-        raise
-    else:
-        fut.set_result(result)
+def _run(job: Callable[[], Any], fut: Future[Any], stream: Any = None) -> None:
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        try:
+            result = job()
+        except Exception as exc:  # delivered to whoever waits on the future
+            fut.set_exception(exc)
+        except BaseException as exc:  # e.g. SystemExit: still complete the future, or its waiter hangs
+            fut.set_exception(RuntimeError(f"sylvie_comm: a job of the executor raised {type(exc).__name__}: {exc}"))
+            raise
+        else:
+            fut.set_result(result)  # on the job's stream: a CUDA-aware future records its events there
 
 
 # What is still running at interpreter exit, whether or not its owner was closed or dropped.
