@@ -22,11 +22,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple[Any, ...]) -> None:
+def _worker(
+    fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple[Any, ...], backend: str = "gloo"
+) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         result = fn(rank, world, *args)
         # Serialized to bytes: tensors sent through the queue would share memory with a process that exits.
         buf = io.BytesIO()
@@ -39,12 +43,13 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any
             dist.destroy_process_group()
 
 
-def _start(fn: Callable[..., Any], world: int, args: tuple[Any, ...]) -> tuple[Any, list[Any]]:
+def _start(fn: Callable[..., Any], world: int, args: tuple[Any, ...], backend: str = "gloo") -> tuple[Any, list[Any]]:
     """Spawn ``world`` workers joined on a free port; return the queue they report on and the processes."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, queue, args), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, queue, args, backend), daemon=True)
+             for r in range(world)]  # fmt: skip
     for p in procs:
         p.start()
     return queue, procs
@@ -55,13 +60,15 @@ def _raise_errors(errors: dict[int, str]) -> None:
         raise AssertionError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
 
 
-def run_distributed(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` processes; returns the results by rank.
+def run_distributed(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0, backend: str = "gloo"
+) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` processes joined by ``backend``; returns the results by rank.
 
     A worker that raises fails the caller with its traceback; workers that do not
     finish within ``timeout`` seconds are killed and the caller fails (no hang).
     """
-    queue, procs = _start(fn, world, args)
+    queue, procs = _start(fn, world, args, backend)
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout

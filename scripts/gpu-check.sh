@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The GPU checks, on a machine with one CUDA GPU and a CUDA build of torch already installed.
+#
+#   scripts/gpu-check.sh OUTDIR
+#
+# No network is needed and the installed torch is used as it is (it may be another version than the
+# pin in pyproject.toml): the extension is built with its CUDA kernels against it in a temporary copy
+# of this checkout, then, from that copy:
+#   1. the CUDA kernel tests: bit-equal to the references and to the CPU kernels, the fakes;
+#   2. every algorithm at 1, 2 and 4 in-process ranks on CUDA against the same run on the CPU, DDP on
+#      NCCL at world size 1 with every hook (tests/gpu/), and the device-generic tests;
+#   3. the GNN trainer on CUDA, one process and 2 in-process ranks, against the CPU
+#      (sylvie_comm.gnn.train.gpu_check, when present);
+#   4. the fused CUDA kernels' GB/s next to a device-to-device copy of the same run
+#      (OUTDIR/cuda-kernels.json and .md).
+# Each part's output goes to OUTDIR (pytest logs, JSON, markdown); the exit status is 0 only if every part
+# passed. Python packages it needs beside torch: numpy, pyyaml, pytest, pybind11, ninja, scikit-learn.
+set -uo pipefail
+
+if [ $# -ne 1 ]; then
+  echo "usage: scripts/gpu-check.sh OUTDIR" >&2
+  exit 2
+fi
+OUT="$(mkdir -p "$1" && cd "$1" && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() and torch.version.cuda else 1)"; then
+  echo "gpu-check: this torch sees no CUDA GPU ($("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda)'))" >&2
+  exit 2
+fi
+"$PY" -c "import torch; print('gpu-check:', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0))" \
+  | tee "$OUT/environment.txt"
+
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+# A copy without the CPU venv and build outputs; integrations/ is linked where the package expects it.
+(cd "$ROOT" && tar --exclude=./.venv --exclude=./build --exclude='*.so' --exclude=./.git -cf - .) | (cd "$WORK" && tar -xf -)
+ln -s ../integrations "$WORK/sylvie_comm/integrations"
+cd "$WORK" || exit 2
+export PYTHONPATH="$WORK"
+
+status=0
+step() {  # name, command...: run it, log it, remember a failure
+  local name=$1
+  shift
+  local t0=$SECONDS
+  echo "== $name"
+  if "$@" >"$OUT/$name.log" 2>&1; then
+    echo "   passed in $((SECONDS - t0)) s"
+  else
+    echo "   FAILED in $((SECONDS - t0)) s (log: $OUT/$name.log)"
+    tail -n 30 "$OUT/$name.log"
+    status=1
+  fi
+}
+
+step build env FORCE_CUDA=1 MAX_JOBS="${MAX_JOBS:-16}" "$PY" setup.py build_ext --inplace
+if ! "$PY" -c "from sylvie_comm import _ops; import sys; sys.exit(0 if _ops.WITH_CUDA_OPS else 1)"; then
+  echo "gpu-check: the extension has no CUDA kernels after the build (see $OUT/build.log)" >&2
+  exit 1
+fi
+step kernels "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_cuda_fused.py tests/kernels/test_kernels.py \
+  tests/kernels/test_fakes.py tests/kernels/test_fused.py
+step paths "$PY" -m pytest -q -p no:cacheprovider tests/gpu tests/algorithms/test_devices.py \
+  tests/algorithms/test_nonfinite.py
+if "$PY" -c "import sylvie_comm.gnn.train as t; import sys; sys.exit(0 if hasattr(t, 'gpu_check') else 1)" 2>/dev/null; then
+  step gnn "$PY" -c "import json, sys; from sylvie_comm.gnn.train import gpu_check; print(json.dumps(gpu_check(sys.argv[1]), indent=2))" "$OUT"
+fi
+step bench "$PY" -m sylvie_comm.bench.cuda --out "$OUT"
+cat "$OUT/cuda-kernels.md" 2>/dev/null
+echo "gpu-check: $([ $status -eq 0 ] && echo 'every part passed' || echo 'some part failed') (logs in $OUT)"
+exit $status

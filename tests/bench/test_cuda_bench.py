@@ -1,0 +1,30 @@
+"""``python -m sylvie_comm.bench.cuda``: the CUDA kernels' throughput next to a device copy (GPU only)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sylvie_comm import _ops
+from sylvie_comm.bench import cuda
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and _ops.WITH_CUDA_OPS, reason="this machine has what the bench needs")
+def test_without_a_gpu_it_says_so_and_fails(tmp_path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "sylvie_comm.bench.cuda", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "needs a CUDA device and the extension built with its CUDA kernels" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and _ops.WITH_CUDA_OPS), reason="needs a GPU and the CUDA kernels")
+def test_on_a_gpu_every_op_is_measured_against_the_copy(tmp_path) -> None:
+    result = cuda.measure(1024, 1024, repeats=3)
+    assert result["copy_gb_s"] > 0 and set(result["ops"]) >= {"onebit_encode", "qbit_encode", "lowrank_project"}
+    table = cuda.markdown(result)
+    assert all(f"| {name} |" in table for name in result["ops"])
