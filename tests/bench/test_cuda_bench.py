@@ -28,3 +28,19 @@ def test_on_a_gpu_every_op_is_measured_against_the_copy(tmp_path) -> None:
     assert result["copy_gb_s"] > 0 and set(result["ops"]) >= {"onebit_encode", "qbit_encode", "lowrank_project"}
     table = cuda.markdown(result)
     assert all(f"| {name} |" in table for name in result["ops"])
+
+
+def test_the_hook_host_time_bench_runs_every_hook_next_to_pytorchs(tmp_path) -> None:
+    out = tmp_path / "hooks.json"
+    proc = subprocess.run([sys.executable, "-m", "sylvie_comm.bench.hooks", "--layers", "3", "--steps", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    result = json.loads(out.read_text())
+    from sylvie_comm.bench.hooks import OURS
+
+    assert set(result["layouts"]["one"]) == {"torch-fp16", "torch-powersgd", *OURS}
+    assert set(result["layouts"]["many"]) == {"torch-fp16", *OURS}
+    assert all(r["us_per_bucket"] > 0 and r["buckets"] >= 1 for r in result["layouts"]["one"].values())
+    assert result["layouts"]["many"]["none"]["buckets"] > result["layouts"]["one"]["none"]["buckets"]

@@ -1,0 +1,127 @@
+"""The host time a DDP hook spends per bucket, ours next to PyTorch's, with nothing to compute.
+
+On a GPU a bucket's backward can take well under a millisecond, and what the host spends in the hook
+(Python, kernel launches, bookkeeping) is then what is left of it. Measured on the CPU with tiny tensors,
+where the arithmetic is nothing: one process (gloo, world size 1), a model of ``layers`` 16 x 16 linear
+layers, SGD momentum 0.9, in two layouts: one bucket per parameter (``many``), and the whole model in one
+bucket (``one``). Each hook call is timed from the call to its return (not the collective's completion);
+the median over ``steps`` steps after warm-up is reported per hook and layout, next to PyTorch's
+``fp16_compress_hook`` and ``powerSGD_hook`` in the same run. PyTorch's ``powerSGD_hook`` runs in the
+one-bucket layout only: with two or more buckets on gloo it launches its second all-reduce from a
+callback and deadlocks.
+
+Run ``python -m sylvie_comm.bench.hooks`` (``--layers``, ``--steps``, ``--out`` for JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+OURS = ("none", "fp16", "acpsgd", "powersgd", "onebit", "topk", "qsgd", "sign")
+
+
+def _model(layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(layers)])
+
+
+def _timed(hook: Callable[[Any, Any], Any], record: list[float]) -> Callable[[Any, Any], Any]:
+    def wrapped(state: Any, bucket: Any) -> Any:
+        t0 = time.perf_counter()
+        fut = hook(state, bucket)
+        record.append(time.perf_counter() - t0)
+        return fut
+
+    wrapped.__annotations__ = dict(getattr(hook, "__annotations__", {}))
+    return wrapped
+
+
+def _run(name: str, layers: int, steps: int, bucket_mb: float) -> dict[str, float]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    from sylvie_comm.integrations import ddp as sc_ddp
+
+    model = _model(layers)
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    record: list[float] = []
+    ours = None
+    if name == "torch-fp16":
+        ddp.register_comm_hook(None, _timed(default_hooks.fp16_compress_hook, record))
+    elif name == "torch-powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, _timed(powerSGD_hook.powerSGD_hook, record))
+    else:
+        ours, hook = sc_ddp.make_hook(name, model=ddp)
+        ddp.register_comm_hook(ours, _timed(hook, record))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    per_step: list[float] = []
+    buckets = 0
+    for step in range(steps + 4):
+        record.clear()
+        opt.zero_grad()
+        ddp(torch.randn(8, 16)).sum().backward()
+        opt.step()
+        if step >= 4:  # after the warm-up (2 steps) and DDP's bucket rebuild
+            per_step.extend(record)
+            buckets = len(record)
+    if ours is not None:
+        ours.close()
+    return {"us_per_bucket": statistics.median(per_step) * 1e6, "buckets": buckets}
+
+
+def measure(layers: int = 32, steps: int = 20) -> dict[str, Any]:
+    """Every hook, one after the other in one process (a group of one rank)."""
+    init = not dist.is_initialized()
+    if init:
+        with socket.socket() as sock:  # a free port on loopback
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    layouts = {"many": (1e-4, ("torch-fp16", *OURS)), "one": (100.0, ("torch-fp16", "torch-powersgd", *OURS))}
+    out: dict[str, Any] = {"layers": layers, "steps": steps, "threads": torch.get_num_threads(), "layouts": {}}
+    try:
+        for layout, (bucket_mb, names) in layouts.items():
+            rows = {name: _run(name, layers, steps, bucket_mb) for name in names}
+            for r in rows.values():
+                r["x_torch_fp16"] = r["us_per_bucket"] / rows["torch-fp16"]["us_per_bucket"]
+            out["layouts"][layout] = rows
+    finally:
+        if init:
+            dist.destroy_process_group()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sylvie_comm.bench.hooks", description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    result = measure(args.layers, args.steps)
+    print(f"host time per bucket, {args.layers} x Linear(16, 16), median of {args.steps} steps (us)")
+    many, one = result["layouts"]["many"], result["layouts"]["one"]
+    print(f"{'hook':16s} {'a bucket per param':>19s} {'x torch fp16':>13s} {'one bucket':>11s} {'x torch fp16':>13s}")
+    for name in one:
+        m = many.get(name)
+        left = f"{m['us_per_bucket']:19.1f} {m['x_torch_fp16']:13.2f}" if m else f"{'(deadlocks)':>19s} {'':13s}"
+        print(f"{name:16s} {left} {one[name]['us_per_bucket']:11.1f} {one[name]['x_torch_fp16']:13.2f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
