@@ -9,8 +9,8 @@
 #   1. the CUDA kernel tests: bit-equal to the references and to the CPU kernels, the fakes;
 #   2. every algorithm at 1, 2 and 4 in-process ranks on CUDA against the same run on the CPU, DDP on
 #      NCCL at world size 1 with every hook (tests/gpu/), and the device-generic tests;
-#   3. the GNN trainer on CUDA, one process and 2 in-process ranks, against the CPU
-#      (sylvie_comm.gnn.train.gpu_check, when present);
+#   3. the GNN trainer on CUDA against the CPU, a resumed CUDA run, the halo exchange of 2 in-process
+#      ranks on CUDA and its peak memory at fp32 and 1-bit (python -m sylvie_comm.gnn.train --gpu-check);
 #   4. the fused CUDA kernels' GB/s next to a device-to-device copy of the same run
 #      (OUTDIR/cuda-kernels.json and .md).
 # Each part's output goes to OUTDIR (pytest logs, JSON, markdown); the exit status is 0 only if every part
@@ -65,9 +65,7 @@ step kernels "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_cuda_fuse
   tests/kernels/test_fakes.py tests/kernels/test_fused.py
 step paths "$PY" -m pytest -q -p no:cacheprovider tests/gpu tests/algorithms/test_devices.py \
   tests/algorithms/test_nonfinite.py
-if "$PY" -c "import sylvie_comm.gnn.train as t; import sys; sys.exit(0 if hasattr(t, 'gpu_check') else 1)" 2>/dev/null; then
-  step gnn "$PY" -c "import json, sys; from sylvie_comm.gnn.train import gpu_check; print(json.dumps(gpu_check(sys.argv[1]), indent=2))" "$OUT"
-fi
+step gnn "$PY" -m sylvie_comm.gnn.train --gpu-check "$OUT"
 step bench "$PY" -m sylvie_comm.bench.cuda --out "$OUT"
 cat "$OUT/cuda-kernels.md" 2>/dev/null
 echo "gpu-check: $([ $status -eq 0 ] && echo 'every part passed' || echo 'some part failed') (logs in $OUT)"

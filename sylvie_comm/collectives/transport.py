@@ -154,6 +154,9 @@ class ProcessGroupTransport:
         self._group_ref = weakref.ref(group) if group is not None else None
         if dedicated and group is not None:
             _DEDICATED_GROUPS.add(group)
+        # NCCL's futures are CUDA-aware (their consumers' streams wait for the collective); gloo's are not.
+        self.backend = str(dist.get_backend(group))
+        self._cuda_aware = "nccl" in self.backend
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -200,7 +203,7 @@ class ProcessGroupTransport:
             work = start(group)
         except dist.DistError as exc:  # e.g. the connection to a peer is already broken
             raise self._fail(self._error(what, exc)) from exc
-        if t.is_cuda:
+        if t.is_cuda and self._cuda_aware:
             # NCCL's work future is CUDA-aware: a then() callback runs on a stream that waits for the
             # collective, and the future it returns makes its consumer's stream wait (as torch's own DDP hooks
             # return fut.then(...)). A fresh Future completed from here would record its events before the
@@ -213,6 +216,19 @@ class ProcessGroupTransport:
 
             chained: Future[Any] = work.get_future().then(checked)
             return chained
+        if t.is_cuda:
+            # CUDA tensors on gloo: its future completes while the copy back to the device is still queued on
+            # gloo's stream, and only wait() orders the current stream after it. So wait here (the host blocks
+            # for the collective: gloo with CUDA tensors is not a fast path), then hand on a CUDA-aware future
+            # whose events follow that wait.
+            try:
+                work.wait()
+                result = work.get_future().value()
+            except Exception as exc:
+                raise self._fail(self._error(what, exc)) from exc
+            ready: Future[Any] = torch.futures.Future(devices=[t.device])
+            ready.set_result(result)
+            return ready
 
         def settle(f: Future[Any]) -> None:
             # Runs on the group's worker thread. Only a successful collective hands its buffers on.

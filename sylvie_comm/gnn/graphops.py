@@ -50,8 +50,9 @@ class TorchEdges:
         # A sparse (CSR) product never materializes per-edge messages (an edges x features tensor:
         # gigabytes on a 200k-node graph).
         if self._adjacency is None or self._adjacency.device != h_src.device:
+            # Built once, where the edges live (the trainer puts them on the features' device).
             indices = torch.stack([self.dst, self.src])
-            values = torch.ones(self.src.numel())
+            values = torch.ones(self.src.numel(), device=self.src.device)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torch flags sparse CSR as beta
                 adjacency = torch.sparse_coo_tensor(indices, values, (self.n_dst, self.n_src))

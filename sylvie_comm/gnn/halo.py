@@ -12,6 +12,12 @@ Both have ``state_dict()``/``load_state_dict()``: the exchanger holds the
 error-feedback residuals and the noise offsets of its q-bit codecs, the
 pipeline the exchanges still queued for later epochs (by value), so a run
 restarted from a checkpoint continues bit for bit.
+
+Devices: the exchanger's index tensors, receive buffers and decoded rows live on
+its ``device`` (the features' device); the per-peer row counts of the all-to-all
+come from the partition, on the host, at set-up, so no step reads a value back
+from the device. On CUDA the pipeline's communication thread runs its kernels on
+a side stream of its own, ordered by events (see :meth:`HaloPipeline._submit`).
 """
 
 from __future__ import annotations
@@ -26,9 +32,10 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from sylvie_comm.codecs import Codec, ErrorFeedback, QBitCodec, get_codec
-from sylvie_comm.collectives import SerialExecutor, Transport
+from sylvie_comm.collectives import ProcessGroupTransport, SerialExecutor, Transport
 from sylvie_comm.gnn.partition import Partition
 from sylvie_comm.registry import HALO_FORMS, unknown
 
@@ -85,6 +92,38 @@ class RowFormat:
     def decode(self, wire: torch.Tensor) -> torch.Tensor:
         """uint8 rows -> fp32 rows."""
         return self.codec.decode(self.codec.from_rows(wire, self.features))
+
+
+def as_device(value: Any, what: str = "halo") -> torch.device:
+    """``value`` (a :class:`torch.device` or a string such as ``"cpu"``, ``"cuda:1"``, ``"meta"``) as a device.
+
+    ``"cuda"`` without an index means the current CUDA device (when CUDA is available), so that devices
+    compare equal to the ``tensor.device`` of the tensors made there.
+    """
+    if not isinstance(value, (str, torch.device)):
+        raise ValueError(f"{what}: device must be a torch.device or a string such as 'cpu' or 'cuda:0', got {value!r}")
+    try:
+        device = torch.device(value)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"{what}: device must be a torch.device or a string such as 'cpu' or 'cuda:0', got {value!r} ({exc})"
+        ) from exc
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())  # CUDA-only
+    return device
+
+
+def uses_nccl(backend: str | None) -> bool:
+    """Whether a process group's backend (``"nccl"``, ``"gloo"``, ``"cpu:gloo,cuda:nccl"``) sends CUDA tensors
+    over NCCL."""
+    return backend is not None and any(b.rpartition(":")[2] == "nccl" for b in backend.split(","))
+
+
+def cuda_aware(transport: Transport) -> bool:
+    """Whether ``transport``'s futures for CUDA tensors are CUDA-aware: ``wait()`` makes the waiter's stream wait
+    for the collective. So are NCCL's work futures, which the process-group transport chains; the in-process and
+    Horovod transports complete plain futures once their copies are queued on the completing thread's stream."""
+    return isinstance(transport, ProcessGroupTransport) and uses_nccl(str(dist.get_backend(transport.group)))
 
 
 def check_partitions(part: Partition, transport: Any) -> None:
@@ -169,6 +208,8 @@ class HaloExchanger:
         meta_dtype: ``fp32`` or ``bf16`` for the per-row scale and minimum of q-bit rows.
         error_feedback: keep the quantization error of each sent row and add it next time.
         seed: noise seed of the stochastic rounding (offset by rank, layer and direction).
+        device: where the features (and so the index tensors, buffers and decoded rows) live; default
+            the CPU. The partition itself stays on the host: its row counts are the all-to-all splits.
     """
 
     def __init__(
@@ -180,7 +221,9 @@ class HaloExchanger:
         meta_dtype: str = "fp32",
         error_feedback: bool = False,
         seed: int = 0,
+        device: torch.device | str | None = None,
     ) -> None:
+        self.device = torch.device("cpu") if device is None else as_device(device)
         check_partitions(part, transport)
         self.part = part
         self.transport = transport
@@ -193,11 +236,15 @@ class HaloExchanger:
         self.seed = seed
         self.feedback = ErrorFeedback()
         self._formats: dict[tuple[str, int, str], RowFormat] = {}
-        # Each boundary row is encoded once; every peer's rows are picked from that encoding.
-        sends = part.send_idx  # one (possibly empty) list per rank
-        self.scatter_idx = torch.cat(sends)  # where returned gradient rows land among the inner rows
-        self.boundary = torch.unique(self.scatter_idx)
-        self.pick = torch.cat([torch.searchsorted(self.boundary, s) for s in sends])
+        # Each boundary row is encoded once; every peer's rows are picked from that encoding. Computed on the
+        # host from the partition (set-up), then placed on the features' device once.
+        sends = [s.to("cpu") for s in part.send_idx]  # one (possibly empty) list per rank
+        scatter_idx = torch.cat(sends)
+        boundary = torch.unique(scatter_idx)
+        pick = torch.cat([torch.searchsorted(boundary, s) for s in sends])
+        self.scatter_idx = scatter_idx.to(self.device)  # where returned gradient rows land among the inner rows
+        self.boundary = boundary.to(self.device)
+        self.pick = pick.to(self.device)
         self.send_counts = part.send_counts
         self.halo_counts = list(part.halo_counts)
         self.bytes_sent = {"forward": 0, "backward": 0}
@@ -218,6 +265,21 @@ class HaloExchanger:
     def _encode(self, fmt: RowFormat, rows: torch.Tensor, ef_key: str) -> torch.Tensor:
         return fmt.encode(rows, self.feedback if self.error_feedback else None, ef_key)
 
+    def _check_device(self, what: str, t: torch.Tensor) -> None:
+        if t.device != self.device:
+            raise ValueError(
+                f"halo: {what} are on {t.device} but this exchanger's index tensors are on {self.device}; "
+                f"build the HaloExchanger with device={str(t.device)!r}"
+            )
+
+    def _receive(self, send: torch.Tensor, rows: int, row_bytes: int) -> torch.Tensor:
+        """A receive buffer on the exchanger's device, made on the stream the job runs on."""
+        if send.is_cuda:
+            # CUDA-only: the job's stream reads ``send``, which the training stream allocated; without this the
+            # caching allocator could hand its memory out again while the collective still reads it.
+            send.record_stream(torch.cuda.current_stream(send.device))
+        return torch.empty(rows, row_bytes, dtype=torch.uint8, device=self.device)
+
     def features_job(
         self, inner: torch.Tensor, key: str, feedback: bool = True, precision: str | None = None
     ) -> Callable[[], torch.Tensor]:
@@ -231,6 +293,7 @@ class HaloExchanger:
                 f"halo: expected features of shape ({self.part.n_inner}, F) for this partition's inner nodes, "
                 f"got {tuple(inner.shape)}"
             )
+        self._check_device("features", inner)
         fmt = (
             self._format("forward", inner.shape[1], key)
             if precision is None
@@ -242,7 +305,7 @@ class HaloExchanger:
         self.bytes_sent["forward"] += (send.shape[0] - self.send_counts[self.part.rank]) * fmt.row_bytes
 
         def job() -> torch.Tensor:
-            recv = torch.empty(self.part.n_halo, fmt.row_bytes, dtype=torch.uint8)
+            recv = self._receive(send, self.part.n_halo, fmt.row_bytes)
             self.transport.all_to_all_v(recv, send, self.halo_counts, self.send_counts).wait()
             return fmt.decode(recv)
 
@@ -251,12 +314,13 @@ class HaloExchanger:
     def gradients_job(self, grad_halo: torch.Tensor, key: str) -> Callable[[], torch.Tensor]:
         """Encode halo-row gradients now; the job returns the rows peers sent back for our boundary rows
         (``len(scatter_idx)`` rows, to be added at ``scatter_idx``)."""
+        self._check_device("gradients", grad_halo)
         fmt = self._format("backward", grad_halo.shape[1], key)
         send = self._encode(fmt, grad_halo.float(), f"backward/{key}")
         self.bytes_sent["backward"] += send.shape[0] * fmt.row_bytes
 
         def job() -> torch.Tensor:
-            recv = torch.empty(self.scatter_idx.numel(), fmt.row_bytes, dtype=torch.uint8)
+            recv = self._receive(send, sum(self.send_counts), fmt.row_bytes)
             self.transport.all_to_all_v(recv, send, self.send_counts, self.halo_counts).wait()
             return fmt.decode(recv)
 
@@ -332,6 +396,9 @@ class HaloPipeline:
     synchronous, so no epoch ever sees zeros or data older than S epochs. All
     exchanges run in submission order on one thread, the same order on every
     rank. ``stats()`` reports the staleness actually observed.
+
+    On CUDA that thread's kernels (the collective, the decoding) run on a side stream of the pipeline's own
+    (:attr:`stream`), so they overlap the layers' compute; see :meth:`_submit` for how the two are ordered.
     """
 
     def __init__(self, exchanger: HaloExchanger, staleness: int = 0, sync_every: int = 0) -> None:
@@ -343,6 +410,14 @@ class HaloPipeline:
         self.staleness = staleness
         self.sync_every = sync_every
         self.executor = SerialExecutor("sylvie-comm-halo")
+        self.device = exchanger.device
+        # CUDA-only: the communication thread's stream, where the transport's futures are CUDA-aware (NCCL).
+        # Elsewhere (in-process, Horovod) a future completes once its copies are queued on the stream of the
+        # thread that completed it, ordered with nothing else: the exchange then stays on the caller's stream
+        # (the default stream, which all threads share unless they set another).
+        self.stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda" and cuda_aware(exchanger.transport):
+            self.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         self.epoch = -1
         self.last_sync = 0
         self._queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
@@ -364,10 +439,34 @@ class HaloPipeline:
         if self.is_sync(epoch):
             self.last_sync = epoch
 
+    def _submit(self, job: Callable[[], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
+        """Run an exchange job on the communication thread; on CUDA, ordered with the caller's stream by events.
+
+        The job was made after its input rows were encoded on the caller's current stream: an event recorded
+        there now marks them done, and the job's stream waits for it before the collective reads them. The
+        job's future is CUDA-aware (:meth:`SerialExecutor.submit` with a stream): it records an event on the
+        job's stream when the job returns its decoded rows, and ``wait()`` makes the consumer's current stream
+        wait for that event (and records the rows' memory as used there), so no one reads them early.
+        """
+        timed = self._timed(job)
+        if self.device.type != "cuda":
+            return self.executor.submit(timed)
+        # CUDA-only from here to the end of the method.
+        producer = torch.cuda.current_stream(self.device)
+        stream = self.stream if self.stream is not None else producer
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record(producer)
+
+        def run() -> torch.Tensor:
+            stream.wait_event(ready)  # the exchange waits for the layer's input
+            return timed()
+
+        return self.executor.submit(run, stream)  # and the consumer, through the future, for its output
+
     def _launch(self, name: str, job: Callable[[], torch.Tensor]) -> _Pending:
         if self.epoch < 0:
             raise RuntimeError("halo: call begin_epoch(epoch) before the forward pass")
-        pending = _Pending(self.epoch, self.executor.submit(self._timed(job)), self.is_sync(self.epoch))
+        pending = _Pending(self.epoch, self._submit(job), self.is_sync(self.epoch))
         self._queues[name].append(pending)
         return pending
 
@@ -383,14 +482,14 @@ class HaloPipeline:
     def exchange_once(self, inner: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
         """One synchronous exchange outside the pipeline (e.g. the raw input features, once)."""
         job = self.exchanger.features_job(inner.detach(), "once", feedback=False, precision=precision)
-        out: torch.Tensor = self._wait(self.executor.submit(self._timed(job)))
+        out: torch.Tensor = self._wait(self._submit(job))
         return out
 
     def features(self, layer: int, inner: torch.Tensor) -> torch.Tensor:
         """Halo rows for this layer: fresh in a synchronous epoch, else from epoch max(t - S, last sync)."""
         if self._evaluating:
             job = self.exchanger.features_job(inner.detach(), str(layer), feedback=False)
-            fresh: torch.Tensor = self._wait(self.executor.submit(self._timed(job)))
+            fresh: torch.Tensor = self._wait(self._submit(job))
             return fresh
         name = f"f{layer}"
         mine = self._launch(name, self.exchanger.features_job(inner.detach(), str(layer)))
@@ -525,8 +624,7 @@ class HaloPipeline:
                                          f"tensor for this partition, got {got}")  # fmt: skip
                     if not isinstance(e["epoch"], int) or not 0 <= e["epoch"] <= epoch:
                         raise ValueError(f"{what}: {kind}[{layer}] holds epoch {e['epoch']!r}; expected 0..{epoch}")
-                    done: torch.futures.Future[Any] = torch.futures.Future()
-                    done.set_result(rows.detach().clone())
+                    done = self._completed(rows)
                     queues[f"{prefix}{int(layer)}"].append(_Pending(e["epoch"], done, bool(e["sync"])))
         observed = state["observed"]
         if not isinstance(observed, Mapping):
@@ -535,6 +633,14 @@ class HaloPipeline:
         self.epoch, self.last_sync = epoch, last_sync
         self._queues = queues
         self._observed = collections.Counter({int(k): int(v) for k, v in observed.items()})
+
+    def _completed(self, rows: torch.Tensor) -> torch.futures.Future[Any]:
+        """A future already holding a copy of ``rows`` on the pipeline's device (a checkpoint's queued rows)."""
+        # CUDA-only: a future holding CUDA tensors must be CUDA-aware, so its consumers' streams wait for the copy.
+        devices: list[int | str | torch.device] | None = [self.device] if self.device.type == "cuda" else None
+        done: torch.futures.Future[Any] = torch.futures.Future(devices=devices)
+        done.set_result(rows.detach().to(self.device, copy=True))
+        return done
 
     def stats(self) -> dict[str, Any]:
         total = sum(self._observed.values())

@@ -33,25 +33,43 @@ from torch import nn
 
 from sylvie_comm import _deps
 from sylvie_comm.gnn.graphops import GRAPH_BACKENDS, EdgeOps, edge_ops
-from sylvie_comm.gnn.halo import HaloPipeline, halo_exchange
+from sylvie_comm.gnn.halo import HaloPipeline, as_device, halo_exchange
 from sylvie_comm.gnn.partition import Partition
 
 BACKENDS = ("auto", *sorted(GRAPH_BACKENDS))
 
 
 class LocalGraph:
-    """A partition's block, its degree normalizers and (with several ranks) its halo pipeline."""
+    """A partition's block, its degree normalizers and (with several ranks) its halo pipeline.
 
-    def __init__(self, part: Partition, pipeline: HaloPipeline | None = None) -> None:
+    Args:
+        part: this rank's partition (on the host).
+        pipeline: the halo pipeline (needed when the partition has halo nodes).
+        device: where the edges and normalizers live, the features' device (default: the pipeline's,
+            else the CPU). They are copied there once; the partition stays where it is.
+    """
+
+    def __init__(
+        self, part: Partition, pipeline: HaloPipeline | None = None, device: torch.device | str | None = None
+    ) -> None:
         if pipeline is None and part.n_halo:
             raise ValueError(f"LocalGraph: partition {part.rank} has {part.n_halo} halo nodes but no halo pipeline")
+        if device is None:
+            self.device = pipeline.device if pipeline is not None else torch.device("cpu")
+        else:
+            self.device = as_device(device, "LocalGraph")
+        if pipeline is not None and pipeline.device != self.device:
+            raise ValueError(
+                f"LocalGraph: device {str(self.device)!r} but the halo pipeline exchanges rows on "
+                f"{str(pipeline.device)!r}; expected one device for both"
+            )
         self.part = part
         self.pipeline = pipeline
         self.n_inner, self.n_halo = part.n_inner, part.n_halo
-        self.src, self.dst = part.src, part.dst
-        self.in_degree = part.in_degree.clamp(min=1).float()
+        self.src, self.dst = part.src.to(self.device), part.dst.to(self.device)
+        self.in_degree = part.in_degree.to(self.device).clamp(min=1).float()
         self.in_norm = self.in_degree.pow(-0.5)
-        self.out_norm = part.out_degree.clamp(min=1).float().pow(-0.5)
+        self.out_norm = part.out_degree.to(self.device).clamp(min=1).float().pow(-0.5)
         self._ops: dict[tuple[str, bool], EdgeOps] = {}
         self._loops: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -67,10 +85,12 @@ class LocalGraph:
     def edges_with_self_loops(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The local edges plus a self-loop for every inner node without one (sources, destinations)."""
         if self._loops is None:
+            # Once, on the host (nonzero reads how many there are), then placed on the graph's device.
+            src, dst = self.part.src.to("cpu"), self.part.dst.to("cpu")
             has_loop = torch.zeros(self.n_inner, dtype=torch.bool)
-            has_loop[self.dst[self.src == self.dst]] = True
-            loops = torch.nonzero(~has_loop).view(-1).to(self.src.dtype)
-            self._loops = (torch.cat([self.src, loops]), torch.cat([self.dst, loops]))
+            has_loop[dst[src == dst]] = True
+            loops = torch.nonzero(~has_loop).view(-1).to(src.dtype)
+            self._loops = (torch.cat([src, loops]).to(self.device), torch.cat([dst, loops]).to(self.device))
         return self._loops
 
     def exchange(self, layer: int, h_inner: torch.Tensor) -> torch.Tensor:

@@ -8,18 +8,30 @@ loss is the global mean over training nodes, so with staleness 0 and fp32
 exchange the gradients equal single-process full-graph training's.
 ``Trainer.state_dict()`` / ``load_state_dict()`` checkpoint all of it, so a
 restarted run continues exactly where it stopped.
+
+The trainer runs on one device (:func:`resolve_device`: ``cuda:LOCAL_RANK`` on NCCL
+when CUDA is available, else the CPU): model, features, labels, masks, the local
+graph and the halo buffers live there, and an epoch reads the device back once,
+for the metrics it reports. :func:`gpu_check` (``python -m sylvie_comm.gnn.train
+--gpu-check OUTDIR``) compares training on a GPU with training on the CPU.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import dataclasses
+import io
+import json
+import os
 import resource
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,17 +40,21 @@ import torch.nn.functional as F
 
 from sylvie_comm.algorithms import Group, Member, Policy, algorithm_class, make_algorithm
 from sylvie_comm.collectives import ProcessGroupTransport, Stats, Transport, agree, wire_bytes
+from sylvie_comm.collectives.local import LocalTransport, run_local
 from sylvie_comm.config import Config
+from sylvie_comm.gnn import data as gdata
 from sylvie_comm.gnn.halo import (
     HaloExchanger,
     HaloPipeline,
+    as_device,
     check_settings,
     check_state,
     parse_precision,
     partition_signature,
+    uses_nccl,
 )
 from sylvie_comm.gnn.models import FullGraphGNN, LocalGraph
-from sylvie_comm.gnn.partition import Partition
+from sylvie_comm.gnn.partition import Partition, partition
 
 # DDP bucket size (MB) of the plain weight-gradient all-reduce. DDP's default (25 MB) puts a GNN's weights
 # (0.8 MB for 3 SAGE layers of 256) in one bucket, all-reduced only once the whole backward pass is done: on a
@@ -47,6 +63,10 @@ from sylvie_comm.gnn.partition import Partition
 # unchanged). The same buckets on every run: deterministic; with 2 ranks every sum is bit-identical to any
 # other layout's, with more a sum can differ from the one-bucket layout's in the last bits.
 GRAD_BUCKET_MB = 0.25
+
+# torch's default generator is one per process: in-process ranks (threads) seed it and draw their initial weights
+# one at a time, or one rank's draws would continue from another's seed and the ranks would start apart.
+_SEEDED_INIT = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -80,6 +100,57 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def local_rank() -> int:
+    """This process's index on its machine: ``LOCAL_RANK`` from the environment (set by torchrun), else 0."""
+    value = os.environ.get("LOCAL_RANK", "0")
+    rank = int(value) if value.strip().isdigit() else -1
+    if rank < 0:
+        raise ValueError(f"gnn: LOCAL_RANK must be an integer >= 0 (this process's index on its machine), "
+                         f"got {value!r}")  # fmt: skip
+    return rank
+
+
+def resolve_device(device: torch.device | str | None, backend: str | None = None) -> torch.device:
+    """The device a :class:`Trainer` trains on.
+
+    Args:
+        device: ``None`` (the default): ``cuda:LOCAL_RANK`` when CUDA is available and the ranks talk over
+            NCCL (``backend``), else the CPU. Otherwise ``"cpu"``, ``"cuda"`` (the current CUDA device) or
+            ``"cuda:i"`` (a string or a :class:`torch.device`).
+        backend: the process group's backend (``dist.get_backend(group)``), ``None`` without one.
+
+    Raises ValueError for another device type, a CUDA device that this process does not have, and the CPU
+    on a group that is NCCL alone (NCCL carries CUDA tensors only).
+    """
+    if device is None:
+        device = torch.device("cuda", local_rank()) if uses_nccl(backend) and torch.cuda.is_available() else "cpu"
+    dev = as_device(device, "gnn")
+    if dev.type == "cpu":
+        if backend == "nccl":
+            raise ValueError("gnn: device 'cpu' on a process group whose backend is 'nccl', which carries CUDA "
+                             "tensors only; expected a CUDA device (the default, cuda:LOCAL_RANK, where CUDA is "
+                             "available) or a gloo group")  # fmt: skip
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"gnn: device must be 'cpu', 'cuda' or 'cuda:<index>', got {str(device)!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"gnn: device {str(device)!r} asked for, but this process has no CUDA device "
+                         f"(torch.cuda.is_available() is False); expected 'cpu' here")  # fmt: skip
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"gnn: device {str(device)!r} asked for, but this process sees {count} CUDA "
+                         f"device(s); expected an index in [0, {count})")  # fmt: skip
+    return torch.device("cuda", index)
+
+
+def _backend_of(transport: Transport | None) -> str | None:
+    """The backend of a process-group transport's group (other transports have none)."""
+    if isinstance(transport, ProcessGroupTransport):
+        return str(dist.get_backend(transport.group))
+    return None
+
+
 class Trainer:
     """Full-graph training of one rank's partition (a collective constructor: every rank builds one).
 
@@ -90,7 +161,11 @@ class Trainer:
             of the trainer (halo exchange, gradient all-reduce, loss and accuracy sums) stays in it.
         transport: instead of a process group, any :class:`~sylvie_comm.collectives.Transport`, e.g.
             :class:`~sylvie_comm.collectives.horovod.HorovodTransport` (the default when Horovod is
-            initialized and torch.distributed is not: a run started by ``horovodrun``).
+            initialized and torch.distributed is not: a run started by ``horovodrun``), or the in-process
+            :class:`~sylvie_comm.collectives.local.LocalTransport` (ranks as threads of one process, on the CPU).
+        device: where to train (see :func:`resolve_device`); default ``cuda:LOCAL_RANK`` when CUDA is
+            available and the group's backend is NCCL, else the CPU. On CUDA the trainer makes it the
+            current device. Every rank must train on the same kind of device.
     """
 
     def __init__(
@@ -99,6 +174,7 @@ class Trainer:
         config: TrainConfig,
         process_group: dist.ProcessGroup | None = None,
         transport: Transport | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         self.part = part
         self.process_group = process_group
@@ -112,6 +188,17 @@ class Trainer:
             )
         if transport is None:
             transport = ProcessGroupTransport(process_group) if distributed else horovod_transport()
+        # Before the first collective: NCCL's object gathers run on the current CUDA device.
+        self.device = resolve_device(device, _backend_of(transport))
+        if self.device.type == "cuda" and isinstance(transport, LocalTransport) and transport.world_size > 1:
+            raise ValueError(
+                f"gnn: device {str(self.device)!r} with the in-process transport ({transport.world_size} ranks as "
+                "threads): their CUDA backward passes share the device's one autograd thread, so one rank's halo "
+                "exchange in backward would wait forever for the other's; expected device='cpu' for in-process "
+                "ranks, or one process per GPU over NCCL"
+            )
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # CUDA-only
         self.transport: Transport | None = transport
         self.world = transport.world_size if transport is not None else 1
         feat = part.ndata.get("feat")
@@ -125,7 +212,8 @@ class Trainer:
 
         def describe(cfg: TrainConfig) -> dict[str, Any]:
             return {**dataclasses.asdict(cfg), "num_parts": part.num_parts, "num_nodes": part.num_nodes,
-                    "features": int(feat.shape[1]) if feat is not None else None}  # fmt: skip
+                    "features": int(feat.shape[1]) if feat is not None else None,
+                    "device_type": self.device.type}  # fmt: skip
 
         if self.transport is not None:
             self.config = agree(self.transport, build, describe, "sylvie_comm.gnn")
@@ -138,20 +226,23 @@ class Trainer:
             # The halo exchange runs on a thread of its own under staleness: a transport of its own too.
             self.halo_transport = self.transport.fork()
             exchanger = HaloExchanger(part, self.halo_transport, cfg.forward, cfg.backward, cfg.meta_dtype,
-                                      cfg.error_feedback, cfg.seed)  # fmt: skip
+                                      cfg.error_feedback, cfg.seed, self.device)  # fmt: skip
             self.pipeline = HaloPipeline(exchanger, cfg.staleness, cfg.sync_every)
-        self.graph = LocalGraph(part, self.pipeline)
-        self.x = part.ndata["feat"].float()
-        self.y = part.ndata["label"]
+        self.graph = LocalGraph(part, self.pipeline, self.device)
+        labels = part.ndata["label"]
+        self.x = part.ndata["feat"].to(self.device).float()
+        self.y = labels.to(self.device)
         self.first_aggregate: torch.Tensor | None = None
         if cfg.precompute_first:
             # The input never changes: exchange its halo rows once, exactly, and aggregate once.
             halo_x = self.pipeline.exchange_once(self.x) if self.pipeline is not None else self.x[:0]
             self.first_aggregate = self.graph.first_aggregate(cfg.model, torch.cat([self.x, halo_x]))
-        num_classes = self._all_reduce_max(int(self.y.max().item()) + 1 if self.y.numel() else 0)
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        self.model = FullGraphGNN(cfg.model, self.x.shape[1], cfg.hidden, num_classes, cfg.layers, cfg.dropout,
-                                  cfg.backend)  # fmt: skip
+        num_classes = self._all_reduce_max(int(labels.max()) + 1 if labels.numel() else 0)  # host labels
+        with _SEEDED_INIT:  # identical initial weights on every rank (made on the CPU, on any device)
+            torch.manual_seed(cfg.seed)
+            model = FullGraphGNN(cfg.model, self.x.shape[1], cfg.hidden, num_classes, cfg.layers, cfg.dropout,
+                                 cfg.backend)  # fmt: skip
+        self.model = model.to(self.device)
         self.net: torch.nn.Module = self.model
         self.hook_state: Any = None
         self.averager: GradientAverage | None = None
@@ -159,8 +250,9 @@ class Trainer:
             # Plain fp32 all-reduce: buckets of GRAD_BUCKET_MB, so the last layers' gradients are summed while
             # the first layers' are still computed (a hook keeps DDP's default buckets, which it was written for).
             bucket_mb = GRAD_BUCKET_MB if cfg.grad_hook is None else None  # None: DDP's default
+            device_ids = [self.device] if self.device.type == "cuda" else None  # CUDA: the model's one device
             self.net = torch.nn.parallel.DistributedDataParallel(
-                self.model, process_group=process_group, bucket_cap_mb=bucket_mb
+                self.model, device_ids=device_ids, process_group=process_group, bucket_cap_mb=bucket_mb
             )
             if cfg.grad_hook is not None:
                 from sylvie_comm.integrations.ddp import register
@@ -170,10 +262,13 @@ class Trainer:
             # Any other transport (Horovod, in-process): the algorithm averages the gradients after backward.
             self.averager = self.hook_state = GradientAverage(self.model, transport.fork(), cfg.grad_hook or "none")
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.masks: dict[str, torch.Tensor] = {
-            k: part.ndata[k] for k in ("train_mask", "val_mask", "test_mask") if k in part.ndata
-        }
-        self.train_count = self._all_reduce_sum(torch.tensor([float(self.masks["train_mask"].sum())]))[0].item()
+        host_masks = {k: part.ndata[k] for k in ("train_mask", "val_mask", "test_mask") if k in part.ndata}
+        self.masks: dict[str, torch.Tensor] = {k: m.to(self.device) for k, m in host_masks.items()}
+        # The training rows as indices, found once on the host: a boolean mask would read its count back
+        # from the device on every use.
+        self.train_idx = torch.nonzero(host_masks["train_mask"]).view(-1).to(self.device)
+        count = torch.tensor([float(host_masks["train_mask"].sum())], device=self.device)
+        self.train_count = self._all_reduce_sum(count)[0].item()
         self.epoch = -1
         self.params = sum(p.numel() for p in self.model.parameters())
 
@@ -194,17 +289,28 @@ class Trainer:
     def loss(self, logits: torch.Tensor) -> torch.Tensor:
         """Sum of cross-entropy over local training nodes / global training count (times the world size,
         because DDP averages gradients over ranks)."""
-        m = self.masks["train_mask"]
+        m = self.train_idx
         local = F.cross_entropy(logits[m], self.y[m], reduction="sum") / self.train_count
         return local * self.world
 
     def train_epoch(self) -> dict[str, Any]:
+        """Train one epoch; return its metrics (global loss and accuracies, seconds and their split, bytes).
+
+        ``peak_memory_mb``: on CUDA, the most memory the device's caching allocator held during the epoch
+        (``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``), in MiB; on the CPU ``None``:
+        the process's peak RSS only ever grows, so it says nothing about one epoch (it is ``peak_rss_mb`` of
+        :meth:`stats`). On CUDA the epoch ends with one ``torch.cuda.synchronize``, so ``seconds`` counts its
+        kernels; the halo timings count the host threads' time.
+        """
         self.epoch += 1
         if self.pipeline is not None:
             self.pipeline.begin_epoch(self.epoch)
         halo_before = self._halo_bytes()
         times_before = self.pipeline.timings() if self.pipeline is not None else None
         hook_before = self.hook_state.stats()["bytes_sent"] if self.hook_state is not None else 0
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)  # CUDA-only
         t0 = time.perf_counter()
         self.model.train()
         self.opt.zero_grad()
@@ -214,8 +320,12 @@ class Trainer:
         if self.averager is not None:
             self.averager.average()
         self.opt.step()
+        if cuda:
+            torch.cuda.synchronize(self.device)  # CUDA-only: the epoch's seconds include its kernels
         seconds = time.perf_counter() - t0
         metrics = self._accuracies(logits.detach(), loss.detach() / self.world)
+        # CUDA-only: the device's peak this epoch (the caching allocator's, shared by in-process ranks on it).
+        peak = torch.cuda.max_memory_allocated(self.device) / 2**20 if cuda else None
         if self.hook_state is not None:
             grad_bytes = self.hook_state.stats()["bytes_sent"] - hook_before
         else:
@@ -233,6 +343,7 @@ class Trainer:
             **breakdown,
             "halo_bytes": self._halo_bytes() - halo_before,
             "grad_bytes": grad_bytes,
+            "peak_memory_mb": peak,
             **metrics,
         }
 
@@ -242,17 +353,20 @@ class Trainer:
         return sum(self.pipeline.exchanger.bytes_sent.values())
 
     def _accuracies(self, logits: torch.Tensor, loss: torch.Tensor) -> dict[str, float]:
-        pred = logits.argmax(1)
-        vals = [float(loss.item())]
+        """Global loss and accuracies: counted on the device, summed over the ranks, read back once."""
+        correct = logits.argmax(1) == self.y
         names = ["train", "val", "test"]
+        vals = [loss.reshape(1).double()]
         for k in names:
             m = self.masks.get(f"{k}_mask")
-            vals += [float((pred[m] == self.y[m]).sum()) if m is not None else 0.0,
-                     float(m.sum()) if m is not None else 0.0]  # fmt: skip
-        t = self._all_reduce_sum(torch.tensor(vals, dtype=torch.float64))
-        out = {"loss": float(t[0])}
+            if m is None:
+                vals.append(torch.zeros(2, dtype=torch.float64, device=self.device))
+            else:
+                vals.append(torch.stack([(correct & m).sum(), m.sum()]).double())
+        t = self._all_reduce_sum(torch.cat(vals)).tolist()  # the epoch's one read of the device
+        out = {"loss": t[0]}
         for i, k in enumerate(names):
-            out[f"{k}_acc"] = float(t[1 + 2 * i] / t[2 + 2 * i] * 100) if t[2 + 2 * i] > 0 else float("nan")
+            out[f"{k}_acc"] = t[1 + 2 * i] / t[2 + 2 * i] * 100 if t[2 + 2 * i] > 0 else float("nan")
         return out
 
     @contextlib.contextmanager
@@ -268,7 +382,7 @@ class Trainer:
         self.model.eval()
         with torch.no_grad(), self._synchronous():
             logits = self.model(self.graph, self.x, self.first_aggregate)
-            m = self.masks["train_mask"]
+            m = self.train_idx
             loss = F.cross_entropy(logits[m], self.y[m], reduction="sum") / self.train_count
             return self._accuracies(logits, loss)
 
@@ -280,11 +394,12 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """A snapshot of everything this rank needs to continue training exactly (call it between epochs).
 
-        Holds the epoch counter, the model and optimizer state, the CPU random generator (dropout),
-        the halo pipeline's state (the stale halo rows and gradients still queued for later epochs,
-        error-feedback residuals, q-bit noise offsets; see :meth:`HaloPipeline.state_dict`) and the
-        gradient hook's state. Local (no collectives): every rank saves its own, and it loads with
-        ``torch.load(path)`` (``weights_only``). Training on does not change it.
+        Holds the epoch counter, the model and optimizer state, the CPU random generator (dropout on the
+        CPU) and, on CUDA, the training device's generator (``cuda_rng``, else None), the halo pipeline's
+        state (the stale halo rows and gradients still queued for later epochs, error-feedback residuals,
+        q-bit noise offsets; see :meth:`HaloPipeline.state_dict`) and the gradient hook's state. Local (no
+        collectives): every rank saves its own, and it loads with ``torch.load(path)`` (``weights_only``).
+        Training on does not change it.
 
         With 2 ranks the resumed run is bit-identical to an uninterrupted one. With more, the first
         resumed step's gradient sum can differ in the last bits: a fresh DDP all-reduces its first step
@@ -304,6 +419,8 @@ class Trainer:
             "model": copy.deepcopy(self.model.state_dict()),
             "optimizer": copy.deepcopy(self.opt.state_dict()),
             "rng": torch.get_rng_state(),
+            # CUDA-only: dropout on the device draws from the device's generator.
+            "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
             "halo": self.pipeline.state_dict() if self.pipeline is not None else None,
             "grad_hook": self.hook_state.state_dict() if self.hook_state is not None else None,
         }
@@ -322,7 +439,7 @@ class Trainer:
             if self.epoch != -1:
                 raise ValueError(f"{what}: load a checkpoint into a freshly built trainer, before its first "
                                  f"epoch (this one is at epoch {self.epoch})")  # fmt: skip
-            keys = {"settings", "epoch", "model", "optimizer", "rng", "halo", "grad_hook"}
+            keys = {"settings", "epoch", "model", "optimizer", "rng", "cuda_rng", "halo", "grad_hook"}
             st = check_state(what, state, keys)
             check_settings(what, self.settings(), st["settings"])
             epoch = st["epoch"]
@@ -336,6 +453,12 @@ class Trainer:
             rng = st["rng"]
             if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8 or rng.dim() != 1:
                 raise ValueError(f"{what}: 'rng' must be a 1-D uint8 tensor (torch.get_rng_state())")
+            cuda_rng = st["cuda_rng"]
+            if cuda_rng is not None and (
+                not isinstance(cuda_rng, torch.Tensor) or cuda_rng.dtype != torch.uint8 or cuda_rng.dim() != 1
+            ):
+                raise ValueError(f"{what}: 'cuda_rng' must be None or a 1-D uint8 tensor "
+                                 "(torch.cuda.get_rng_state())")  # fmt: skip
             if self.pipeline is not None:
                 halo_epoch = st["halo"].get("epoch") if isinstance(st["halo"], Mapping) else None
                 if halo_epoch != epoch:
@@ -351,6 +474,10 @@ class Trainer:
                 raise ValueError(f"{what}: the checkpoint's gradient hook, model or optimizer state does not "
                                  f"fit this trainer: {exc!r}") from exc  # fmt: skip
             torch.set_rng_state(rng)
+            if cuda_rng is not None and self.device.type == "cuda":
+                # CUDA-only. A checkpoint written on the CPU carries none: the device's generator stays as
+                # seeded (dropout then draws other masks than the CPU run would have).
+                torch.cuda.set_rng_state(cuda_rng.cpu(), self.device)
             self.epoch = epoch
             return {"epoch": epoch}
 
@@ -448,3 +575,209 @@ def horovod_transport() -> Transport | None:
     from sylvie_comm.collectives.horovod import HorovodTransport
 
     return HorovodTransport()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The GPU check: training on a GPU against training on the CPU.
+
+GPU_CHECK_FILE = "gnn-gpu-check.json"
+# Largest |loss_cuda - loss_cpu| of fp32 training: float rounding (CUDA's atomic index_add sums in any order),
+# grown by a few Adam steps.
+TOLERANCE = 1e-3
+# Largest |straight - resumed| on CUDA: the same kernels, so only the order of atomic sums differs. Dropout masks
+# drawn from a generator that was not restored move the 20,000-node check's losses by about 3e-3.
+RESUME_TOLERANCE = 1e-4
+
+
+class GPUUnavailableError(RuntimeError):
+    """The GPU check needs a CUDA device and this process has none."""
+
+
+def _train_run(part: Partition, config: TrainConfig, device: str, epochs: int) -> dict[str, Any]:
+    tr = Trainer(part, config, device=device)
+    try:
+        history = [tr.train_epoch() for _ in range(epochs)]
+    finally:
+        tr.close()
+    peaks = [h["peak_memory_mb"] for h in history if h["peak_memory_mb"] is not None]
+    return {"losses": [h["loss"] for h in history], "peak_mb": max(peaks, default=None)}
+
+
+def _resumed_run(part: Partition, config: TrainConfig, device: str, epochs: int) -> list[float]:
+    """``epochs`` epochs with a checkpoint (through ``torch.save``/``torch.load``) and a fresh trainer half-way."""
+    tr = Trainer(part, config, device=device)
+    try:
+        losses = [tr.train_epoch()["loss"] for _ in range(epochs // 2)]
+        buf = io.BytesIO()
+        torch.save(tr.state_dict(), buf)
+    finally:
+        tr.close()
+    buf.seek(0)
+    tr = Trainer(part, config, device=device)
+    try:
+        tr.load_state_dict(torch.load(buf, weights_only=True))
+        losses += [tr.train_epoch()["loss"] for _ in range(epochs - epochs // 2)]
+    finally:
+        tr.close()
+    return losses
+
+
+def _halo_run(parts: list[Partition], precision: str, device: str, epochs: int, width: int,
+              seed: int) -> dict[str, Any]:  # fmt: skip
+    """Two in-process ranks exchange rows of ``width`` features through the pipeline (staleness 1), forward
+    and backward for two layers per epoch, from the same random rows on every device."""
+
+    def body(transport: Transport) -> list[torch.Tensor]:
+        part = parts[transport.rank]
+        pipeline = HaloPipeline(HaloExchanger(part, transport, precision, precision, seed=seed, device=device), 1)
+        gen = torch.Generator().manual_seed(seed * 1009 + transport.rank)
+        out: list[torch.Tensor] = []
+        try:
+            for epoch in range(epochs):
+                pipeline.begin_epoch(epoch)
+                for layer in (1, 2):
+                    inner = torch.randn(part.n_inner, width, generator=gen).to(pipeline.device)
+                    out.append(pipeline.features(layer, inner).cpu())  # read here for the comparison only
+                for layer in (2, 1):
+                    grad = torch.randn(part.n_halo, width, generator=gen).to(pipeline.device)
+                    returned = pipeline.gradients(layer, grad)
+                    if returned is not None:
+                        out.append(returned.cpu())
+        finally:
+            pipeline.close()
+        return out
+
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    rows = run_local(2, body, timeout=600.0)
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
+    return {"rows": [t for rank in rows for t in rank], "peak_mb": peak}
+
+
+def _max_abs_diff(a: list[Any], b: list[Any]) -> float:
+    """The largest absolute difference between two runs' losses (floats) or rows (tensors, of equal shapes)."""
+    if len(a) != len(b):
+        raise RuntimeError(f"gnn gpu check: the runs produced {len(a)} and {len(b)} results; expected as many")
+    diffs = [
+        (float((x - y).abs().max()) if x.numel() else 0.0) if isinstance(x, torch.Tensor) else abs(x - y)
+        for x, y in zip(a, b, strict=True)
+    ]
+    return max(diffs, default=0.0)
+
+
+def gpu_check(out_dir: str | Path, epochs: int = 5, nodes: int = 20_000, seed: int = 0) -> dict[str, Any]:
+    """Train the GNN on ``cuda:0`` and on the CPU from the same graph and seed, and compare (needs a CUDA GPU).
+
+    Every part runs on ``cuda:0`` and on the CPU, on one CSBM graph (:func:`sylvie_comm.gnn.data.csbm`,
+    ``nodes`` nodes, 64 features), one partition and one seed:
+
+    - ``train``: one process trains SAGE, GCN and GAT (3 layers of 64, the ``torch`` backend) for ``epochs``
+      epochs: the losses side by side, their largest absolute difference, and the largest per-epoch peak of
+      GPU memory (``peak_memory_mb`` of :meth:`Trainer.train_epoch`).
+    - ``resume``: SAGE with dropout 0.5, checkpointed half-way and resumed in a fresh trainer (the device's
+      random generator travels in the checkpoint) against the same run straight through, on ``cuda:0``.
+    - ``halo``: two in-process ranks exchange rows of 128 features through :class:`HaloPipeline`
+      (staleness 1, two layers, forward and backward) in ``fp32`` and in ``q1``: the rows' largest
+      difference from the CPU's, and the GPU's peak memory over the exchanges (both ranks' tensors), fp32
+      against q1. In-process ranks do not *train* on one GPU: their CUDA backward passes share the device's
+      one autograd thread, so a halo exchange in one rank's backward would wait for the other's forever
+      (the Trainer refuses it).
+
+    ``report["ok"]``: fp32 training losses within ``TOLERANCE`` of the CPU's, the resumed run within
+    ``RESUME_TOLERANCE`` of the straight one, fp32 halo rows equal to the CPU's, and q1 halos peaking below
+    fp32 ones. The report is returned and written to ``out_dir/gnn-gpu-check.json``.
+
+    Raises:
+        GPUUnavailableError: at once (before any work), when ``torch.cuda.is_available()`` is False.
+        ValueError: ``epochs`` below 2 or ``nodes`` below 100.
+    """
+    if not torch.cuda.is_available():
+        raise GPUUnavailableError(
+            f"gnn gpu check: no CUDA device (torch.cuda.is_available() is False; torch {torch.__version__}, "
+            f"built for CUDA {torch.version.cuda}); run it on a machine with a GPU and a CUDA build of torch"
+        )
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 2:
+        raise ValueError(f"gnn gpu check: epochs must be an integer >= 2 (it resumes half-way), got {epochs!r}")
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 100:
+        raise ValueError(f"gnn gpu check: nodes must be an integer >= 100, got {nodes!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cuda = "cuda:0"
+    g = gdata.csbm(num_nodes=nodes, feat_dim=64, seed=seed)
+    (whole,) = partition((g.src, g.dst), 1, "random", num_nodes=g.num_nodes, ndata=g.ndata, seed=seed)
+    halves = partition((g.src, g.dst), 2, "random", num_nodes=g.num_nodes, ndata=g.ndata, seed=seed)
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                              "cuda": torch.version.cuda, "nodes": nodes, "epochs": epochs, "seed": seed,
+                              "tolerance": TOLERANCE, "resume_tolerance": RESUME_TOLERANCE, "train": {},
+                              "halo": {}}  # fmt: skip
+    ok = True
+    for model in ("sage", "gcn", "gat"):
+        config = TrainConfig(model=model, hidden=64, layers=3, backend="torch", seed=seed)
+        on_gpu, on_cpu = _train_run(whole, config, cuda, epochs), _train_run(whole, config, "cpu", epochs)
+        diff = _max_abs_diff(on_gpu["losses"], on_cpu["losses"])
+        ok = ok and diff <= TOLERANCE
+        report["train"][model] = {"cuda_losses": on_gpu["losses"], "cpu_losses": on_cpu["losses"],
+                                  "max_abs_diff": diff, "peak_gpu_mb": on_gpu["peak_mb"]}  # fmt: skip
+    config = TrainConfig(model="sage", hidden=64, layers=3, dropout=0.5, backend="torch", seed=seed)
+    straight = _train_run(whole, config, cuda, epochs)["losses"]
+    resumed = _resumed_run(whole, config, cuda, epochs)
+    diff = _max_abs_diff(straight, resumed)
+    ok = ok and diff <= RESUME_TOLERANCE
+    report["resume"] = {"straight_losses": straight, "resumed_losses": resumed, "max_abs_diff": diff}
+    for precision in ("fp32", "q1"):
+        on_gpu, on_cpu = (_halo_run(halves, precision, d, epochs, 128, seed) for d in (cuda, "cpu"))
+        diff = _max_abs_diff(on_gpu["rows"], on_cpu["rows"])
+        ok = ok and (diff == 0.0 if precision == "fp32" else diff == diff)  # q1: reported; NaN fails
+        report["halo"][precision] = {"max_abs_diff": diff, "peak_gpu_mb": on_gpu["peak_mb"],
+                                     "exchanges": len(on_gpu["rows"])}  # fmt: skip
+    ok = ok and report["halo"]["q1"]["peak_gpu_mb"] < report["halo"]["fp32"]["peak_gpu_mb"]
+    report["ok"] = ok
+    (out / GPU_CHECK_FILE).write_text(json.dumps(report, indent=1) + "\n")
+    return report
+
+
+def format_gpu_check(report: dict[str, Any]) -> str:
+    """The GPU check's report as a few lines of text."""
+
+    def mb(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.1f} MB"
+
+    lines = [f"gnn gpu check on {report['device']} (torch {report['torch']}, CUDA {report['cuda']}): "
+             f"{'ok' if report['ok'] else 'FAILED'}"]  # fmt: skip
+    for model, r in report["train"].items():
+        lines.append(f"  train {model}: max |loss cuda - cpu| {r['max_abs_diff']:.3g} over {report['epochs']} "
+                     f"epochs (tolerance {report['tolerance']:g}); peak GPU {mb(r['peak_gpu_mb'])}")  # fmt: skip
+    lines.append(
+        f"  resume (dropout 0.5, cuda): max |straight - resumed| {report['resume']['max_abs_diff']:.3g} "
+        f"(tolerance {report['resume_tolerance']:g})"
+    )
+    for precision, r in report["halo"].items():
+        lines.append(f"  halo {precision} (2 in-process ranks): max |rows cuda - cpu| {r['max_abs_diff']:.3g}; "
+                     f"peak GPU {mb(r['peak_gpu_mb'])}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sylvie_comm.gnn.train --gpu-check OUTDIR``: 0 when the check passes, 1 when it fails,
+    2 without a CUDA device."""
+    parser = argparse.ArgumentParser(
+        prog="python -m sylvie_comm.gnn.train", description="Compare GNN training on a CUDA GPU with the CPU's."
+    )
+    parser.add_argument("--gpu-check", metavar="OUTDIR", required=True,
+                        help=f"run the check and write OUTDIR/{GPU_CHECK_FILE}")  # fmt: skip
+    parser.add_argument("--epochs", type=int, default=5, help="epochs per run (default 5)")
+    parser.add_argument("--nodes", type=int, default=20_000, help="nodes of the CSBM graph (default 20000)")
+    args = parser.parse_args(argv)
+    try:
+        report = gpu_check(args.gpu_check, args.epochs, args.nodes)
+    except GPUUnavailableError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(format_gpu_check(report))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
