@@ -6,13 +6,12 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from sylvie_comm import _ops
 from sylvie_comm.bench import cuda
+from tests.gpu_marks import HAS_CUDA_KERNELS, needs_cuda
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and _ops.WITH_CUDA_OPS, reason="this machine has what the bench needs")
+@pytest.mark.skipif(HAS_CUDA_KERNELS, reason="this machine has what the bench needs")
 def test_without_a_gpu_it_says_so_and_fails(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "sylvie_comm.bench.cuda", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -22,7 +21,7 @@ def test_without_a_gpu_it_says_so_and_fails(tmp_path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() and _ops.WITH_CUDA_OPS), reason="needs a GPU and the CUDA kernels")
+@needs_cuda
 def test_on_a_gpu_every_op_is_measured_against_the_copy(tmp_path) -> None:
     result = cuda.measure(1024, 1024, repeats=3)
     assert result["copy_gb_s"] > 0 and set(result["ops"]) >= {"onebit_encode", "qbit_encode", "lowrank_project"}

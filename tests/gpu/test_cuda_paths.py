@@ -17,20 +17,13 @@ from typing import Any
 import pytest
 import torch
 
-from sylvie_comm import _ops
 from sylvie_comm.algorithms import ALGORITHMS, Group, Member, Policy, make_algorithm
 from sylvie_comm.collectives.local import run_local
 from sylvie_comm.config import Config
 from tests.dist_utils import run_distributed
+from tests.gpu_marks import NEEDS_CUDA
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() and _ops.WITH_CUDA_OPS),
-        reason=f"needs a GPU and the CUDA kernels (CUDA device: {torch.cuda.is_available()}, "
-        f"extension with CUDA kernels: {_ops.WITH_CUDA_OPS})",
-    ),
-]
+pytestmark = NEEDS_CUDA
 
 SHAPES = {"a.weight": (64, 96), "a.bias": (64,), "b.weight": (32, 64), "c.weight": (8, 4, 3, 3)}
 STEPS = 12

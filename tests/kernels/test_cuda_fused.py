@@ -24,18 +24,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sylvie_comm import _ops
 from sylvie_comm.kernels import reference as ref
+from tests.gpu_marks import NEEDS_CUDA
 from tests.kernels.test_fused import _parts, _same_nan, bound, data
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() and _ops.WITH_CUDA_OPS),
-        reason=f"needs a GPU and the CUDA kernels (CUDA device: {torch.cuda.is_available()}, "
-        f"extension with CUDA kernels: {_ops.WITH_CUDA_OPS})",
-    ),
-]
+pytestmark = NEEDS_CUDA
 
 OPS = torch.ops.sylvie_comm
 EPS = torch.finfo(torch.float32).eps
