@@ -67,8 +67,12 @@ def _is_dir(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink()
 
 
-def _check_only_partition_files(folder: Path) -> None:
-    """Refuse a folder holding anything a partition writer did not put there (nothing else is ever deleted)."""
+def _check_only_partition_files(folder: Path, locked: bool = True) -> None:
+    """Refuse a folder holding anything a partition writer did not put there (nothing else is ever deleted).
+
+    Without the writer lock (``locked=False``, before taking it) only the names are checked: another writer
+    may be deleting an old version right then, whose entries vanish under the check; with it, the kinds and
+    the versions' contents too."""
     if not folder.exists() and not folder.is_symlink():
         return
     if not folder.is_dir():
@@ -82,9 +86,11 @@ def _check_only_partition_files(folder: Path) -> None:
             or name == "meta.json"
             or _PART_FILE.fullmatch(name)
         ):
-            if not _is_file(entry):
+            if locked and not _is_file(entry):
                 foreign.append(f"{name} (not a file)")
         elif _VERSION.fullmatch(name) or _STAGING.fullmatch(name):
+            if not locked:
+                continue
             if not _is_dir(entry):
                 foreign.append(f"{name} (not a folder)")
                 continue
@@ -172,7 +178,7 @@ def save_partitions(parts: list[Partition], folder: str | Path, inputs: Mapping[
                              "(the list partition() returns)")  # fmt: skip
         check_partition(p)
     folder = Path(folder)
-    _check_only_partition_files(folder)
+    _check_only_partition_files(folder, locked=False)  # foreign names: refused before the lock file is made
     folder.mkdir(parents=True, exist_ok=True)
     with _writer_lock(folder):
         _check_only_partition_files(folder)

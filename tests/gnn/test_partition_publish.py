@@ -242,3 +242,26 @@ def test_two_writers_and_a_reader_race_on_one_folder(tmp_path):
     assert value >= 50
     assert recorded_inputs(folder) in ({"write": 1}, {"write": 2})
     assert len([p for p in Path(folder).iterdir() if p.name.startswith(("v-", ".writing-"))]) == 1
+
+
+def test_a_writer_is_not_refused_while_another_deletes_an_old_version(tmp_path, monkeypatch):
+    """Before it takes the lock, a writer checks the folder's names only: another writer may be deleting an old
+    version at that moment, whose entries vanish between the listing and a look at them (as two writer processes
+    once saw: 'v-... (not a folder)'). Under the lock, where no one deletes, the kinds are checked too."""
+    folder = tmp_path / "parts"
+    save(folder, 0)
+    gone = folder / ("v-" + "0" * 32)  # listed, then deleted before it is looked at
+    listing = Path.iterdir
+
+    def stale(self):
+        yield from listing(self)
+        if self == folder:
+            yield gone
+
+    monkeypatch.setattr(Path, "iterdir", stale)
+    partition_store._check_only_partition_files(folder, locked=False)  # a name of a partition: not refused
+    with pytest.raises(ValueError, match=r"v-0{32} \(not a folder\)"):
+        partition_store._check_only_partition_files(folder)
+    monkeypatch.undo()
+    save(folder, 1)  # and a write goes through
+    assert recorded_inputs(folder) == {"write": 1}
