@@ -147,21 +147,26 @@ def wheel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     return whl
 
 
-@pytest.fixture(scope="module")
-def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh virtual environment holding the wheel; dependencies come from this environment's site-packages."""
-    root = tmp_path_factory.mktemp("venv") / "env"
+def _venv_with(wheel: Path, root: Path, dependencies: list[Path] | list[str]) -> Path:
+    """A fresh virtual environment at ``root`` holding the wheel, whose dependencies come from the folders
+    ``dependencies`` (named in a .pth file)."""
     _run([sys.executable, "-m", "venv", "--without-pip", str(root)], cwd=root.parent, timeout=120)
     python = root / "bin" / "python"
     purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root,
                    timeout=60).stdout.strip()  # fmt: skip
     # A path line in a .pth file only extends sys.path: the .pth files over there (the editable install's
     # finder among them) are not run, so `sylvie_comm` can come only from this environment's own copy.
-    deps = [p for p in site.getsitepackages() if Path(p).is_dir()]
-    (Path(purelib) / "project-dependencies.pth").write_text("".join(f"{p}\n" for p in deps))
+    (Path(purelib) / "project-dependencies.pth").write_text("".join(f"{p}\n" for p in dependencies))
     _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
          cwd=root, timeout=300)  # fmt: skip
     return root
+
+
+@pytest.fixture(scope="module")
+def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh virtual environment holding the wheel; dependencies come from this environment's site-packages."""
+    root = tmp_path_factory.mktemp("venv") / "env"
+    return _venv_with(wheel, root, [p for p in site.getsitepackages() if Path(p).is_dir()])
 
 
 # The top-level packages the optional extras install (sylvie-comm[dgl], [ogb], [horovod]) and the base install does not.
@@ -192,15 +197,7 @@ def _base_install_view(dest: Path) -> list[Path]:
 def base_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh virtual environment holding the wheel and seeing only the base install's dependencies."""
     root = tmp_path_factory.mktemp("base-venv") / "env"
-    _run([sys.executable, "-m", "venv", "--without-pip", str(root)], cwd=root.parent, timeout=120)
-    python = root / "bin" / "python"
-    purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root,
-                   timeout=60).stdout.strip()  # fmt: skip
-    views = _base_install_view(root.parent / "deps")
-    (Path(purelib) / "project-dependencies.pth").write_text("".join(f"{p}\n" for p in views))
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
-         cwd=root, timeout=300)  # fmt: skip
-    return root
+    return _venv_with(wheel, root, _base_install_view(root.parent / "deps"))
 
 
 def _path_without_horovodrun(venv: Path) -> str:
