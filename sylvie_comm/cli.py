@@ -128,6 +128,14 @@ def _bench_cleanup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_quality(args: argparse.Namespace) -> int:
+    """``bench quality``: hooks against plain DDP on real data (sylvie_comm.bench.quality)."""
+    from sylvie_comm.bench import quality
+
+    quality.main(args.args)
+    return 0
+
+
 def _bench_floor(args: argparse.Namespace) -> int:
 
     from sylvie_comm.bench import floor
@@ -331,6 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.set_defaults(func=_bench_ddp)
 
+    q = bench_sub.add_parser(
+        "quality",
+        help="model quality on real data: each hook next to plain DDP (CNN on Fashion-MNIST, byte LM)",
+        add_help=False,
+    )
+    q.add_argument("args", nargs="*", help="options of sylvie_comm.bench.quality (--help lists them)")
+    q.set_defaults(func=_bench_quality)
+
     fl = bench_sub.add_parser("floor", help="hook encode + decode against the memory-traffic floor (17.9M MLP)")
     fl.add_argument(
         "--repeats", type=_positive, default=12, help="interleaved steps, in pairs (odd rounds up; default 12)"
@@ -382,7 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if getattr(args, "func", None) is _bench_quality:
+        args.args = [*args.args, *extra]  # its options are quality.main's own
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return int(args.func(args))
 
 

@@ -1,0 +1,601 @@
+"""Model quality on real data: each hook trained next to plain DDP, same seeds, same data order.
+
+Two workloads on the data sets of :mod:`sylvie_comm.bench.datasets` (``scripts/data.sh`` installs them):
+
+* ``cnn``: a small CNN (conv 32 3x3, max-pool, conv 64 3x3, max-pool, linear 1600-128, linear 128-10;
+  225k parameters) on Fashion-MNIST (or MNIST), batch 64 per rank; test accuracy on the 10,000 test images.
+  Optimizers: SGD lr 0.05 momentum 0.9, and AdamW lr 1e-3 weight decay 0.01.
+* ``lm``: a byte-level transformer language model (4 pre-LayerNorm blocks, width 128, 4 heads, context 128,
+  tied embeddings; 842k parameters) on the Python documentation's sources, batch 16 x 128 bytes per rank,
+  AdamW(lr 1e-3, betas (0.9, 0.95), weight decay 0.1), 20 warm-up steps then cosine decay, gradient clipping
+  at 1.0; validation loss in nats per byte on 256 fixed windows of the held-out files.
+
+Every run uses 2 gloo ranks (one thread each) and the hook's default options unless a variant says otherwise;
+``sylvie-comm bench quality --workload cnn`` prints a table (accuracy or loss, its gap to plain
+DDP, bytes against fp32 over the whole run and after the warm-up) and writes JSON and a plot with ``--out``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from sylvie_comm.bench import datasets
+
+PLAIN = "plain"  # plain DDP: no hook registered
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One run: a hook name (or ``plain``) with options, under a label."""
+
+    label: str
+    hook: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def variants(names: Sequence[str]) -> list[Variant]:
+    """Variants from ``hook`` or ``hook:key=value,key=value`` strings (``acpsgd:rank=8``)."""
+    out = []
+    for spec in names:
+        hook, _, rest = spec.partition(":")
+        options: dict[str, Any] = {}
+        for item in filter(None, rest.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise ValueError(f"variant {spec!r}: option {item!r} is not key=value")
+            options[key] = _value(value)
+        out.append(Variant(spec, hook, options))
+    return out
+
+
+def _value(text: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+# ---------------------------------------------------------------------------------------------- models
+
+
+class SmallCNN(nn.Module):
+    """conv 32 3x3, max-pool 2, conv 64 3x3, max-pool 2, linear 1600-128, linear 128-10 (ReLU between)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3)
+        self.conv2 = nn.Conv2d(32, 64, 3)
+        self.fc1 = nn.Linear(1600, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))  # type: ignore[no-any-return]
+
+
+class ByteLM(nn.Module):
+    """A byte-level decoder: byte + position embeddings, pre-LayerNorm causal blocks, the byte embedding tied
+    to the output projection."""
+
+    def __init__(self, width: int = 128, layers: int = 4, heads: int = 4, context: int = 128) -> None:
+        super().__init__()
+        self.bytes = nn.Embedding(256, width)
+        self.positions = nn.Embedding(context, width)
+        block = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.context = context
+        nn.init.normal_(self.bytes.weight, std=0.02)
+        nn.init.normal_(self.positions.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[1]
+        if n > self.context:
+            raise ValueError(f"ByteLM: sequence length {n} is over the context {self.context}")
+        h = self.bytes(tokens) + self.positions(torch.arange(n, device=tokens.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(n, device=tokens.device)
+        h = self.blocks(h, mask=mask, is_causal=True)
+        return self.norm(h) @ self.bytes.weight.t()  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------------------------------------- workloads
+
+
+@dataclass
+class Workload:
+    """What a run needs: the model, its optimizer and schedule, the batches and the evaluation."""
+
+    name: str
+    steps: int
+    make_model: Callable[[], nn.Module]
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer]
+    batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    evaluate: Callable[[nn.Module], float]  # the metric: accuracy % (higher is better) or loss (lower)
+    metric: str
+    higher_is_better: bool
+    schedule: Callable[[int], float] = lambda step: 1.0  # lr multiplier at ``step``
+    clip: float | None = None
+    eval_every: int = 100
+
+
+OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
+    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+    "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01),
+}
+
+
+def cnn_workload(rank: int, world: int, optimizer: str = "sgd", steps: int = 600, images: str = "fashion-mnist",
+                 batch: int = 64) -> Workload:  # fmt: skip
+    """The CNN workload for ``rank``: each rank draws its own batches from the whole training set."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"cnn: optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    train, test = datasets.load_images(images, "train"), datasets.load_images(images, "test")
+    mean, std = train.images.float().div(255).mean(), train.images.float().div(255).std()
+    xtr = (train.images.float().div(255).unsqueeze(1) - mean) / std
+    xte = (test.images.float().div(255).unsqueeze(1) - mean) / std
+    ytr, yte = train.labels, test.labels
+
+    def draw(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, len(ytr), (batch,), generator=gen)
+        return xtr[idx], ytr[idx]
+
+    def evaluate(model: nn.Module) -> float:
+        with torch.no_grad():
+            hits = sum(
+                int((model(xte[i : i + 1000]).argmax(1) == yte[i : i + 1000]).sum()) for i in range(0, len(yte), 1000)
+            )
+        return 100.0 * hits / len(yte)
+
+    return Workload(f"cnn/{images}/{optimizer}", steps, SmallCNN, OPTIMIZERS[optimizer], draw, F.cross_entropy,
+                    evaluate, "test accuracy %", True)  # fmt: skip
+
+
+LM_CONTEXT = 128
+LM_VAL_WINDOWS = 256
+
+
+def lm_workload(rank: int, world: int, steps: int = 300, batch: int = 16, warmup: int = 20) -> Workload:
+    """The byte LM workload: random windows of the training bytes; validation on fixed held-out windows."""
+    text = datasets.load_text("pydocs")
+    train, val = text.train, text.val
+    starts = torch.linspace(0, val.numel() - LM_CONTEXT - 2, LM_VAL_WINDOWS).long()
+    windows = torch.stack([val[s : s + LM_CONTEXT + 1] for s in starts.tolist()]).long()
+
+    def draw(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        s = torch.randint(0, train.numel() - LM_CONTEXT - 1, (batch,), generator=gen)
+        w = torch.stack([train[i : i + LM_CONTEXT + 1] for i in s.tolist()]).long()
+        return w[:, :-1], w[:, 1:]
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+    def evaluate(model: nn.Module) -> float:
+        with torch.no_grad():
+            total = sum(
+                float(loss(model(windows[i : i + 32, :-1]), windows[i : i + 32, 1:]))
+                for i in range(0, LM_VAL_WINDOWS, 32)
+            )
+        return total / (LM_VAL_WINDOWS // 32)
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    def optimizer(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+    return Workload("lm/pydocs/adamw", steps, ByteLM, optimizer, draw, loss, evaluate, "val loss (nats/byte)", False,
+                    schedule=schedule, clip=1.0, eval_every=50)  # fmt: skip
+
+
+def make_workload(name: str, rank: int, world: int, **kw: Any) -> Workload:
+    if name == "cnn":
+        return cnn_workload(rank, world, **kw)
+    if name == "lm":
+        return lm_workload(rank, world, **kw)
+    raise ValueError(f"unknown workload {name!r}; expected cnn or lm")
+
+
+# ---------------------------------------------------------------------------------------------- diagnosis
+
+KINDS = ("conv", "linear", "embedding", "attention", "layernorm", "bias")
+
+
+def layer_kinds(model: nn.Module) -> dict[str, str]:
+    """Each parameter's kind: conv, linear, embedding, attention (the projections of an attention layer),
+    layernorm, or bias (any other 1-D parameter)."""
+    kinds: dict[str, str] = {}
+    for mname, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            name = f"{mname}.{pname}" if mname else pname
+            if isinstance(module, nn.LayerNorm):
+                kind = "layernorm"
+            elif p.dim() < 2:
+                kind = "bias"
+            elif isinstance(module, nn.MultiheadAttention) or ".self_attn." in f".{name}":
+                kind = "attention"
+            elif isinstance(module, nn.Conv2d):
+                kind = "conv"
+            elif isinstance(module, nn.Embedding):
+                kind = "embedding"
+            else:
+                kind = "linear"
+            kinds[name] = kind
+    return kinds
+
+
+def one_shot_removed(hook: str, options: dict[str, Any], g: torch.Tensor) -> float | None:
+    """The fraction of ``||g||^2`` one compression by ``hook``'s codec removes (no error feedback), for the
+    codecs that compress one tensor alone; for the low-rank hooks, the best rank-r approximation's (SVD)."""
+    from sylvie_comm.codecs import get_codec
+
+    if g.dim() < 2 and hook in ("acpsgd", "powersgd"):
+        return None
+    energy = float(g.pow(2).sum())
+    if energy == 0:
+        return None
+    if hook in ("acpsgd", "powersgd"):
+        r = int(options.get("rank", 4))
+        s = torch.linalg.svdvals(g.reshape(g.shape[0], -1).double())
+        return float(s[r:].pow(2).sum() / s.pow(2).sum())
+    codecs: dict[str, tuple[str, dict[str, Any]]] = {
+              "onebit": ("onebit", {k: options[k] for k in ("chunk_size", "scale") if k in options}),
+              "sign": ("sign", {}), "topk": ("topk", {k: options[k] for k in ("ratio",) if k in options}),
+              "qsgd": ("qbit", {"bits": int(options.get("bits", 4))})}  # fmt: skip
+    if hook not in codecs:
+        return None
+    name, opts = codecs[hook]
+    codec = get_codec(name, **opts)
+    out = codec.decode(codec.encode(g.detach().clone()))
+    return float((g - out.reshape(g.shape)).pow(2).sum()) / energy
+
+
+class Diagnosis:
+    """What compression does to each kind of layer, measured in the run itself.
+
+    Every step, the batch's gradient is first taken locally (``no_sync``) and averaged in fp32 (the true
+    gradient); then the hook's backward pass runs on the same batch (what is sent). Per kind: the mean
+    cosine between sent and true, their relative error, the relative residual (the norm of the summed
+    differences, ``sum(true - sent)``, over the norm of the summed true gradients: what error feedback
+    still owes, as a share of all that was to be sent), the fraction of ``||g||^2`` one compression
+    removes, and with Adam the second moment the optimizer holds over the one the true gradients build.
+    """
+
+    def __init__(self, model: nn.Module, variant: Variant, opt: torch.optim.Optimizer) -> None:
+        self.kinds = layer_kinds(model)
+        self.params = dict(model.named_parameters())
+        self.variant, self.opt = variant, opt
+        self.cum_err = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        self.cum_true = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        self.v_true = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        self.sums: dict[str, dict[str, float]] = {}
+        self.steps = 0
+
+    def true_gradients(self) -> dict[str, torch.Tensor]:
+        names = [n for n, p in self.params.items() if p.grad is not None]
+        flat = torch.cat([self.params[n].grad.reshape(-1) for n in names])  # type: ignore[union-attr]
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        out, at = {}, 0
+        for n in names:
+            k = self.params[n].numel()
+            out[n] = flat[at : at + k].view_as(self.params[n])
+            at += k
+        return out
+
+    def _add(self, kind: str, key: str, value: float, weight: float = 1.0) -> None:
+        row = self.sums.setdefault(kind, {})
+        row[key] = row.get(key, 0.0) + value * weight
+        row[key + "#w"] = row.get(key + "#w", 0.0) + weight
+
+    def observe(self, true: dict[str, torch.Tensor], beta2: float | None) -> None:
+        self.steps += 1
+        shot = self.steps % 50 == 1
+        for n, t in true.items():
+            p = self.params[n]
+            if p.grad is None:
+                continue
+            sent, kind, w = p.grad, self.kinds[n], float(t.pow(2).sum())
+            tn, sn = float(t.norm()), float(sent.norm())
+            if tn > 0 and sn > 0:
+                self._add(kind, "cosine", float((sent * t).sum()) / (tn * sn), w)
+            if tn > 0:
+                self._add(kind, "relative_error", float((sent - t).norm()) / tn, w)
+            self.cum_err[n] += t - sent
+            self.cum_true[n] += t
+            if beta2 is not None:
+                self.v_true[n].mul_(beta2).addcmul_(t, t, value=1 - beta2)
+            if shot:
+                removed = one_shot_removed(self.variant.hook, self.variant.options, t)
+                if removed is not None:
+                    self._add(kind, "one_shot_removed", removed, w)
+
+    def report(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for kind, row in self.sums.items():
+            out[kind] = {k: row[k] / row[k + "#w"] for k in row if not k.endswith("#w") and row[k + "#w"] > 0}
+        for kind in out:
+            names = [n for n in self.params if self.kinds[n] == kind]
+            err = sum(float(self.cum_err[n].pow(2).sum()) for n in names) ** 0.5
+            tot = sum(float(self.cum_true[n].pow(2).sum()) for n in names) ** 0.5
+            out[kind]["relative_residual"] = err / tot if tot > 0 else 0.0
+            states = [self.opt.state.get(self.params[n], {}).get("exp_avg_sq") for n in names]
+            if all(v is not None for v in states) and states:
+                held = sum(float(v.sum()) for v in states if v is not None)
+                built = sum(float(self.v_true[n].sum()) for n in names)
+                if built > 0:
+                    out[kind]["adam_v_ratio"] = held / built
+            out[kind]["parameters"] = float(sum(self.params[n].numel() for n in names))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- one run
+
+
+def train(
+    wl: Workload, variant: Variant, rank: int, world: int, seed: int = 0, diagnose: bool = False
+) -> dict[str, Any]:
+    """Train ``wl`` under ``variant`` on this rank (the default group is up); metrics, curve and bytes.
+
+    With ``diagnose``, every step also measures what compression does per kind of layer (:class:`Diagnosis`).
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import sylvie_comm.ddp
+
+    torch.manual_seed(seed)
+    model = wl.make_model()
+    ddp = DDP(model)
+    state = None
+    if variant.hook != PLAIN:
+        options = dict(variant.options)
+        raw = options.pop("raw", None)  # raw=conv*+fc1.*: those parameters travel uncompressed
+        if raw is None:
+            state = sylvie_comm.ddp.register(ddp, variant.hook, **options)
+        else:
+            from sylvie_comm.config import UNCOMPRESSED, Config, Rule
+
+            fields = {k: options.pop(k) for k in ("warmup_steps", "min_compression_rate", "seed") if k in options}
+            rules = tuple(Rule(p, UNCOMPRESSED) for p in str(raw).split("+"))
+            config = Config(variant.hook, options, rules=rules, **fields)
+            state = sylvie_comm.ddp.register(ddp, config=config)
+    opt = wl.make_optimizer(model)
+    diag = Diagnosis(model, variant, opt) if diagnose else None
+    betas = opt.param_groups[0].get("betas")
+    beta2 = betas[1] if betas is not None else None
+    base_lr = [g["lr"] for g in opt.param_groups]
+    gen = torch.Generator().manual_seed(1000 * seed + rank)
+    curve: list[tuple[int, float, float]] = []  # (step, training loss, metric)
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    try:
+        for step in range(wl.steps):
+            for g, lr in zip(opt.param_groups, base_lr, strict=True):
+                g["lr"] = lr * wl.schedule(step)
+            x, y = wl.batch(gen)
+            true = None
+            if diag is not None:
+                opt.zero_grad(set_to_none=True)
+                with ddp.no_sync():
+                    wl.loss(ddp(x), y).backward()  # type: ignore[no-untyped-call]
+                true = {n: t.clone() for n, t in diag.true_gradients().items()}
+            opt.zero_grad(set_to_none=True)
+            loss = wl.loss(ddp(x), y)
+            loss.backward()  # type: ignore[no-untyped-call]
+            if diag is not None and true is not None:
+                diag.observe(true, beta2)
+            if wl.clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), wl.clip)
+            opt.step()
+            losses.append(loss.item())
+            if (step + 1) % wl.eval_every == 0 or step + 1 == wl.steps:
+                window = losses[-wl.eval_every :]
+                curve.append((step + 1, sum(window) / len(window), wl.evaluate(model)))
+        out: dict[str, Any] = {"metric": curve[-1][2], "curve": curve, "seconds": time.perf_counter() - t0}
+        if diag is not None:
+            out["diagnosis"] = diag.report()
+        if state is not None:
+            stats = state.stats()
+            out["compression_ratio"] = stats["compression_ratio"]
+            out["compression_ratio_last"] = stats["last_step"]["compression_ratio"]
+            out["skipped_nonfinite"] = stats.get("skipped_nonfinite", 0)
+        else:
+            out["compression_ratio"] = out["compression_ratio_last"] = 1.0
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(gathered, flat)
+        out["replicas_equal"] = all(torch.equal(gathered[0], g) for g in gathered)
+        return out
+    finally:
+        if state is not None:
+            state.close()
+
+
+def _worker(rank: int, world: int, port: int, workload: str, kw: dict[str, Any], specs: list[Variant],
+            seeds: list[int], diagnose: bool, queue: Any) -> None:  # fmt: skip
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        wl = make_workload(workload, rank, world, **kw)
+        for variant in specs:
+            for seed in seeds:
+                res = train(wl, variant, rank, world, seed, diagnose)
+                if rank == 0:
+                    queue.put((variant.label, seed, res))
+    except BaseException as exc:
+        queue.put(("error", rank, repr(exc)))
+        raise
+    finally:
+        dist.destroy_process_group()
+        queue.put(("done", rank, None))
+
+
+def run(
+    workload: str, specs: list[Variant], seeds: Sequence[int] = (0,), world: int = 2,
+    progress: Callable[[str], None] | None = None, diagnose: bool = False, **kw: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """Every variant on ``world`` spawned gloo ranks; results by label, then seed."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, workload, kw, specs, list(seeds), diagnose, queue))
+             for r in range(world)]  # fmt: skip
+    for p in procs:
+        p.start()
+    results: dict[str, dict[int, Any]] = {}
+    done = 0
+    try:
+        while done < world:
+            label, seed, res = queue.get(timeout=3600)
+            if label == "error":
+                raise RuntimeError(f"quality {workload}: rank {seed} failed: {res}")
+            if label == "done":
+                done += 1
+                continue
+            results.setdefault(label, {})[seed] = res
+            if progress is not None:
+                progress(f"{workload} {label} seed {seed}: {res['metric']:.4f} ({res['seconds']:.0f} s)")
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return {"workload": workload, "options": kw, "seeds": list(seeds), "results": results}
+
+
+def summary(res: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per label: the metric's mean over seeds, its gap to plain DDP (points, or % of the loss), bytes ratios."""
+    rows: dict[str, dict[str, float]] = {}
+    for label, by_seed in res["results"].items():
+        runs = list(by_seed.values())
+        rows[label] = {
+            "metric": sum(r["metric"] for r in runs) / len(runs),
+            "compression_ratio": sum(r["compression_ratio"] for r in runs) / len(runs),
+            "compression_ratio_last": sum(r["compression_ratio_last"] for r in runs) / len(runs),
+        }
+    if PLAIN in rows:
+        base = rows[PLAIN]["metric"]
+        for row in rows.values():
+            diff = row["metric"] - base
+            row["gap"] = diff if res["workload"] == "cnn" else 100.0 * diff / base  # points, or % of the loss
+    return rows
+
+
+def format_table(res: dict[str, Any]) -> str:
+    rows = summary(res)
+    cnn = res["workload"] == "cnn"
+    head = (
+        "| variant | "
+        + ("test accuracy %" if cnn else "val loss")
+        + " | vs plain | x fewer bytes (run) | (after warm-up) |"
+    )
+    lines = [head, "|---|---|---|---|---|"]
+    for label, row in rows.items():
+        gap = row.get("gap")
+        gap_text = "" if gap is None or label == PLAIN else (f"{gap:+.2f}" if cnn else f"{gap:+.1f}%")
+        metric = f"{row['metric']:.2f}" if cnn else f"{row['metric']:.4f}"
+        lines.append(f"| {label} | {metric} | {gap_text} | {row['compression_ratio']:.1f} | "
+                     f"{row['compression_ratio_last']:.1f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def format_diagnosis(res: dict[str, Any]) -> str:
+    """Per variant and kind of layer: the measures of :class:`Diagnosis` (first seed)."""
+    keys = ("cosine", "relative_error", "relative_residual", "one_shot_removed", "adam_v_ratio")
+    lines = ["| variant | layer kind | parameters | " + " | ".join(keys) + " |", "|---|---|---|" + "---|" * len(keys)]
+    for label, by_seed in res["results"].items():
+        diag = by_seed[min(by_seed)].get("diagnosis")
+        if not diag:
+            continue
+        for kind in KINDS:
+            if kind in diag:
+                row = diag[kind]
+                cells = [f"{row[k]:.3f}" if k in row else "" for k in keys]
+                lines.append(f"| {label} | {kind} | {int(row['parameters'])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(res: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for label, by_seed in res["results"].items():
+        curve = by_seed[min(by_seed)]["curve"]
+        steps = [c[0] for c in curve]
+        ax[0].plot(steps, [c[1] for c in curve], label=label)
+        ax[1].plot(steps, [c[2] for c in curve], label=label)
+    ax[0].set_title("training loss")
+    ax[1].set_title(res["workload"] + ": " + ("test accuracy %" if res["workload"] == "cnn" else "validation loss"))
+    for a in ax:
+        a.set_xlabel("step")
+    ax[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+DEFAULT_VARIANTS = {
+    "cnn": [PLAIN, "acpsgd", "powersgd", "onebit", "topk", "sign", "qsgd"],
+    "lm": [PLAIN, "fp16", "qsgd", "powersgd", "sign", "acpsgd", "onebit", "topk", "acpsgd:rank=8", "powersgd:rank=8"],
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="sylvie-comm bench quality")
+    ap.add_argument("--workload", choices=("cnn", "lm"), default="cnn")
+    ap.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="sgd", help="cnn only")
+    ap.add_argument("--images", choices=datasets.IMAGE_SETS, default="fashion-mnist", help="cnn only")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--variants", nargs="+", default=None, help="hook or hook:key=value,... ('plain': no hook)")
+    ap.add_argument("--diagnose", action="store_true", help="measure what compression does per kind of layer")
+    ap.add_argument("--out", default=None, help="write OUT.json, OUT.md and OUT.png")
+    args = ap.parse_args(argv)
+    kw: dict[str, Any] = {}
+    if args.workload == "cnn":
+        kw.update(optimizer=args.optimizer, images=args.images)
+    if args.steps is not None:
+        kw["steps"] = args.steps
+    specs = variants(args.variants or DEFAULT_VARIANTS[args.workload])
+    res = run(args.workload, specs, args.seeds, progress=lambda m: print(m, flush=True), diagnose=args.diagnose, **kw)
+    table = format_table(res)
+    if args.diagnose:
+        table += "\n\n" + format_diagnosis(res)
+    print(table)
+    if args.out:
+        with open(args.out + ".json", "w") as f:
+            json.dump(res, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(table + "\n")
+        plot(res, args.out + ".png")
+
+
+if __name__ == "__main__":
+    main()

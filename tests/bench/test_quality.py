@@ -1,0 +1,80 @@
+"""The quality benchmark's pieces: variants, models, the per-kind diagnosis, and one short run on real data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sylvie_comm.bench import quality
+from tests.bench.test_datasets import need
+
+
+def test_variants_parse_options_and_refuse_malformed_ones() -> None:
+    specs = quality.variants(["plain", "acpsgd:rank=8", "onebit:scale=norm,chunk_size=64", "topk:ratio=0.05"])
+    assert [(v.hook, v.options) for v in specs] == [
+        ("plain", {}), ("acpsgd", {"rank": 8}), ("onebit", {"scale": "norm", "chunk_size": 64}),
+        ("topk", {"ratio": 0.05}),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="option 'rank' is not key=value"):
+        quality.variants(["acpsgd:rank"])
+
+
+def test_models_have_the_documented_sizes_and_kinds() -> None:
+    cnn, lm = quality.SmallCNN(), quality.ByteLM()
+    assert sum(p.numel() for p in cnn.parameters()) == 225034
+    assert sum(p.numel() for p in lm.parameters()) == 842496
+    assert cnn(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+    assert lm(torch.zeros(2, 128, dtype=torch.long)).shape == (2, 128, 256)
+    with pytest.raises(ValueError, match="sequence length 129 is over the context 128"):
+        lm(torch.zeros(1, 129, dtype=torch.long))
+    kinds = quality.layer_kinds(lm)
+    assert kinds["bytes.weight"] == "embedding" and kinds["norm.weight"] == "layernorm"
+    assert kinds["blocks.layers.0.self_attn.in_proj_weight"] == "attention"
+    assert kinds["blocks.layers.0.self_attn.out_proj.weight"] == "attention"
+    assert kinds["blocks.layers.0.linear1.weight"] == "linear" and kinds["blocks.layers.0.linear1.bias"] == "bias"
+    assert {quality.layer_kinds(cnn)[n] for n in ("conv1.weight", "fc1.weight", "fc1.bias")} == {
+        "conv",
+        "linear",
+        "bias",
+    }
+
+
+def test_one_shot_removed_matches_each_codec() -> None:
+    g = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    # Full rank keeps everything; rank 4 of a random matrix keeps little.
+    assert quality.one_shot_removed("acpsgd", {"rank": 64}, g) == pytest.approx(0.0, abs=1e-9)
+    assert 0.8 < quality.one_shot_removed("powersgd", {"rank": 4}, g) < 1.0  # type: ignore[operator]
+    # One-bit with the mean scale removes 1 - 2/pi of a Gaussian's energy.
+    assert quality.one_shot_removed("onebit", {}, g) == pytest.approx(1 - 2 / torch.pi, abs=0.02)
+    assert quality.one_shot_removed("topk", {"ratio": 1.0}, g) == pytest.approx(0.0, abs=1e-9)
+    assert quality.one_shot_removed("none", {}, g) is None and quality.one_shot_removed("acpsgd", {}, g[0]) is None
+
+
+def test_summary_gives_points_for_accuracy_and_percent_for_loss() -> None:
+    def res(workload: str, plain: float, other: float) -> dict:
+        row = {"compression_ratio": 1.0, "compression_ratio_last": 1.0}
+        return {"workload": workload, "results": {"plain": {0: {"metric": plain, **row}},
+                                                   "x": {0: {"metric": other, **row}}}}  # fmt: skip
+
+    assert quality.summary(res("cnn", 90.0, 88.5))["x"]["gap"] == pytest.approx(-1.5)
+    assert quality.summary(res("lm", 2.0, 2.1))["x"]["gap"] == pytest.approx(5.0)
+    assert "| x | 88.50 | -1.50 |" in quality.format_table(res("cnn", 90.0, 88.5))
+
+
+@pytest.mark.slow
+def test_a_short_run_on_fashion_mnist_trains_and_diagnoses() -> None:
+    """Two gloo ranks, 30 steps: plain DDP and one-bit from the same seed; replicas equal, bytes counted, the
+    diagnosis filled for every kind of layer the CNN has (plain DDP's sent gradient is the true one)."""
+    need("fashion-mnist")
+    specs = quality.variants(["plain", "onebit"])
+    res = quality.run("cnn", specs, seeds=[0], steps=30, diagnose=True)
+    plain, onebit = res["results"]["plain"][0], res["results"]["onebit"][0]
+    assert plain["replicas_equal"] and onebit["replicas_equal"]
+    assert 30 < plain["metric"] <= 100 and plain["metric"] != onebit["metric"]
+    assert onebit["compression_ratio_last"] > 25 and plain["compression_ratio"] == 1.0
+    diag = plain["diagnosis"]
+    assert set(diag) == {"conv", "linear", "bias"}
+    for row in diag.values():
+        assert row["cosine"] == pytest.approx(1.0, abs=1e-5) and row["relative_residual"] < 1e-5
+    assert all(0 < row["relative_error"] < 2 for row in onebit["diagnosis"].values())
+    assert all(0.2 < row["one_shot_removed"] < 0.9 for row in onebit["diagnosis"].values())
