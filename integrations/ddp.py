@@ -35,7 +35,7 @@ from sylvie_comm.algorithms import ALGORITHMS, Group, Member, Policy, algorithm_
 from sylvie_comm.algorithms.base import real_view
 from sylvie_comm.algorithms.checkpoint import check_checkpoint
 from sylvie_comm.collectives import ProcessGroupTransport, Stats, agree
-from sylvie_comm.config import Config
+from sylvie_comm.config import FIELDS, Config
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import GradBucket
@@ -194,6 +194,7 @@ class HookState:
             "rank": self.transport.rank,
             "step": self.step,
             "params": self.algorithm.state_dict(),
+            "warmup": self.policy.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -207,13 +208,18 @@ class HookState:
 
         def check() -> int:
             step = check_checkpoint(what, state, self.name, self.config, self.world_size, self.transport.rank)
-            tensors = self.policy.compressed_tensors(self._shapes.items()) if not self._auto_names else None
+            warm = state.get("warmup", {})
+            shapes = self._shapes.items()
+            tensors = None if self._auto_names else self.policy.compressed_tensors(shapes, step, warm)
+            if self._auto_names:
+                self.policy.compressed_tensors((), step, warm)  # checks the warm-up's state
             stepped = step > self.config.warmup_steps
             self.algorithm.check_state_dict(state["params"], tensors, stepped)
             return step
 
         step = agree(self.transport, check, lambda step: {"step": step}, f"{what} load_state_dict", "checkpoint")
         self.algorithm.load_state_dict(state["params"])
+        self.policy.load_state_dict(state.get("warmup", {}))
         self.step = step
 
     def close(self) -> None:
@@ -224,6 +230,7 @@ class HookState:
         the hook issues no collectives afterwards.
         """
         self.algorithm.close()
+        self.policy.close()
         self.transport.close()
 
 
@@ -259,7 +266,7 @@ def make_state(
         if config is not None and codec is not None and codec != config.codec:
             raise ValueError(f"ddp: codec {codec!r} given with a config for {config.codec!r}; pass one of them")
         opts = dict(options)
-        extra: dict[str, Any] = {k: opts.pop(k) for k in ("warmup_steps", "min_compression_rate", "seed") if k in opts}
+        extra: dict[str, Any] = {k: opts.pop(k) for k in FIELDS if k != "codec" and k in opts}
         if opts or extra:
             d = cfg.to_dict()
             d["options"] = {**d["options"], **opts}

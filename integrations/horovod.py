@@ -241,6 +241,11 @@ class ACPSGDCompressor:
         what = "Compression.acpsgd"
         if config.codec != "acpsgd":
             raise ValueError(f"{what}: config is for codec {config.codec!r}, expected 'acpsgd'")
+        if config.warmup != "fixed":
+            raise ValueError(
+                f"{what}: warmup {config.warmup!r} is not available in the compressor, whose parameters step "
+                "one by one; use warmup 'fixed', or sylvie_comm.horovod.DistributedOptimizer for 'auto'"
+            )
         self.config = config
         self._params = _named(what, named_parameters)
         self._keys = {n: i for i, (n, _) in enumerate(self._params)}
@@ -619,6 +624,7 @@ class DistributedOptimizer:
                 "rank": self.transport.rank,
                 "step": self.step_count,
                 "params": self.algorithm.state_dict(),
+                "warmup": self.policy.state_dict(),
             },
         }
 
@@ -635,13 +641,14 @@ class DistributedOptimizer:
             step = check_checkpoint(what, ours, self.name, self.config, self.world_size, self.transport.rank,
                                     name_key="codec")  # fmt: skip
             shapes = [(n, real_view(p.detach()).shape) for n, p in self._params]
-            tensors = self.policy.compressed_tensors(shapes)
+            tensors = self.policy.compressed_tensors(shapes, step, ours.get("warmup", {}))
             self.algorithm.check_state_dict(ours["params"], tensors, step > self.config.warmup_steps)
             return step
 
         step = agree(self.transport, check, lambda step: {"step": step}, f"{what} load_state_dict", "checkpoint")
         self.optimizer.load_state_dict(state["optimizer"])
         self.algorithm.load_state_dict(ours["params"])
+        self.policy.load_state_dict(ours.get("warmup", {}))
         self.step_count = step
 
     def close(self) -> None:
@@ -650,6 +657,7 @@ class DistributedOptimizer:
             h.remove()
         self._hooks = []
         self.algorithm.close()
+        self.policy.close()
         self.transport.close()
 
     def __repr__(self) -> str:

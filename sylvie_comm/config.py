@@ -6,6 +6,8 @@ Example ``acpsgd.yaml``::
     options:                 # options of that algorithm
       rank: 4
     warmup_steps: 2          # plain all-reduce for the first steps
+    warmup: fixed            # or auto: then each tensor compresses once its gradient has settled
+    total_steps: null        # the run's length, if known: no tensor waits past a tenth of it
     min_compression_rate: 2  # low-rank hooks: send a matrix raw below this rate
     seed: 0                  # initial low-rank factors, agreed by every rank
     rules:                   # per-parameter-name rules, first match wins
@@ -27,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 UNCOMPRESSED = "uncompressed"
+# Config fields a user may set as keywords (the hooks' **options) or in YAML, besides codec, options and rules.
+FIELDS = ("codec", "warmup_steps", "min_compression_rate", "seed", "warmup", "total_steps")
 
 # Bounds on a YAML config (Config.from_yaml). A real one is a few hundred bytes and a few dozen nodes;
 # thousands of per-layer rules fit in both. Aliases count as copies: a "billion laughs" document of a
@@ -60,10 +64,12 @@ class Config:
 
     codec: str = "acpsgd"
     options: Mapping[str, Any] = field(default_factory=dict)
-    warmup_steps: int = 2
-    min_compression_rate: float = 2.0
-    seed: int = 0
-    rules: tuple[Rule, ...] = ()
+    warmup_steps: int = 2  # every tensor travels as a plain fp32 average for the first steps
+    min_compression_rate: float = 2.0  # a tensor compressing less than this travels raw
+    seed: int = 0  # initial low-rank factors, agreed by every rank
+    rules: tuple[Rule, ...] = ()  # per-name rules, first match wins
+    warmup: str = "fixed"  # fixed: everything compresses from warmup_steps; auto: each tensor once its gradient settled
+    total_steps: int | None = None  # the run's length, if known: bounds the auto warm-up at a tenth of it
 
     def __post_init__(self) -> None:
         if not isinstance(self.codec, str):
@@ -77,6 +83,11 @@ class Config:
             raise ValueError(f"config: min_compression_rate must be a finite number >= 0, got {rate!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"config: seed must be an integer, got {self.seed!r}")
+        if self.warmup not in ("auto", "fixed"):
+            raise ValueError(f"config: warmup must be 'auto' or 'fixed', got {self.warmup!r}")
+        total = self.total_steps
+        if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
+            raise ValueError(f"config: total_steps must be an integer >= 1 or None, got {total!r}")
         for rule in self.rules:
             if not isinstance(rule, Rule):
                 raise ValueError(f"config: rules must be Rule objects, got {rule!r}")
@@ -92,7 +103,7 @@ class Config:
     def from_dict(cls, data: Mapping[str, Any]) -> Config:
         if not isinstance(data, Mapping):
             raise ValueError(f"config: expected a mapping at the top level, got {type(data).__name__}")
-        known = {"codec", "options", "warmup_steps", "min_compression_rate", "seed", "rules"}
+        known = {"codec", "options", "warmup_steps", "min_compression_rate", "seed", "rules", "warmup", "total_steps"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -104,7 +115,7 @@ class Config:
             if extra:
                 raise ValueError(f"config: rules[{i}] has unknown field(s) {', '.join(extra)}")
             rules.append(Rule(str(r["match"]), r.get("codec"), dict(r.get("options") or {})))
-        kwargs = {k: data[k] for k in ("codec", "warmup_steps", "min_compression_rate", "seed") if k in data}
+        kwargs = {k: data[k] for k in FIELDS if k in data}
         options = data.get("options") or {}
         if not isinstance(options, Mapping):
             raise ValueError(f"config: options must be a mapping, got {type(options).__name__}")
@@ -123,7 +134,7 @@ class Config:
     def with_options(self, **options: Any) -> Config:
         """A copy with ``options`` merged over this config's."""
         return Config(self.codec, {**self.options, **options}, self.warmup_steps, self.min_compression_rate,
-                      self.seed, self.rules)  # fmt: skip
+                      self.seed, self.rules, self.warmup, self.total_steps)  # fmt: skip
 
     # ------------------------------------------------------------------ use
 
@@ -142,6 +153,8 @@ class Config:
             "min_compression_rate": float(self.min_compression_rate),
             "seed": self.seed,
             "rules": [r.to_dict() for r in self.rules],
+            "warmup": self.warmup,
+            "total_steps": self.total_steps,
         }
 
     def digest(self) -> str:

@@ -8,6 +8,7 @@ from sylvie_comm.integrations.horovod import (
     FP16Compressor,
     NoneCompressor,
 )
+from sylvie_comm.integrations.optim import horovod_compressed_adamw as compressed_adamw
 
 __all__ = [
     "ACPSGDCompressor",
@@ -17,3 +18,4 @@ __all__ = [
     "FP16Compressor",
     "NoneCompressor",
 ]
+__all__ += ["compressed_adamw"]

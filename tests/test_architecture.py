@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("collectives", ("sylvie_comm.collectives",)),
     ("codecs", ("sylvie_comm.codecs",)),
     ("algorithms", ("sylvie_comm.algorithms",)),
+    ("optim", ("sylvie_comm.optim",)),
     ("gnn", ("sylvie_comm.gnn",)),
     ("integrations", ("sylvie_comm.integrations",)),
     ("apps", ("sylvie_comm", "sylvie_comm.gnn.train", "sylvie_comm.demo", "sylvie_comm.bench", "sylvie_comm.cli",

@@ -19,11 +19,12 @@ def check_checkpoint(
 ) -> int:  # fmt: skip
     """The checkpoint's step, after checking its fields against this run; a ValueError naming the first that
     does not fit. ``state`` holds ``name_key`` (the algorithm), ``config``, ``world_size``, ``rank``,
-    ``step_key`` (an int >= 0) and ``params``."""
+    ``step_key`` (an int >= 0) and ``params``, and ``warmup`` (the adaptive warm-up's state, checked by the
+    policy) where the run has it."""
     expected = {name_key, "config", "world_size", "rank", step_key, "params"}
     if not isinstance(state, Mapping):
         raise ValueError(f"{what}: a checkpoint must be a dict from state_dict(), got {type(state).__name__}")
-    missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+    missing, extra = sorted(expected - set(state)), sorted(set(state) - expected - {"warmup"})
     if missing or extra:
         raise ValueError(
             f"{what}: checkpoint fields {sorted(state)} are not those of state_dict() ({sorted(expected)})"
@@ -35,7 +36,9 @@ def check_checkpoint(
         raise ValueError(f"{what}: checkpoint is for {state[name_key]!r}, not {name!r}")
     if not isinstance(state["config"], Mapping):
         raise ValueError(f"{what}: checkpoint field 'config' must be a dict, got {type(state['config']).__name__}")
-    diff = differences(config.to_dict(), state["config"])
+    # Written before the adaptive warm-up: those runs started every tensor at warmup_steps.
+    theirs = {"warmup": "fixed", "total_steps": None, **state["config"]}
+    diff = differences(config.to_dict(), theirs)
     if diff:
         field, mine, theirs = diff[0]
         raise ValueError(f"{what}: checkpoint config differs: '{field}' is {theirs!r}, this run has {mine!r}")

@@ -4,9 +4,11 @@ Kept apart from the math (as epfml/powersgd's ``PowerSGD`` wraps
 ``BasicPowerSGD``): the algorithm compresses what it is given; the policy sends
 the first ``warmup_steps`` steps as a plain fp32 average (error feedback and
 low-rank factors start from real gradients, and a framework may still be
-settling its groups), sends raw whatever a rule marks uncompressed or what
-would not shrink by ``min_compression_rate``, and merges per-name options from
-the config's rules over the algorithm's.
+settling its groups); with ``warmup: auto`` (the default) each tensor then keeps
+travelling raw until its gradient has settled (:mod:`.warmup`); it sends raw
+whatever a rule marks uncompressed or what would not shrink by
+``min_compression_rate``, and merges per-name options from the config's rules
+over the algorithm's.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any
 
 import torch
 
-from sylvie_comm.algorithms.base import Algorithm, Future, Group, real_view
+from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, real_view, then
 from sylvie_comm.algorithms.none import plain_all_reduce
+from sylvie_comm.algorithms.warmup import Warmup
 from sylvie_comm.collectives import Meter
 from sylvie_comm.config import UNCOMPRESSED, Config
 
@@ -35,6 +38,10 @@ class Policy:
         self.config = config
         for i, rule in enumerate(config.rules):
             self._check_rule(i, rule.match, rule.options)
+        # The adaptive warm-up, where something compresses (a fork of the transport: a collective call).
+        self.warmup: Warmup | None = None
+        if config.warmup == "auto" and algorithm.codec_name not in ("none", "fp16", "bf16"):
+            self.warmup = Warmup(algorithm.transport, config.warmup_steps, config.total_steps)
 
     def _check_rule(self, i: int, match: str, options: Mapping[str, Any]) -> None:
         """A rule's options: known to the algorithm, allowed per name, and valid (as the base options are)."""
@@ -69,13 +76,18 @@ class Policy:
         return compress, options
 
     def compressed_tensors(
-        self, shapes: Iterable[tuple[str, torch.Size | tuple[int, ...]]]
-    ) -> dict[str, tuple[tuple[int, ...], Mapping[str, Any]]]:
-        """The tensors that compress, by name: their shape and options (what a checkpoint's state must fit)."""
+        self, shapes: Iterable[tuple[str, torch.Size | tuple[int, ...]]], step: int | None = None,
+        warmup_state: Mapping[str, Any] | None = None,
+    ) -> dict[str, tuple[tuple[int, ...], Mapping[str, Any]]]:  # fmt: skip
+        """The tensors that compress, by name: their shape and options (what a checkpoint's state must fit).
+
+        With ``step`` (a checkpoint's count of steps) and the adaptive warm-up, only those that had begun
+        compressing by then, by the start steps in ``warmup_state`` (the checkpoint's; it is checked)."""
+        started = Warmup.check_state(warmup_state or {}) if step is not None and self.warmup is not None else None
         out: dict[str, tuple[tuple[int, ...], Mapping[str, Any]]] = {}
         for name, shape in shapes:
             compress, options = self.member_options(name, shape)
-            if compress:
+            if compress and (started is None or self.warmup.began(name, step, started)):  # type: ignore[union-attr,arg-type]
                 out[name] = (tuple(shape), options)
         return out
 
@@ -107,4 +119,38 @@ class Policy:
             guard = self.algorithm.guard
             guard.begin(step - self.config.warmup_steps)  # before the compressed steps' 0, 1, ...
             return guard.track(plain_all_reduce(self.algorithm, group, meter))
-        return self.algorithm(group, step - self.config.warmup_steps, meter)
+        warmup = self.warmup
+        if warmup is None or step >= warmup.latest:
+            return self.algorithm(group, step - self.config.warmup_steps, meter)
+        warming = [m.name for m in group.members if m.compress and not warmup.compressing(m.name, step)]
+        if warming:
+            warmup.decide(warming, step, meter)  # full windows: the settled tensors start now
+            warming = [n for n in warming if not warmup.compressing(n, step)]
+        if not warming:
+            return self.algorithm(group, step - self.config.warmup_steps, meter)
+        held = set(warming)
+        members = [Member(m.name, m.tensor, False, m.options) if m.name in held else m for m in group.members]
+        raw = [m for m in members if m.name in held]
+
+        def observe(_: Future[None]) -> None:
+            for m in raw:
+                warmup.observe(m.name, m.tensor)  # the averaged gradient, identical on every rank
+
+        fut = self.algorithm(Group(group.key, members, group.flat), step - self.config.warmup_steps, meter)
+        return then(fut, observe)
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The adaptive warm-up's per-name state (empty without it)."""
+        return self.warmup.state_dict() if self.warmup is not None else {}
+
+    def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
+        if self.warmup is not None:
+            self.warmup.load_state_dict(state, device)
+        elif state:
+            raise ValueError(f"{self.algorithm.name}: warm-up state given, but this config's warmup is fixed")
+
+    def close(self) -> None:
+        if self.warmup is not None:
+            self.warmup.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -25,18 +25,33 @@ class SignAlgorithm(FeedbackAlgorithm):
 
     name = "sign"
     codec_name = "sign"
+    option_defaults: ClassVar[dict[str, Any]] = {"scale": "mean"}
+    per_name_options: ClassVar[frozenset[str]] = frozenset({"scale"})
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         super().__init__(transport, options, seed=seed)
         if self.world_size > 127:
             raise ValueError(f"sign: int8 votes hold world sizes up to 127, got {self.world_size}")
-        self.codec = SignCodec()
+        self.codec = SignCodec(scale=self.options["scale"])
+        self._codecs: dict[str, SignCodec] = {}
+
+    @classmethod
+    def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        out = super().validate_options(options)
+        SignCodec(scale=out["scale"])  # validates it
+        return out
+
+    def _codec(self, options: Mapping[str, Any]) -> SignCodec:
+        scale = {**self.options, **options}["scale"]
+        if scale not in self._codecs:
+            self._codecs[scale] = SignCodec(scale=scale)
+        return self._codecs[scale]
 
     def _step(self, group: Group, layout: Any, step: int, meter: Meter) -> Future[None]:
         members = group.compressed
 
         def encode() -> tuple[list[Encoded], torch.Tensor, torch.Tensor]:
-            encs = [self._feedback_encode(self.codec, m.name, m.tensor) for m in members]
+            encs = [self._feedback_encode(self._codec(m.options), m.name, m.tensor) for m in members]
             device = group.device
             signs = torch.cat([e.payload[0] for e in encs]) if encs else torch.zeros(0, dtype=torch.int8, device=device)
             scales = torch.cat([e.payload[1] for e in encs]) if encs else torch.zeros(0, device=device)
@@ -55,7 +70,7 @@ class SignAlgorithm(FeedbackAlgorithm):
                 for m, enc in zip(members, encs, strict=True):
                     n, k = m.tensor.numel(), enc.payload[1].numel()
                     summed = Encoded((signs[start : start + n], scales[at : at + k]), enc.ctx)
-                    self.codec.decode(summed, out=m.tensor)
+                    self._codec(m.options).decode(summed, out=m.tensor)
                     start += n
                     at += k
                 poison((m.tensor for m in members), bad)

@@ -369,9 +369,9 @@ def train(
         if raw is None:
             state = sylvie_comm.ddp.register(ddp, variant.hook, **options)
         else:
-            from sylvie_comm.config import UNCOMPRESSED, Config, Rule
+            from sylvie_comm.config import FIELDS, UNCOMPRESSED, Config, Rule
 
-            fields = {k: options.pop(k) for k in ("warmup_steps", "min_compression_rate", "seed") if k in options}
+            fields = {k: options.pop(k) for k in FIELDS if k != "codec" and k in options}
             rules = tuple(Rule(p, UNCOMPRESSED) for p in str(raw).split("+"))
             config = Config(variant.hook, options, rules=rules, **fields)
             state = sylvie_comm.ddp.register(ddp, config=config)

@@ -20,7 +20,8 @@ def scale_span(shape: torch.Size | tuple[int, ...]) -> int:
 
 
 class SignCodec(Codec):
-    """Send ``sign(x)`` as int8 (+1, 0, -1) and one fp32 scale ``mean(|x|)`` per row.
+    """Send ``sign(x)`` as int8 (+1, 0, -1) and one fp32 scale per row: ``mean(|x|)`` (``scale="mean"``,
+    the default) or the row's RMS ``||x|| / sqrt(n)`` (``scale="norm"``).
 
     A tensor of two or more dimensions gets a scale per row (first
     dimension; rows shorter than 64 elements are grouped), a 0-d or 1-D
@@ -42,6 +43,11 @@ class SignCodec(Codec):
     name: ClassVar[str] = "sign"
     allreduce_compatible: ClassVar[bool] = True
 
+    def __init__(self, *, scale: str = "mean") -> None:
+        if scale not in ("mean", "norm"):
+            raise ValueError(f"sign: scale must be 'mean' or 'norm', got {scale!r}")
+        self.scale = scale
+
     def _encode(self, tensor: torch.Tensor) -> Encoded:
         flat = tensor.reshape(-1)
         # Comparisons map NaN to 0 where a cast of torch.sign(NaN) would be undefined.
@@ -49,10 +55,12 @@ class SignCodec(Codec):
         n, span = flat.numel(), scale_span(tensor.shape)
         units = max(math.ceil(n / span), 1)
         sums = torch.zeros(units * span, dtype=torch.float32, device=flat.device)
-        sums[:n] = flat.abs()
+        sums[:n] = flat.abs() if self.scale == "mean" else flat.float().square()
         counts = torch.full((units,), float(span), dtype=torch.float32, device=flat.device)
         counts[-1] = max(n - (units - 1) * span, 1)
         scales = sums.view(units, span).sum(1, dtype=torch.float32) / counts
+        if self.scale == "norm":
+            scales = scales.sqrt_()  # the row's RMS: the decode keeps the row's energy
         return Encoded((signs, scales), meta_of(tensor))
 
     def decode(self, encoded: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -544,7 +544,8 @@ class GradientAverage:
         return {**self._stats.summary(self.step), **self.algorithm.report()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"codec": self.config.codec, "step": self.step, "params": self.algorithm.state_dict()}
+        return {"codec": self.config.codec, "step": self.step, "params": self.algorithm.state_dict(),
+                "warmup": self.policy.state_dict()}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """This rank's :meth:`state_dict`, every field checked first (the trainer agrees on the step)."""
@@ -554,13 +555,16 @@ class GradientAverage:
         step = state.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"gnn: the checkpoint's gradient step must be an integer >= 0, got {step!r}")
-        tensors = self.policy.compressed_tensors((n, p.shape) for n, p in self.params)
+        warm = state.get("warmup", {})
+        tensors = self.policy.compressed_tensors(((n, p.shape) for n, p in self.params), step, warm)
         self.algorithm.check_state_dict(state.get("params", {}), tensors, step > self.config.warmup_steps)
         self.algorithm.load_state_dict(state.get("params", {}))
+        self.policy.load_state_dict(warm)
         self.step = step
 
     def close(self) -> None:
         self.algorithm.close()
+        self.policy.close()
         close = getattr(self.algorithm.transport, "close", None)
         if close is not None:
             close()

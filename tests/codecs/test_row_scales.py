@@ -130,3 +130,17 @@ def test_error_feedback_residual_stays_within_the_gradient(name):
         worst_flat = max(worst_flat, (flat.residual("w").norm() / g.norm()).item())
     assert worst_rows < 3
     assert worst_flat > 2 * worst_rows
+
+
+def test_sign_norm_scale_keeps_each_rows_energy() -> None:
+    """scale='norm': each row decodes to +-RMS of the row, so its energy is the input's; 'mean' keeps less."""
+    from sylvie_comm.codecs import get_codec
+
+    x = torch.randn(6, 100, generator=torch.Generator().manual_seed(3)) * torch.arange(1, 7).unsqueeze(1)
+    y = get_codec("sign", scale="norm").decode(get_codec("sign", scale="norm").encode(x))
+    torch.testing.assert_close(y.norm(dim=1), x.norm(dim=1), rtol=1e-5, atol=0)
+    assert torch.equal(y.sign(), x.sign())
+    m = get_codec("sign").decode(get_codec("sign").encode(x))
+    assert bool((m.norm(dim=1) < x.norm(dim=1)).all())
+    with pytest.raises(ValueError, match="sign: scale must be 'mean' or 'norm', got 'rms'"):
+        get_codec("sign", scale="rms")

@@ -144,6 +144,21 @@ def test_resume_is_bit_identical(tmp_path):
                 assert torch.equal(pa, pb), f"{name}: resumed run differs"
 
 
+def test_resume_in_the_adaptive_warm_up_is_bit_identical(tmp_path):
+    """warmup: auto, checkpointed after 15 steps (one window closed, the next one 3 steps full, every tensor
+    still raw): the resumed run starts each tensor at the same step (22) and ends with the same bits."""
+    k, hooks = 15, [("onebit", {"warmup": "auto"}), ("acpsgd", {"warmup": "auto", "rank": 2})]
+    first = run_distributed(wl.resume_run, 2, hooks, "first", str(tmp_path), k)
+    second = run_distributed(wl.resume_run, 2, hooks, "resume", str(tmp_path), k)
+    for a, b in zip(first, second, strict=True):
+        for name, _ in hooks:
+            for pa, pb in zip(a[name], b[name], strict=True):
+                assert torch.equal(pa, pb), f"{name}: resumed run differs"
+    warm = torch.load(tmp_path / "onebit-rank0.pt", weights_only=False)["hook"]["warmup"]
+    assert warm and all(s["count"] == 3 and s["previous"] and s["started"] is None for s in warm.values())
+    assert warm == torch.load(tmp_path / "onebit-rank1.pt", weights_only=False)["hook"]["warmup"]
+
+
 def test_resume_survives_a_new_bucket_size(tmp_path):
     """State is keyed by parameter name: resuming into one big bucket gives the same parameters."""
     k, hooks = 3, [("acpsgd", {"rank": 2}), ("powersgd", {"rank": 2}), ("onebit", {"chunk_size": 16})]

@@ -1,0 +1,64 @@
+"""CompressedAdamW over Horovod, 2 ranks under horovodrun: the same run as in one process, replicas identical."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("horovod.torch")
+if shutil.which("horovodrun") is None:
+    pytest.skip("horovodrun is not on PATH", allow_module_level=True)
+
+from sylvie_comm.collectives.local import run_local
+from sylvie_comm.optim import CompressedAdamW
+from tests.integrations import workloads as wl
+from tests.optim import horovod_worker as hw
+from tests.optim import workloads as ow
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_horovod_trains_as_the_in_process_run(tmp_path: Path) -> None:
+    cmd = ["horovodrun", "-np", "2", "--gloo", sys.executable, "-m", "tests.optim.horovod_worker", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError("horovodrun did not finish within 240 s") from exc
+    results = []
+    for rank in range(2):
+        path = tmp_path / f"rank{rank}.pt"
+        assert path.exists(), f"rank {rank} wrote no result\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        res = torch.load(path, weights_only=False)
+        assert "error" not in res, f"rank {rank}:\n{res['error']}"
+        results.append(res["ok"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    base = wl.mlp()
+
+    def local(tr: Any) -> dict[str, Any]:
+        def make(model: torch.nn.Module) -> CompressedAdamW:
+            return CompressedAdamW(model.named_parameters(), lr=hw.LR, transport=tr, codec=hw.CODEC,
+                                   warmup=ow.WARMUP)  # fmt: skip
+
+        return hw.train(tr.rank, make, copy.deepcopy(base))
+
+    expected = run_local(2, local)
+    for a, b in zip(results[0]["params"], results[1]["params"], strict=True):
+        assert torch.equal(a, b)  # replicas identical
+    for got, want in zip(results, expected, strict=True):
+        assert got["phase"] == "compressed"
+        assert got["stats"]["last_step"]["compression_ratio"] > 10
+        assert sum(got["losses"][-3:]) < 0.8 * sum(got["losses"][:3]), got["losses"]
+        for a, b in zip(got["params"], want["params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # one algorithm, whatever the transport
