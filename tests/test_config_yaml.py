@@ -92,7 +92,7 @@ def test_deep_nesting_is_a_value_error_not_a_crash(tmp_path, parser):
 def test_normal_configs_load_unchanged(tmp_path, parser):
     acpsgd = Config.from_yaml(EXAMPLES / "acpsgd.yaml")
     assert acpsgd.codec == "acpsgd" and acpsgd.options == {"rank": 4} and acpsgd.rule_for("4.weight") is not None
-    assert Config.from_yaml(EXAMPLES / "onebit.yaml").options == {"chunk_size": 2048, "scale": "mean"}
+    assert Config.from_yaml(EXAMPLES / "onebit.yaml").options == {"chunk_size": 2048, "scale": "norm"}
     assert Config.from_yaml(_write(tmp_path, "")) == Config()  # an empty file: the defaults
     # Anchors and aliases used as people use them (one options block shared by rules) still work.
     shared = "options: &o {rank: 4}\nrules:\n" + "".join(f"  - {{match: 'l{i}.*', options: *o}}\n" for i in range(3))

@@ -25,7 +25,7 @@ class SignAlgorithm(FeedbackAlgorithm):
 
     name = "sign"
     codec_name = "sign"
-    option_defaults: ClassVar[dict[str, Any]] = {"scale": "mean"}
+    option_defaults: ClassVar[dict[str, Any]] = {"scale": "norm"}
     per_name_options: ClassVar[frozenset[str]] = frozenset({"scale"})
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:

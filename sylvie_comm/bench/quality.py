@@ -33,6 +33,7 @@ from torch import nn
 from sylvie_comm.bench import datasets
 
 PLAIN = "plain"  # plain DDP: no hook registered
+COMPRESSED_ADAMW = "cadamw"  # sylvie_comm.optim.CompressedAdamW (AdamW workloads): DDP's all-reduce off
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class Workload:
     schedule: Callable[[int], float] = lambda step: 1.0  # lr multiplier at ``step``
     clip: float | None = None
     eval_every: int = 100
+    adamw: dict[str, Any] | None = None  # the AdamW hyperparameters, for the compressed AdamW variant
 
 
 OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
@@ -161,8 +163,9 @@ def cnn_workload(rank: int, world: int, optimizer: str = "sgd", steps: int = 600
             )
         return 100.0 * hits / len(yte)
 
+    adamw = {"lr": 1e-3, "weight_decay": 0.01} if optimizer == "adamw" else None
     return Workload(f"cnn/{images}/{optimizer}", steps, SmallCNN, OPTIMIZERS[optimizer], draw, F.cross_entropy,
-                    evaluate, "test accuracy %", True)  # fmt: skip
+                    evaluate, "test accuracy %", True, adamw=adamw)  # fmt: skip
 
 
 LM_CONTEXT = 128
@@ -201,7 +204,8 @@ def lm_workload(rank: int, world: int, steps: int = 300, batch: int = 16, warmup
         return torch.optim.AdamW(m.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
     return Workload("lm/pydocs/adamw", steps, ByteLM, optimizer, draw, loss, evaluate, "val loss (nats/byte)", False,
-                    schedule=schedule, clip=1.0, eval_every=50)  # fmt: skip
+                    schedule=schedule, clip=1.0, eval_every=50,
+                    adamw={"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1})  # fmt: skip
 
 
 def make_workload(name: str, rank: int, world: int, **kw: Any) -> Workload:
@@ -363,7 +367,12 @@ def train(
     model = wl.make_model()
     ddp = DDP(model)
     state = None
-    if variant.hook != PLAIN:
+    copt = None
+    if variant.hook == COMPRESSED_ADAMW:
+        if wl.adamw is None:
+            raise ValueError(f"quality: {variant.label} needs an AdamW workload, {wl.name} trains with SGD")
+        copt = sylvie_comm.ddp.compressed_adamw(ddp, **wl.adamw, total_steps=wl.steps, **variant.options)
+    elif variant.hook != PLAIN:
         options = dict(variant.options)
         raw = options.pop("raw", None)  # raw=conv*+fc1.*: those parameters travel uncompressed
         if raw is None:
@@ -375,7 +384,7 @@ def train(
             rules = tuple(Rule(p, UNCOMPRESSED) for p in str(raw).split("+"))
             config = Config(variant.hook, options, rules=rules, **fields)
             state = sylvie_comm.ddp.register(ddp, config=config)
-    opt = wl.make_optimizer(model)
+    opt = copt if copt is not None else wl.make_optimizer(model)
     diag = Diagnosis(model, variant, opt) if diagnose else None
     betas = opt.param_groups[0].get("betas")
     beta2 = betas[1] if betas is not None else None
@@ -410,8 +419,8 @@ def train(
         out: dict[str, Any] = {"metric": curve[-1][2], "curve": curve, "seconds": time.perf_counter() - t0}
         if diag is not None:
             out["diagnosis"] = diag.report()
-        if state is not None:
-            stats = state.stats()
+        if state is not None or copt is not None:
+            stats = (state or copt).stats()  # type: ignore[union-attr]
             out["compression_ratio"] = stats["compression_ratio"]
             out["compression_ratio_last"] = stats["last_step"]["compression_ratio"]
             out["skipped_nonfinite"] = stats.get("skipped_nonfinite", 0)
@@ -425,6 +434,8 @@ def train(
     finally:
         if state is not None:
             state.close()
+        if copt is not None:
+            copt.close()
 
 
 def _worker(rank: int, world: int, port: int, workload: str, kw: dict[str, Any], specs: list[Variant],
@@ -574,7 +585,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--images", choices=datasets.IMAGE_SETS, default="fashion-mnist", help="cnn only")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
-    ap.add_argument("--variants", nargs="+", default=None, help="hook or hook:key=value,... ('plain': no hook)")
+    ap.add_argument(
+        "--variants", nargs="+", default=None,
+        help="hook or hook:key=value,... ('plain': no hook; 'cadamw': sylvie_comm.optim.CompressedAdamW)",
+    )  # fmt: skip
     ap.add_argument("--diagnose", action="store_true", help="measure what compression does per kind of layer")
     ap.add_argument("--out", default=None, help="write OUT.json, OUT.md and OUT.png")
     args = ap.parse_args(argv)
