@@ -133,27 +133,26 @@ STATEFUL = [
 ]
 
 
-def test_resume_is_bit_identical(tmp_path):
+def assert_resume_is_bit_identical(tmp_path, hooks, k):
     """k steps, save model + optimizer + hook, fresh processes load and run k more == 2k uninterrupted."""
-    k = 3
-    first = run_distributed(wl.resume_run, 2, STATEFUL, "first", str(tmp_path), k)
-    second = run_distributed(wl.resume_run, 2, STATEFUL, "resume", str(tmp_path), k)
-    for a, b in zip(first, second, strict=True):
-        for name, _ in STATEFUL:
-            for pa, pb in zip(a[name], b[name], strict=True):
-                assert torch.equal(pa, pb), f"{name}: resumed run differs"
-
-
-def test_resume_in_the_adaptive_warm_up_is_bit_identical(tmp_path):
-    """warmup: auto, checkpointed after 15 steps (one window closed, the next one 3 steps full, every tensor
-    still raw): the resumed run starts each tensor at the same step (22) and ends with the same bits."""
-    k, hooks = 15, [("onebit", {"warmup": "auto"}), ("acpsgd", {"warmup": "auto", "rank": 2})]
     first = run_distributed(wl.resume_run, 2, hooks, "first", str(tmp_path), k)
     second = run_distributed(wl.resume_run, 2, hooks, "resume", str(tmp_path), k)
     for a, b in zip(first, second, strict=True):
         for name, _ in hooks:
             for pa, pb in zip(a[name], b[name], strict=True):
                 assert torch.equal(pa, pb), f"{name}: resumed run differs"
+
+
+def test_resume_is_bit_identical(tmp_path):
+    """k steps, save model + optimizer + hook, fresh processes load and run k more == 2k uninterrupted."""
+    assert_resume_is_bit_identical(tmp_path, STATEFUL, 3)
+
+
+def test_resume_in_the_adaptive_warm_up_is_bit_identical(tmp_path):
+    """warmup: auto, checkpointed after 15 steps (one window closed, the next one 3 steps full, every tensor
+    still raw): the resumed run starts each tensor at the same step (22) and ends with the same bits."""
+    hooks = [("onebit", {"warmup": "auto"}), ("acpsgd", {"warmup": "auto", "rank": 2})]
+    assert_resume_is_bit_identical(tmp_path, hooks, 15)
     warm = torch.load(tmp_path / "onebit-rank0.pt", weights_only=False)["hook"]["warmup"]
     assert warm and all(s["count"] == 3 and s["previous"] and s["started"] is None for s in warm.values())
     assert warm == torch.load(tmp_path / "onebit-rank1.pt", weights_only=False)["hook"]["warmup"]

@@ -52,6 +52,16 @@ def set_grads(params: dict[str, torch.nn.Parameter], rank: int, step: int, skip:
         p.grad = None if n in skip else grad(n, rank, step)
 
 
+def stepped(tr: Any, steps: int, **kw: Any) -> tuple[dict[str, torch.nn.Parameter], CompressedAdamW]:
+    """Parameters and an optimizer (``make``'s options) after ``steps`` steps of this rank's gradients."""
+    params = params_of(initial())
+    opt = make(tr, params, **kw)
+    for step in range(steps):
+        set_grads(params, tr.rank, step)
+        opt.step()
+    return params, opt
+
+
 def run(world: int, steps: int, observe: Callable[[CompressedAdamW, dict[str, Any], int], Any] | None = None,
         **kw: Any) -> list[dict[str, Any]]:  # fmt: skip
     """Per rank: the final parameters, the optimizer's stats and ``observe(opt, params, step)`` after each step."""
@@ -259,11 +269,7 @@ def test_a_resumed_run_is_bit_identical(codec: str, world: int, at: int) -> None
 
 def test_a_checkpoint_that_does_not_fit_is_refused_on_every_rank() -> None:
     def body(tr: Any) -> str:
-        params = params_of(initial())
-        opt = make(tr, params, codec="onebit", warmup=2)
-        for step in range(3):
-            set_grads(params, tr.rank, step)
-            opt.step()
+        _, opt = stepped(tr, 3, codec="onebit", warmup=2)
         ckpt = snapshot(opt.state_dict())
         other = make(tr, params_of(initial()), codec="sign", warmup=2)
         with pytest.raises(ValueError, match="checkpoint is for 'onebit', not 'sign'"):
@@ -492,11 +498,7 @@ def test_a_copy_of_the_optimizer_is_not_needed_for_its_state() -> None:
     """state_dict() returns copies of the compression state (a later step does not change a saved checkpoint)."""
 
     def body(tr: Any) -> bool:
-        params = params_of(initial())
-        opt = make(tr, params, codec="onebit", warmup=1)
-        for step in range(3):
-            set_grads(params, tr.rank, step)
-            opt.step()
+        params, opt = stepped(tr, 3, codec="onebit", warmup=1)
         saved = copy.deepcopy(opt.state_dict()["sylvie_comm"]["params"])
         held = opt.state_dict()["sylvie_comm"]["params"]
         set_grads(params, tr.rank, 3)
