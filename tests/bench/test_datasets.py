@@ -14,7 +14,7 @@ import torch
 
 from sylvie_comm.bench import datasets as ds
 
-# CI installs the data (scripts/test.sh sets SYLVIE_COMM_REQUIRE_DATA): there a missing set fails instead of skipping.
+# CI installs the data (.ci/run sets SYLVIE_COMM_REQUIRE_DATA=1): there a missing set fails instead of skipping.
 REQUIRE = os.environ.get("SYLVIE_COMM_REQUIRE_DATA") == "1"
 
 
