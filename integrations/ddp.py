@@ -209,10 +209,8 @@ class HookState:
         def check() -> int:
             step = check_checkpoint(what, state, self.name, self.config, self.world_size, self.transport.rank)
             warm = state.get("warmup", {})
-            shapes = self._shapes.items()
-            tensors = None if self._auto_names else self.policy.compressed_tensors(shapes, step, warm)
-            if self._auto_names:
-                self.policy.compressed_tensors((), step, warm)  # checks the warm-up's state
+            self.policy.check_state(warm)
+            tensors = None if self._auto_names else self.policy.compressed_tensors(self._shapes.items(), step, warm)
             stepped = step > self.config.warmup_steps
             self.algorithm.check_state_dict(state["params"], tensors, stepped)
             return step

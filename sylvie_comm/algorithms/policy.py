@@ -83,11 +83,11 @@ class Policy:
 
         With ``step`` (a checkpoint's count of steps) and the adaptive warm-up, only those that had begun
         compressing by then, by the start steps in ``warmup_state`` (the checkpoint's; it is checked)."""
-        started = Warmup.check_state(warmup_state or {}) if step is not None and self.warmup is not None else None
+        started = self.check_state(warmup_state or {}) if step is not None else None
         out: dict[str, tuple[tuple[int, ...], Mapping[str, Any]]] = {}
         for name, shape in shapes:
             compress, options = self.member_options(name, shape)
-            if compress and (started is None or self.warmup.began(name, step, started)):  # type: ignore[union-attr,arg-type]
+            if compress and (self.warmup is None or started is None or self.warmup.began(name, step, started)):  # type: ignore[arg-type]
                 out[name] = (tuple(shape), options)
         return out
 
@@ -145,11 +145,19 @@ class Policy:
         """The adaptive warm-up's per-name state (empty without it)."""
         return self.warmup.state_dict() if self.warmup is not None else {}
 
+    def check_state(self, state: Mapping[str, Any]) -> dict[str, int | None]:
+        """Check a :meth:`state_dict` before anything is loaded (a ValueError names what does not fit); return
+        each name's start step."""
+        if self.warmup is None:
+            if state:
+                raise ValueError(f"{self.algorithm.name}: warm-up state given, but this config's warmup is fixed")
+            return {}
+        return Warmup.check_state(state)
+
     def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
+        self.check_state(state)
         if self.warmup is not None:
             self.warmup.load_state_dict(state, device)
-        elif state:
-            raise ValueError(f"{self.algorithm.name}: warm-up state given, but this config's warmup is fixed")
 
     def close(self) -> None:
         if self.warmup is not None:

@@ -32,8 +32,7 @@ class SignAlgorithm(FeedbackAlgorithm):
         super().__init__(transport, options, seed=seed)
         if self.world_size > 127:
             raise ValueError(f"sign: int8 votes hold world sizes up to 127, got {self.world_size}")
-        self.codec = SignCodec(scale=self.options["scale"])
-        self._codecs: dict[str, SignCodec] = {}
+        self._codecs: dict[str, SignCodec] = {}  # by scale: a per-name rule may set it
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:

@@ -292,15 +292,13 @@ class Diagnosis:
         self.steps = 0
 
     def true_gradients(self) -> dict[str, torch.Tensor]:
+        from sylvie_comm.collectives import fusion
+
         names = [n for n, p in self.params.items() if p.grad is not None]
-        flat = torch.cat([self.params[n].grad.reshape(-1) for n in names])  # type: ignore[union-attr]
+        out = {n: torch.empty_like(self.params[n]) for n in names}
+        flat = fusion.pack([self.params[n].grad for n in names])  # type: ignore[misc]
         dist.all_reduce(flat)
-        flat /= dist.get_world_size()
-        out, at = {}, 0
-        for n in names:
-            k = self.params[n].numel()
-            out[n] = flat[at : at + k].view_as(self.params[n])
-            at += k
+        fusion.unpack(flat, list(out.values()), divide_by=dist.get_world_size())
         return out
 
     def _add(self, kind: str, key: str, value: float, weight: float = 1.0) -> None:
@@ -403,7 +401,7 @@ def train(
                 opt.zero_grad(set_to_none=True)
                 with ddp.no_sync():
                     wl.loss(ddp(x), y).backward()  # type: ignore[no-untyped-call]
-                true = {n: t.clone() for n, t in diag.true_gradients().items()}
+                true = diag.true_gradients()
             opt.zero_grad(set_to_none=True)
             loss = wl.loss(ddp(x), y)
             loss.backward()  # type: ignore[no-untyped-call]
