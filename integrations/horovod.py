@@ -355,7 +355,7 @@ class ACPSGDCompressor:
 class Compression:
     """Compressors for ``hvd.DistributedOptimizer(..., compression=...)``.
 
-    ``none``, ``fp16`` and ``bf16`` are stateless; ``acpsgd(named_parameters, rank=4, ...)``
+    ``none``, ``fp16`` and ``bf16`` are stateless; ``acpsgd(named_parameters, rank="auto", ...)``
     makes a stateful ACP-SGD compressor for one model (its ``state_dict()`` joins a checkpoint).
     """
 
@@ -365,14 +365,15 @@ class Compression:
 
     @staticmethod
     def acpsgd(
-        named_parameters: Iterable[tuple[str, nn.Parameter]], rank: int = 4, *, config: Config | None = None,
+        named_parameters: Iterable[tuple[str, nn.Parameter]], rank: int | str = "auto", *, config: Config | None = None,
         **options: Any,
     ) -> ACPSGDCompressor:  # fmt: skip
         """An ACP-SGD compressor for the parameters of one model.
 
         Args:
             named_parameters: ``model.named_parameters()`` of the model the optimizer trains.
-            rank: factor rank (default 4; ignored when ``config`` sets it).
+            rank: factor rank: ``"auto"`` (the default: each matrix's from its shape) or an integer for every
+                matrix; ignored when ``config`` sets it.
             config: a :class:`~sylvie_comm.config.Config` with ``codec: acpsgd`` (e.g. from YAML).
             **options: ``warmup_steps`` (default 2), ``min_compression_rate`` (default 2), ``seed``.
         """

@@ -46,11 +46,13 @@ class AutoAlgorithm(Algorithm):
     """Measure each candidate on each group for ``probe_steps`` steps, then keep the fastest per group.
 
     Args (options):
-        candidates: algorithm names to choose among (default ``none, fp16, acpsgd, onebit``); ``none``
-            is added when missing.
+        candidates: algorithm names to choose among (default ``none, fp16, qsgd``: the ones that keep plain
+            averaging's model quality on the real workloads of ``sylvie-comm bench quality``, see the README's
+            "Model quality on real data"; pass ``acpsgd``, ``powersgd`` or ``onebit`` to let it pick those);
+            ``none`` is added when missing.
         probe_steps: steps each candidate runs per group before the choice (default 2; the minimum of
             its timings counts).
-        rank: the low-rank candidates' rank (default 4).
+        rank: the low-rank candidates' rank (default ``"auto"``: from each matrix's shape).
         min_compression_rate: a candidate sends a tensor raw when it would not shrink it this many
             times (default 2, as the policy's).
     """
@@ -59,9 +61,9 @@ class AutoAlgorithm(Algorithm):
     codec_name = None
     error_feedback = True  # candidates may keep residuals: the policy's warm-up must cover DDP's bucket rebuild
     option_defaults: ClassVar[dict[str, Any]] = {
-        "candidates": ("none", "fp16", "acpsgd", "onebit"),
+        "candidates": ("none", "fp16", "qsgd"),
         "probe_steps": 2,
-        "rank": 4,
+        "rank": "auto",
         "min_compression_rate": 2.0,
     }
     per_name_options: ClassVar[frozenset[str]] = frozenset({"rank"})  # handed to the low-rank candidates
@@ -86,6 +88,9 @@ class AutoAlgorithm(Algorithm):
         rate = out["min_compression_rate"]
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate >= 1:
             raise ValueError(f"auto: min_compression_rate must be a number >= 1, got {rate!r}")
+        rank = out["rank"]  # checked here too: the default candidates have no rank to check it
+        if rank != "auto" and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+            raise ValueError(f"auto: rank must be 'auto' or an integer >= 1, got {rank!r}")
         for n in names:
             sub = {k: v for k, v in out.items() if k in ALGORITHMS[n].option_defaults}
             ALGORITHMS[n].validate_options(sub)

@@ -29,11 +29,13 @@ class LowRankAlgorithm(Algorithm):
     """Per-name P, Q factors and residual E; each group's factors are views into two fused buffers.
 
     Args (options):
-        rank: the rank of the approximation, an integer >= 1 (default 4); capped per tensor by its shape.
+        rank: the rank of the approximation: ``"auto"`` (the default: each matrix's rank from its shape, see
+            :func:`sylvie_comm.codecs.lowrank.auto_rank`) or an integer >= 1 for every matrix; capped per tensor
+            by its shape.
     """
 
     error_feedback = True
-    option_defaults: ClassVar[dict[str, Any]] = {"rank": 4}
+    option_defaults: ClassVar[dict[str, Any]] = {"rank": lowrank.AUTO}
     per_name_options: ClassVar[frozenset[str]] = frozenset({"rank"})
     alternate: ClassVar[bool]  # one factor per step (ACP-SGD) or both (PowerSGD): changes the compression rate
 
@@ -51,8 +53,8 @@ class LowRankAlgorithm(Algorithm):
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
         out = super().validate_options(options)
         rank = out["rank"]
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"{cls.name}: rank must be an integer >= 1, got {rank!r}")
+        if rank != lowrank.AUTO and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+            raise ValueError(f"{cls.name}: rank must be 'auto' or an integer >= 1, got {rank!r}")
         return out
 
     def compressible(self, shape: torch.Size | tuple[int, ...], options: Mapping[str, Any]) -> bool:
@@ -63,11 +65,11 @@ class LowRankAlgorithm(Algorithm):
 
     def state_spec(self, shape: torch.Size | tuple[int, ...], options: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         n, k = lowrank.matrix_shape(torch.Size(shape))
-        r = lowrank.effective_rank(torch.Size(shape), {**self.options, **options}["rank"])
+        r = lowrank.effective_rank(torch.Size(shape), {**self.options, **options}["rank"], self.alternate)
         return {"p": (n, r), "q": (k, r), "residual": (n, k)}
 
     def _rank_of(self, m: Member) -> int:
-        return lowrank.effective_rank(m.tensor.shape, m.options.get("rank", self.options["rank"]))
+        return lowrank.effective_rank(m.tensor.shape, m.options.get("rank", self.options["rank"]), self.alternate)
 
     def _init_factors(self, m: Member) -> tuple[torch.Tensor, torch.Tensor]:
         n, k = lowrank.matrix_shape(m.tensor.shape)

@@ -4,7 +4,7 @@ Kept apart from the math (as epfml/powersgd's ``PowerSGD`` wraps
 ``BasicPowerSGD``): the algorithm compresses what it is given; the policy sends
 the first ``warmup_steps`` steps as a plain fp32 average (error feedback and
 low-rank factors start from real gradients, and a framework may still be
-settling its groups); with ``warmup: auto`` (the default) each tensor then keeps
+settling its groups); with ``warmup: auto`` (opt-in) each tensor then keeps
 travelling raw until its gradient has settled (:mod:`.warmup`); it sends raw
 whatever a rule marks uncompressed or what would not shrink by
 ``min_compression_rate``, and merges per-name options from the config's rules

@@ -1,4 +1,4 @@
-"""When each tensor starts compressing: once its gradient has settled (``warmup: auto``, the default).
+"""When each tensor starts compressing: once its gradient has settled (``warmup: auto``; the default is ``fixed``).
 
 Error feedback delays what compression drops; early in training the gradient changes fast (its norm
 can swing tenfold from one ten-step window to the next at SGD momentum 0.9), and a delayed gradient

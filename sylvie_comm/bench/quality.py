@@ -255,7 +255,9 @@ def one_shot_removed(hook: str, options: dict[str, Any], g: torch.Tensor) -> flo
     if energy == 0:
         return None
     if hook in ("acpsgd", "powersgd"):
-        r = int(options.get("rank", 4))
+        from sylvie_comm.codecs import lowrank
+
+        r = lowrank.effective_rank(g.shape, options.get("rank", lowrank.AUTO), alternate=hook == "acpsgd")
         s = torch.linalg.svdvals(g.reshape(g.shape[0], -1).double())
         return float(s[r:].pow(2).sum() / s.pow(2).sum())
     codecs: dict[str, tuple[str, dict[str, Any]]] = {
@@ -391,6 +393,7 @@ def train(
     curve: list[tuple[int, float, float]] = []  # (step, training loss, metric)
     losses: list[float] = []
     t0 = time.perf_counter()
+    half: dict[str, Any] | None = None  # the hook's or optimizer's stats at the run's middle
     try:
         for step in range(wl.steps):
             for g, lr in zip(opt.param_groups, base_lr, strict=True):
@@ -410,6 +413,8 @@ def train(
             if wl.clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), wl.clip)
             opt.step()
+            if step + 1 == wl.steps // 2 and (state is not None or copt is not None):
+                half = (state or copt).stats()  # type: ignore[union-attr]  # the second half: past any warm-up
             losses.append(loss.item())
             if (step + 1) % wl.eval_every == 0 or step + 1 == wl.steps:
                 window = losses[-wl.eval_every :]
@@ -420,7 +425,9 @@ def train(
         if state is not None or copt is not None:
             stats = (state or copt).stats()  # type: ignore[union-attr]
             out["compression_ratio"] = stats["compression_ratio"]
-            out["compression_ratio_last"] = stats["last_step"]["compression_ratio"]
+            sent = stats["bytes_sent"] - (half["bytes_sent"] if half else 0)
+            plain = stats["bytes_uncompressed"] - (half["bytes_uncompressed"] if half else 0)
+            out["compression_ratio_last"] = plain / sent if sent else float("nan")  # the run's second half
             out["skipped_nonfinite"] = stats.get("skipped_nonfinite", 0)
         else:
             out["compression_ratio"] = out["compression_ratio_last"] = 1.0
@@ -517,7 +524,7 @@ def format_table(res: dict[str, Any]) -> str:
     head = (
         "| variant | "
         + ("test accuracy %" if cnn else "val loss")
-        + " | vs plain | x fewer bytes (run) | (after warm-up) |"
+        + " | vs plain | x fewer bytes (run) | (second half) |"
     )
     lines = [head, "|---|---|---|---|---|"]
     for label, row in rows.items():

@@ -313,12 +313,53 @@ def test_unknown_names_and_options_raise_value_errors():
         algorithm_class("threebit")
     with pytest.raises(ValueError, match="unknown option"):
         algorithm_class("acpsgd").validate_options({"ratio": 0.1})
-    with pytest.raises(ValueError, match="rank must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="rank must be 'auto' or an integer >= 1, got 0"):
         algorithm_class("powersgd").validate_options({"rank": 0})
     with pytest.raises(ValueError, match=r"ratio must be in \(0, 1\], got 1.5"):
         algorithm_class("topk").validate_options({"ratio": 1.5})
     with pytest.raises(ValueError, match="bits must be 2, 4 or 8, got 1"):
         algorithm_class("qsgd").validate_options({"bits": 1})
+
+
+@pytest.mark.parametrize("name,alternate", [("acpsgd", True), ("powersgd", False)])
+def test_the_default_rank_is_chosen_per_matrix_from_its_shape_and_sent_at_that_rank(name, alternate):
+    """``rank: auto`` (the default): a wide matrix gets a higher rank than a narrow one; the factors, the
+    checkpoint's shapes and the bytes on the wire follow; a rule's integer rank overrides it per name;
+    a bad string is refused."""
+    from sylvie_comm.codecs import lowrank
+
+    shapes = {"wide": (256, 320), "narrow": (12, 40), "rule": (96, 320)}
+    config = Config(codec=name, rules=(Rule("rule", options={"rank": 2}),))
+
+    def body(tr: Any) -> tuple[dict[str, Any], int]:
+        alg = make_algorithm(name, tr, config.options, seed=0)
+        policy = Policy(alg, config)
+        stats = Stats()
+        g = torch.Generator().manual_seed(tr.rank)
+        members = []
+        for n, s in shapes.items():
+            compress, options = policy.member_options(n, s)
+            members.append(Member(n, torch.randn(s, generator=g), compress, options))
+        policy(Group(0, members), config.warmup_steps, stats.meter(0, tr.world_size)).wait()  # a P step
+        spec = {n: alg.state_spec(s, policy.member_options(n, s)[1]) for n, s in shapes.items()}
+        alg.close()
+        return {"state": alg.state_dict(), "spec": spec}, stats.step(0).bytes_sent
+
+    (first, wire), _ = run_local(2, body)
+    ranks = {"wide": lowrank.auto_rank((256, 320), alternate), "narrow": lowrank.auto_rank((12, 40), alternate),
+             "rule": 2}  # fmt: skip
+    assert ranks["wide"] > ranks["narrow"] >= 4
+    for n, r in ranks.items():
+        assert first["state"][n]["p"].shape == (shapes[n][0], r) == first["spec"][n]["p"]
+        assert first["state"][n]["q"].shape == (shapes[n][1], r) == first["spec"][n]["q"]
+    p_elements = sum(shapes[n][0] * r for n, r in ranks.items())  # ACP-SGD's P step sends P only
+    q_elements = sum(shapes[n][1] * r for n, r in ranks.items())  # PowerSGD's sends P, then Q
+    expected = wire_bytes("all_reduce", 4 * p_elements, 2)
+    if not alternate:
+        expected += wire_bytes("all_reduce", 4 * q_elements, 2)
+    assert wire == expected
+    with pytest.raises(ValueError, match="rank must be 'auto' or an integer >= 1, got 'Auto'"):
+        algorithm_class(name).validate_options({"rank": "Auto"})
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

@@ -72,7 +72,7 @@ def test_pick_takes_the_least_time_and_the_earlier_candidate_on_a_tie():
 def test_on_a_slow_link_every_rank_chooses_the_same_compressed_candidate_and_reports_it():
     def body(tr: Any) -> tuple[dict[int, str], dict[str, Any], list[dict[str, torch.Tensor]]]:
         link = SlowLink(tr, seconds_per_mb=0.2)  # 1 MB of fp32 gradient: 0.2 s plain, 0.1 s fp16
-        alg = make_algorithm("auto", link, {"candidates": ["fp16", "acpsgd"], "probe_steps": 1})
+        alg = make_algorithm("auto", link, {"candidates": ["fp16", "acpsgd"], "probe_steps": 1, "rank": 4})
         assert isinstance(alg, AutoAlgorithm) and alg.names == ("none", "fp16", "acpsgd")
         stats = Stats()
         outs = train(tr, range(4), alg, stats)  # 3 probes, then the choice
@@ -92,7 +92,7 @@ def test_on_a_slow_link_every_rank_chooses_the_same_compressed_candidate_and_rep
 
 def test_a_resumed_run_keeps_the_choice_and_continues_bit_identically():
     def body(tr: Any) -> tuple[list[Any], list[Any], dict[int, str]]:
-        options = {"candidates": ["fp16", "acpsgd"], "probe_steps": 1}
+        options = {"candidates": ["fp16", "acpsgd"], "probe_steps": 1, "rank": 4}
         alg = make_algorithm("auto", SlowLink(tr, 0.2), options)
         train(tr, range(4), alg, Stats())
         state = alg.state_dict()
@@ -118,7 +118,7 @@ def test_a_resumed_run_keeps_the_choice_and_continues_bit_identically():
         ({"candidates": ["auto"]}, "cannot be its own candidate"),
         ({"candidates": ["threebit"]}, r"unknown candidate 'threebit'; valid: .*acpsgd"),
         ({"probe_steps": 0}, "probe_steps must be an integer >= 1"),
-        ({"rank": 0}, "rank must be an integer >= 1"),
+        ({"rank": 0}, "rank must be 'auto' or an integer >= 1"),
     ],
 )
 def test_bad_options_name_the_value(options, message):

@@ -72,7 +72,7 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
 
 def run(name: str, world: int, poison_at: dict[tuple[int, int], tuple[str, float]]) -> list[dict[str, Any]]:
     """Per rank: outputs and state after every step; ``poison_at[(rank, step)] = (tensor, value)``."""
-    config = Config(codec=name)
+    config = Config(codec=name, options={"candidates": ["none", "fp16", "acpsgd", "onebit"]} if name == "auto" else {})
 
     def body(tr: Any) -> dict[str, Any]:
         alg = make_algorithm(name, tr, config.options, seed=3)

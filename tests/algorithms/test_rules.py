@@ -100,8 +100,8 @@ def policy_error(config: Config) -> str:
 @pytest.mark.parametrize(
     ("codec", "options", "message"),
     [
-        ("acpsgd", {"rank": 0}, "rules[0] (match 'head.*'): acpsgd: rank must be an integer >= 1, got 0"),
-        ("acpsgd", {"rank": "eight"}, "rank must be an integer >= 1, got 'eight'"),
+        ("acpsgd", {"rank": 0}, "rules[0] (match 'head.*'): acpsgd: rank must be 'auto' or an integer >= 1, got 0"),
+        ("acpsgd", {"rank": "eight"}, "rank must be 'auto' or an integer >= 1, got 'eight'"),
         ("acpsgd", {"rnak": 2}, "sets unknown option(s) rnak; per-name options: rank"),
         ("topk", {"ratio": 0.0}, "ratio must be in (0, 1], got 0.0"),
         ("topk", {"ratio": "0.3"}, "ratio must be in (0, 1]"),
@@ -114,7 +114,7 @@ def policy_error(config: Config) -> str:
         ("fp16", {"ratio": 0.1}, "sets unknown option(s) ratio; per-name options: none"),
         ("auto", {"probe_steps": 3}, "sets probe_steps, which holds for the whole run"),
         ("auto", {"candidates": ["none"]}, "sets candidates, which holds for the whole run"),
-        ("auto", {"rank": -1}, "rank must be an integer >= 1, got -1"),
+        ("auto", {"rank": -1}, "rank must be 'auto' or an integer >= 1, got -1"),
     ],
 )
 def test_rule_options_are_validated_when_the_policy_is_built(codec: str, options: dict[str, Any], message: str) -> None:

@@ -61,6 +61,33 @@ def test_shapes_and_rates():
     assert lowrank.compression_rate((1000, 1000), 4, alternate=True) == pytest.approx(1000 * 1000 / (1000 * 4))
 
 
+@pytest.mark.parametrize(
+    "shape,alternate,rank",
+    [
+        ((2048, 2048), True, 32),  # the budget (1024 for ACP-SGD, 64 for PowerSGD) is capped at 32
+        ((2048, 2048), False, 32),
+        ((64, 32, 3, 3), True, 6),  # a 64 x 288 convolution: 2 * 64 * 288 / (16 * 352) = 6.5
+        ((64, 32, 3, 3), False, 4),  # 3.3, raised to the floor of 4
+        ((128, 1600), True, 14),  # 14.8
+        ((128, 1600), False, 7),  # 7.4
+        ((384, 128), True, 12),  # 12.0
+        ((10, 128), True, 4),  # a small matrix keeps rank 4
+        ((3, 5), True, 3),  # and never more than min(n, m)
+        ((7,), True, 1),
+    ],
+)
+def test_auto_rank_sends_each_matrix_a_sixteenth_of_its_size_within_the_bounds(shape, alternate, rank):
+    assert lowrank.auto_rank(shape, alternate) == rank
+    assert lowrank.effective_rank(shape, "auto", alternate) == rank
+    n, m = lowrank.matrix_shape(shape)
+    assert lowrank.compression_rate(shape, "auto", alternate) == pytest.approx(
+        n * m / ((n + m) * rank / (2 if alternate else 1))
+    )
+    if lowrank.AUTO_MIN < rank < lowrank.AUTO_MAX:  # within the bounds: the largest rank at >= 16x
+        assert lowrank.compression_rate(shape, rank, alternate) >= lowrank.AUTO_RATE
+        assert lowrank.compression_rate(shape, rank + 1, alternate) < lowrank.AUTO_RATE
+
+
 def test_orthogonalize_rejects_non_matrices():
     with pytest.raises(ValueError, match="2-D"):
         lowrank.orthogonalize_([torch.randn(3)])

@@ -204,8 +204,8 @@ def test_config_mismatch_fails_fast_on_every_rank():
 def test_an_invalid_option_on_one_rank_fails_every_rank():
     """The rank with the bad option raises its own error; the others learn of it instead of waiting."""
     messages = run_distributed(_register_error, 2, [4, 0], timeout=60)
-    assert "rank 1 could not set up" in messages[0] and "rank must be an integer >= 1" in messages[0]
-    assert "rank must be an integer >= 1, got 0" in messages[1]
+    assert "rank 1 could not set up" in messages[0] and "rank must be 'auto' or an integer >= 1" in messages[0]
+    assert "rank must be 'auto' or an integer >= 1, got 0" in messages[1]
 
 
 def _bad_options_worker(rank: int, world: int) -> dict[str, str]:
@@ -240,13 +240,13 @@ def _bad_options_worker(rank: int, world: int) -> dict[str, str]:
 
 def test_invalid_options_raise_at_registration():
     res = run_distributed(_bad_options_worker, 2, timeout=60)[0]
-    assert "rank must be an integer >= 1, got 0" in res["rank0"]
+    assert "rank must be 'auto' or an integer >= 1, got 0" in res["rank0"]
     assert "ratio must be in (0, 1], got 0.0" in res["ratio"]
     assert "ratio must be in (0, 1]" in res["ratio_big"]
     assert "warmup_steps must be >= 2 with error feedback" in res["warmup"] and "rebuilds" in res["warmup"]
     assert "unknown hook 'threebit'" in res["codec"] and "acpsgd" in res["codec"]
     assert "unknown option(s) ratio" in res["option"]
-    assert "rules[0] (match '0.*'): acpsgd: rank must be an integer >= 1, got 0" in res["rule_rank0"]
+    assert "rules[0] (match '0.*'): acpsgd: rank must be 'auto' or an integer >= 1, got 0" in res["rule_rank0"]
     assert "rules[0] (match '*') sets unknown option(s) rank; per-name options: ratio" in res["rule_unknown"]
     assert "bits must be 2, 4 or 8, got 4.0" in res["bits_float"]
 
