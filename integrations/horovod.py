@@ -186,6 +186,9 @@ class _Deferred:
     def _only_all_reduce(self, kind: str) -> Future[Any]:
         raise ValueError(f"the Horovod compressor only all-reduces; an algorithm asked for {kind}")
 
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor) -> Future[Any]:
+        return self._only_all_reduce("reduce_scatter")
+
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> Future[Any]:
         return self._only_all_reduce("all_gather")
 

@@ -23,8 +23,10 @@ def wire_bytes(kind: str, nbytes: int, world_size: int) -> int:
     """Bytes one rank sends for a collective on ``nbytes`` of input (bandwidth-optimal algorithms).
 
     all-reduce (ring: reduce-scatter + all-gather) sends ``2 (w - 1) / w`` of the
-    buffer; all-gather sends its ``nbytes`` to ``w - 1`` peers; all-to-all sends
-    all but its own ``1 / w`` share. One rank alone sends nothing.
+    buffer; reduce-scatter (ring; ``nbytes`` is the whole input, ``w`` shards) sends
+    ``(w - 1) / w`` of it, half an all-reduce; all-gather sends its ``nbytes`` to
+    ``w - 1`` peers; all-to-all sends all but its own ``1 / w`` share. One rank
+    alone sends nothing.
     """
     w = world_size
     if w <= 1:
@@ -33,9 +35,9 @@ def wire_bytes(kind: str, nbytes: int, world_size: int) -> int:
         return 2 * (w - 1) * nbytes // w
     if kind == "all_gather":
         return (w - 1) * nbytes
-    if kind == "all_to_all":
+    if kind in ("all_to_all", "reduce_scatter"):
         return (w - 1) * nbytes // w
-    raise ValueError(f"unknown collective kind {kind!r}; expected all_reduce, all_gather or all_to_all")
+    raise ValueError(f"unknown collective kind {kind!r}; expected all_reduce, reduce_scatter, all_gather or all_to_all")
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from sylvie_comm._deps import require
-from sylvie_comm.collectives.transport import CollectiveError
+from sylvie_comm.collectives.transport import CollectiveError, check_reduce_scatter
 
 Future = torch.futures.Future
 
@@ -182,6 +182,17 @@ class HorovodTransport:
         flat = t.reshape(-1)
         hvd = self._hvd
         return self._issue("all_gather", t, lambda name: hvd.allgather_async(flat, name=name), _into(out))
+
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor) -> Future[Any]:
+        """Sum ``t`` across ranks; rank ``r``'s ``out`` gets shard ``r`` (``hvd.reducescatter`` with ``op=Sum``
+        on the flat input: Horovod splits its first dimension evenly when it divides by the world size)."""
+        check_reduce_scatter(out, t, self.world_size)
+        if not supports("reducescatter", t.dtype):
+            raise TypeError(f"reduce_scatter: this Horovod build has no reduce-scatter of {t.dtype} tensors")
+        hvd, flat = self._hvd, t.reshape(-1)
+        return self._issue(
+            "reduce_scatter", t, lambda name: hvd.reducescatter_async(flat, name=name, op=hvd.Sum), _into(out)
+        )
 
     def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> Future[Any]:
         """Equal-split all-to-all along the first dimension: block ``j`` of ``t`` goes to rank ``j``."""

@@ -4,7 +4,7 @@ Algorithms take a transport, so they can be run and checked in one process
 without torch.distributed: :func:`run_local` starts one thread per rank, hands
 each its :class:`LocalTransport` and returns what every rank returned. The
 collectives have the process-group transport's semantics (sums in place,
-rank-major gathers, all-to-all with per-peer splits) and are deterministic:
+reduce-scatter into rank-major shards, rank-major gathers, all-to-all with per-peer splits) and are deterministic:
 a sum adds the ranks' tensors in rank order, so every rank gets the same bits
 whatever order the threads arrive in.
 """
@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+
+from sylvie_comm.collectives.transport import check_reduce_scatter
 
 T = TypeVar("T")
 
@@ -127,6 +129,17 @@ class LocalGroup:
             t.copy_(total)
         return ts
 
+    def _do_reduce_scatter(self, seq: int, args: list[dict[str, Any]]) -> list[Any]:
+        ts = [a["t"] for a in args]
+        self._same(seq, "reduce_scatter shape/dtype", [(t.numel(), t.dtype) for t in ts])
+        total = ts[0].reshape(-1).clone()
+        for t in ts[1:]:
+            total.add_(t.reshape(-1))
+        n = total.numel() // self.world_size
+        for r, a in enumerate(args):
+            a["out"].view(-1).copy_(total[r * n : (r + 1) * n])
+        return [a["out"] for a in args]
+
     def _do_all_gather(self, seq: int, args: list[dict[str, Any]]) -> list[Any]:
         ts = [a["t"] for a in args]
         self._same(seq, "all_gather size/dtype", [(t.numel(), t.dtype) for t in ts])
@@ -203,6 +216,11 @@ class LocalTransport:
     def all_reduce(self, t: torch.Tensor) -> torch.futures.Future[Any]:
         """Sum ``t`` in place across ranks (added in rank order: every rank gets the same bits)."""
         return self.group._submit(self.rank, "all_reduce", t=t)
+
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor) -> torch.futures.Future[Any]:
+        """Sum ``t`` across ranks (in rank order); rank ``r``'s ``out`` gets shard ``r`` of the sum."""
+        check_reduce_scatter(out, t, self.world_size)
+        return self.group._submit(self.rank, "reduce_scatter", out=out, t=t)
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.futures.Future[Any]:
         """Gather every rank's ``t`` into ``out`` (``world_size * t.numel()`` elements, rank-major)."""

@@ -29,8 +29,9 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import torch
 import torch.distributed as dist
 
-# all_gather_single replaces all_gather_into_tensor (deprecated) where torch has it.
+# all_gather_single and reduce_scatter_single replace the *_tensor forms (deprecated) where torch has them.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 Future = torch.futures.Future
 
@@ -49,6 +50,11 @@ class Transport(Protocol):
 
     def all_reduce(self, t: torch.Tensor) -> Future[Any]:
         """Sum ``t`` in place across ranks."""
+        ...
+
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor) -> Future[Any]:
+        """Sum ``t`` (``world_size * out.numel()`` elements, rank-major shards) across ranks; rank ``r``'s
+        ``out`` gets shard ``r`` of the sum."""
         ...
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> Future[Any]:
@@ -84,6 +90,23 @@ class Transport(Protocol):
 # evaluation or checkpoint between two steps; short enough that a hung peer fails the job in minutes
 # (torch's gloo default is 30 minutes).
 DEFAULT_TIMEOUT_S = 600.0
+
+
+def check_reduce_scatter(out: torch.Tensor, t: torch.Tensor, world_size: int) -> None:
+    """A reduce-scatter's buffers, checked before anything is issued (every transport's): a ValueError names
+    what does not fit."""
+    if t.numel() != world_size * out.numel():
+        raise ValueError(
+            f"reduce_scatter: the input has {t.numel()} elements, expected world_size * out.numel() = "
+            f"{world_size} * {out.numel()} = {world_size * out.numel()}"
+        )
+    if t.dtype != out.dtype or t.device != out.device:
+        raise ValueError(
+            f"reduce_scatter: input and output must share dtype and device, got {t.dtype} on {t.device} and "
+            f"{out.dtype} on {out.device}"
+        )
+    if not (t.is_contiguous() and out.is_contiguous()):
+        raise ValueError("reduce_scatter: input and output must be contiguous")
 
 
 class CollectiveError(RuntimeError):
@@ -139,6 +162,7 @@ class ProcessGroupTransport:
         self._process_group = process_group
         self._closed = False
         self._failure: CollectiveError | None = None  # the first collective that failed
+        self._waiting: SerialExecutor | None = None  # see _waiter
         group = process_group
         if dedicated:
             parent = process_group or dist.group.WORLD
@@ -223,7 +247,7 @@ class ProcessGroupTransport:
             # whose events follow that wait.
             try:
                 work.wait()
-                result = work.get_future().value()
+                result = work.get_future().value() if kind != "reduce_scatter" else None  # gloo's has none
             except Exception as exc:
                 raise self._fail(self._error(what, exc)) from exc
             ready: Future[Any] = torch.futures.Future(devices=[t.device])
@@ -239,12 +263,32 @@ class ProcessGroupTransport:
             else:
                 done.set_result(result)
 
-        work.get_future().add_done_callback(settle)
+        try:
+            fut = work.get_future()
+        except RuntimeError:  # gloo's reduce-scatter has no future: a thread of this transport waits for it
+            fut = self._waiter().submit(lambda: work.wait())
+        fut.add_done_callback(settle)
         return done
+
+    def _waiter(self) -> SerialExecutor:
+        """The thread that waits, in issue order, for collectives whose work has no future."""
+        if self._waiting is None:
+            self._waiting = SerialExecutor(f"sylvie-comm-wait-rank{self.rank}")
+        return self._waiting
 
     def all_reduce(self, t: torch.Tensor) -> Future[Any]:
         """Sum ``t`` in place across ranks; the future completes when it is done."""
         return self._issue("all_reduce", t, lambda g: dist.all_reduce(t, group=g, async_op=True))
+
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor) -> Future[Any]:
+        """Sum ``t`` across ranks; rank ``r``'s ``out`` gets shard ``r`` of it (``t`` holds ``world_size``
+        shards of ``out.numel()`` elements, rank-major)."""
+        check_reduce_scatter(out, t, self.world_size)
+
+        def start(g: dist.ProcessGroup | None) -> Any:
+            return _reduce_scatter_single(out, t, op=dist.ReduceOp.SUM, group=g, async_op=True)
+
+        return self._issue("reduce_scatter", t, start)
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> Future[Any]:
         """Gather every rank's ``t`` into ``out`` (``world_size * t.numel()`` elements, rank-major)."""
@@ -286,6 +330,8 @@ class ProcessGroupTransport:
         if self._closed:
             return
         self._closed = True
+        if self._waiting is not None:
+            self._waiting.close()
         group = self._group_ref() if self._group_ref is not None else None
         self._group_ref = None
         if self.dedicated and group is not None:

@@ -28,6 +28,10 @@ class SlowLink:
         self._wait(t)
         return self.inner.all_reduce(t)
 
+    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor) -> Any:
+        self._wait(t)
+        return self.inner.reduce_scatter(out, t)
+
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> Any:
         self._wait(out)
         return self.inner.all_gather(out, t)

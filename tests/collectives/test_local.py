@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -36,6 +38,40 @@ def test_collectives_match_their_definitions(world):
         expected = torch.cat([torch.arange(s + 1).float() + rank * (s + 1) + 100 * s for s in range(world)])
         assert torch.equal(v_out, expected)
         assert objs == [("rank", r) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_reduce_scatter_gives_each_rank_its_shard_of_the_sum(world):
+    def body(tr):
+        shard = torch.empty(3)
+        tr.reduce_scatter(shard, torch.arange(3.0 * world) * (tr.rank + 1)).wait()
+        return shard
+
+    coef = sum(range(1, world + 1))
+    for rank, shard in enumerate(run_local(world, body)):
+        assert torch.equal(shard, torch.arange(3.0 * rank, 3.0 * rank + 3) * coef)
+
+
+def test_reduce_scatter_refuses_buffers_that_do_not_fit_before_issuing():
+    def body(tr):
+        with pytest.raises(ValueError, match=re.escape("the input has 5 elements, expected world_size * out.numel()")):
+            tr.reduce_scatter(torch.empty(2), torch.zeros(5))
+        with pytest.raises(ValueError, match=re.escape("must share dtype and device, got torch.float32 on cpu and")):
+            tr.reduce_scatter(torch.empty(2, dtype=torch.float16), torch.zeros(4))
+        with pytest.raises(ValueError, match="contiguous"):
+            tr.reduce_scatter(torch.empty(2), torch.zeros(2, 2).t())
+        tr.all_reduce(torch.ones(1)).wait()  # nothing was issued: the ranks still pair
+
+    run_local(2, body)
+
+
+def test_reduce_scatter_volume_is_half_an_all_reduce():
+    from sylvie_comm.collectives import wire_bytes
+
+    assert wire_bytes("reduce_scatter", 4096, 4) == 3072 == wire_bytes("all_reduce", 4096, 4) // 2
+    assert wire_bytes("reduce_scatter", 4096, 1) == 0
+    with pytest.raises(ValueError, match="expected all_reduce, reduce_scatter, all_gather or all_to_all"):
+        wire_bytes("reduce", 4, 2)
 
 
 def test_sums_are_bitwise_identical_on_every_rank():

@@ -423,6 +423,15 @@ def check_transport(rank: int) -> dict[str, Any]:
     recv = torch.empty(3, 2)
     t.all_to_all_v(recv, send, [1, 2], [rank + 1, rank + 1]).wait()
     out["all_to_all_v"] = recv[:, 0].tolist()
+    for dtype in (torch.float32, torch.float16):  # rank r's shard of the sum of every rank's (6,) input
+        shard = torch.empty(3, dtype=dtype)
+        t.reduce_scatter(shard, (torch.arange(6) + 10 * rank).to(dtype)).wait()
+        out[f"reduce_scatter/{dtype}"] = shard.tolist()
+    try:
+        t.reduce_scatter(torch.empty(2), torch.zeros(6))
+        out["bad_shard"] = "no error"
+    except ValueError as exc:
+        out["bad_shard"] = str(exc)
     out["all_gather_object"] = t.all_gather_object({"rank": rank})
     try:
         t.all_to_all_v(recv, send, [1, 2], [5, 5])

@@ -84,6 +84,10 @@ def test_horovod_transport_keeps_the_transport_contract(checks):
     assert r0["all_to_all"] == [0, 1, 10, 11] and r1["all_to_all"] == [2, 3, 12, 13]
     assert r0["all_to_all_v"] == [0.0, 1.0, 1.0] and r1["all_to_all_v"] == [0.0, 1.0, 1.0]
     assert "in_splits [5, 5] must be 2 counts >= 0 adding up to" in r0["bad_splits"]
+    for dtype in ("torch.float32", "torch.float16"):  # the sum is 2 * arange(6) + 10: shards of 3
+        assert r0[f"reduce_scatter/{dtype}"] == [10.0, 12.0, 14.0]
+        assert r1[f"reduce_scatter/{dtype}"] == [16.0, 18.0, 20.0]
+    assert "the input has 6 elements, expected world_size * out.numel() = 2 * 2 = 4" in r0["bad_shard"]
 
 
 # ---------------------------------------------------------------- hvd.DistributedOptimizer + our Compression
