@@ -156,6 +156,8 @@ class Algorithm:
     per_name_options: ClassVar[frozenset[str]] = frozenset()
     # Gradient dtypes the compressed tensors may have (None: every floating-point dtype).
     gradient_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
+    # Whether it has a reduce-scatter form (:meth:`reduce_scatter`: each rank ends with its shard's average).
+    shards: ClassVar[bool] = False
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         self.options = self.validate_options(dict(options or {}))
@@ -230,11 +232,57 @@ class Algorithm:
     def _finish(self, group: Group, layout: Any, step: int, meter: Meter, prepared: Any) -> None:
         raise NotImplementedError(f"{self.name}: serial algorithms implement _finish")
 
+    # ------------------------------------------------------------------ one shard (sharded data parallel)
+
+    def reduce_scatter(
+        self, flat: torch.Tensor, out: torch.Tensor, step: int, meter: Meter | None = None
+    ) -> Future[None]:
+        """Average ``flat`` across ranks into ``out``, this rank's shard of the mean: ``flat`` holds
+        ``world_size`` shards of ``out.numel()`` elements, rank-major (FSDP's reduce-scatter input, one per
+        unit); the future completes once ``out`` is written. ``flat`` is the caller's scratch: it may be
+        changed. ``meter`` counts the wire bytes against a plain fp32 reduce-scatter's.
+
+        Algorithms without a reduce-scatter form (``shards = False``) raise a ValueError naming those with one.
+        """
+        from sylvie_comm.algorithms.registry import ALGORITHMS
+
+        w = self.world_size
+        if not self.shards:
+            having = ", ".join(n for n, cls in ALGORITHMS.items() if cls.shards)
+            why = (
+                "it factors whole matrices and a reduce-scatter's shard is a slice of one: under sharded data "
+                "parallel it belongs on the replica all-reduce of HSDP, where each rank's shard of a weight is "
+                "a block of its rows"
+                if self.name in ("acpsgd", "powersgd")
+                else "its encoding has no reduce-scatter form yet"
+            )
+            raise ValueError(f"{self.name}: no reduce-scatter form ({why}); algorithms with one: {having}")
+        if flat.numel() != w * out.numel():
+            raise ValueError(
+                f"{self.name}: reduce_scatter input has {flat.numel()} elements, expected world_size * "
+                f"out.numel() = {w} * {out.numel()} = {w * out.numel()}"
+            )
+        if not (flat.dtype.is_floating_point and out.dtype.is_floating_point) or flat.device != out.device:
+            raise ValueError(
+                f"{self.name}: reduce_scatter takes floating-point input and output on one device, got "
+                f"{flat.dtype} on {flat.device} and {out.dtype} on {out.device}"
+            )
+        meter = meter if meter is not None else Meter(w)
+        meter.uncompressed(4 * flat.numel(), "reduce_scatter")
+        return self._reduce_scatter(flat.reshape(-1), out, step, meter)
+
+    def _reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, step: int, meter: Meter) -> Future[None]:
+        raise NotImplementedError(f"{self.name}: algorithms with shards = True implement _reduce_scatter")
+
     # ------------------------------------------------------------------ collectives with accounting
 
     def _all_reduce(self, t: torch.Tensor, meter: Meter) -> Future[Any]:
         meter.collective("all_reduce", t)
         return self.transport.all_reduce(t)
+
+    def _reduce_scatter_wire(self, out: torch.Tensor, t: torch.Tensor, meter: Meter) -> Future[Any]:
+        meter.collective("reduce_scatter", t)
+        return self.transport.reduce_scatter(out, t)
 
     def _all_gather(self, out: torch.Tensor, t: torch.Tensor, meter: Meter) -> Future[Any]:
         meter.collective("all_gather", t)

@@ -38,6 +38,19 @@ class NoneAlgorithm(Algorithm):
 
     name = "none"
     codec_name = "none"
+    shards = True
 
     def _step(self, group: Group, layout: Any, step: int, meter: Meter) -> Future[None]:
         return plain_all_reduce(self, group, meter)
+
+    def _reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, step: int, meter: Meter) -> Future[None]:
+        """Divide by the world size, then reduce-scatter in the input's dtype (FSDP's own reduce-scatter)."""
+        flat.div_(self.world_size)
+        direct = out.dtype == flat.dtype and out.is_contiguous()
+        shard = out.view(-1) if direct else torch.empty(out.numel(), dtype=flat.dtype, device=flat.device)
+
+        def write(_: Future[Any]) -> None:
+            if not direct:
+                out.copy_(shard.view(out.shape))
+
+        return then(self._reduce_scatter_wire(shard, flat, meter), write)

@@ -128,10 +128,11 @@ class Meter:
             nbytes = wire_bytes(kind, t.numel() * t.element_size(), self.world_size)
             self.stats.add(self.step, bytes_sent=nbytes, collectives=1)
 
-    def uncompressed(self, nbytes: int) -> None:
-        """Count what a plain fp32 all-reduce of ``nbytes`` would have sent (the reference of the ratio)."""
+    def uncompressed(self, nbytes: int, kind: str = "all_reduce") -> None:
+        """Count what a plain fp32 ``kind`` (all-reduce; reduce-scatter for a shard) of ``nbytes`` would have sent
+        (the reference of the ratio)."""
         if self.stats is not None:
-            self.stats.add(self.step, bytes_uncompressed=wire_bytes("all_reduce", nbytes, self.world_size))
+            self.stats.add(self.step, bytes_uncompressed=wire_bytes(kind, nbytes, self.world_size))
 
     def timed(self, what: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` and add its seconds to ``{what}_seconds`` (``encode`` or ``decode``)."""
