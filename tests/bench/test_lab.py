@@ -12,6 +12,7 @@ import time
 import pytest
 
 from sylvie_comm.bench import lab as bl
+from sylvie_comm.bench import labnet
 from sylvie_comm.bench.lab import LAB_PREFIX, Lab, LabError
 
 pytestmark = pytest.mark.multiprocess
@@ -135,7 +136,7 @@ def test_cleanup_removes_the_leftovers_of_a_killed_owner():
         assert owner.stdout is not None
         prefix, worker = owner.stdout.readline().split()
         assert len(bl.namespaces(prefix)) == 3
-        assert (bl.NETNS_ETC / f"{prefix}1" / "hosts").exists()  # the worker's host name -> its eth0
+        assert (labnet.NETNS_ETC / f"{prefix}1" / "hosts").exists()  # the worker's host name -> its eth0
         assert bl.cleanup(prefix) == []  # the owner is alive: its lab is not a leftover
     finally:
         owner.kill()
@@ -143,13 +144,13 @@ def test_cleanup_removes_the_leftovers_of_a_killed_owner():
     assert len(bl.namespaces(prefix)) == 3  # SIGKILL left them behind
     assert {f"{prefix}{n}" for n in ("0", "1", "sw")} <= set(bl.cleanup())
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert prefix not in out and not list(bl.NETNS_ETC.glob(f"{prefix}*"))
+    assert prefix not in out and not list(labnet.NETNS_ETC.glob(f"{prefix}*"))
     assert _gone(int(worker))  # the worker in the namespace went with it
 
 
 @needs_netns
 def test_cleanup_removes_hosts_files_whose_namespace_is_gone():
-    dead = bl.NETNS_ETC / f"{LAB_PREFIX}999999999-dead-0"  # no such owner pid
+    dead = labnet.NETNS_ETC / f"{LAB_PREFIX}999999999-dead-0"  # no such owner pid
     dead.mkdir(parents=True)
     (dead / "hosts").write_text("10.231.0.1 host\n")
     bl.cleanup(f"{LAB_PREFIX}999999999-dead-")
@@ -181,7 +182,7 @@ def test_cleanup_keeps_a_live_lab_with_its_own_run_id_and_removes_it_once_the_ow
         assert cli.main(["bench", "--cleanup"]) == 0  # every lab's leftovers, as a user runs it
         out = capsys.readouterr().out
         assert bl.namespaces(prefix) == names, out  # the owner is alive: its lab is not a leftover
-        assert (bl.NETNS_ETC / f"{prefix}1" / "hosts").exists()
+        assert (labnet.NETNS_ETC / f"{prefix}1" / "hosts").exists()
         assert f"{prefix}* (pid {owner.pid})" in out, out
         assert not _gone(int(worker), wait=0.2)
     finally:
@@ -189,8 +190,8 @@ def test_cleanup_keeps_a_live_lab_with_its_own_run_id_and_removes_it_once_the_ow
         owner.wait()
     assert bl.namespaces(prefix) == names  # SIGKILL left them behind
     assert sorted(bl.cleanup(prefix)) == names
-    assert bl.namespaces(prefix) == [] and not list(bl.NETNS_ETC.glob(f"{prefix}*"))
-    assert not (bl.OWNERS_DIR / runid).exists()  # nor the record of who owned it
+    assert bl.namespaces(prefix) == [] and not list(labnet.NETNS_ETC.glob(f"{prefix}*"))
+    assert not (labnet.OWNERS_DIR / runid).exists()  # nor the record of who owned it
     assert _gone(int(worker))
 
 
@@ -210,7 +211,7 @@ def test_a_second_lab_with_a_run_id_in_use_leaves_the_first_alone():
             assert not second.shaped and "in use by process" in lines[0]  # the loopback fallback, saying why
         assert bl.namespaces(first.prefix) == built == sorted([first.switch, *first.worker_namespaces])
         assert "hello" in first.run([sys.executable, "-c", "print('hello')"], timeout=30)[0].output
-    assert bl.namespaces(first.prefix) == [] and not (bl.OWNERS_DIR / runid).exists()
+    assert bl.namespaces(first.prefix) == [] and not (labnet.OWNERS_DIR / runid).exists()
 
 
 @needs_netns
@@ -242,29 +243,30 @@ def test_a_run_id_left_by_a_killed_owner_is_taken_over():
 
 
 def test_an_owner_record_names_its_owner_only_while_that_very_process_runs(monkeypatch, tmp_path):
-    monkeypatch.setattr(bl, "OWNERS_DIR", tmp_path)
+    monkeypatch.setattr(labnet, "OWNERS_DIR", tmp_path)
     me = os.getpid()
-    (tmp_path / "a").write_text(bl._owner_record())
-    assert bl._owner("a") == me
-    started = bl._start_time(me)
+    (tmp_path / "a").write_text(labnet.owner_record())
+    assert labnet.owner("a") == me
+    started = labnet.start_time(me)
     assert started is not None and started.isdigit()
     (tmp_path / "b").write_text(f"{me} {int(started) + 1}\n")  # the pid, used again by a later process
-    assert bl._owner("b") is None
+    assert labnet.owner("b") is None
     (tmp_path / "c").write_text("garbage")
-    assert bl._owner("c") is None
+    assert labnet.owner("c") is None
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (tmp_path / "d").write_text(f"{dead.pid} 1\n")
-    assert bl._owner("d") is None
+    assert labnet.owner("d") is None
     # No record (a lab of an older version): a leading pid, if any, is asked.
-    assert bl._owner(f"{me}-beef") == me and bl._owner(f"{dead.pid}-beef") is None and bl._owner("byhand-1") is None
-    assert bl._runid(f"{LAB_PREFIX}a-b-sw") == "a-b" and bl._runid(f"{LAB_PREFIX}a-b-12") == "a-b"
+    assert labnet.owner(f"{me}-beef") == me and labnet.owner(f"{dead.pid}-beef") is None
+    assert labnet.owner("byhand-1") is None
+    assert labnet.runid_of(f"{LAB_PREFIX}a-b-sw") == "a-b" and labnet.runid_of(f"{LAB_PREFIX}a-b-12") == "a-b"
 
 
 def test_hosts_file_names_this_host_at_the_workers_address_first():
     import socket
 
-    text = bl._hosts_file("10.231.7.3")
+    text = labnet.hosts_file("10.231.7.3")
     first = text.splitlines()[0].split("#")[0].split()
     assert first[0] == "10.231.7.3" and socket.gethostname() in first
     assert not [ln for ln in text.splitlines()[1:] if socket.gethostname() in ln.split("#")[0].split()[1:]]
@@ -340,9 +342,9 @@ def test_failing_netns_add_falls_back_to_loopback(monkeypatch, tmp_path):
             raise LabError(f"lab: '{' '.join(args)}' failed (1): mount of /run/netns: Operation not permitted")
         return subprocess.CompletedProcess(list(args), 0, "", "")
 
-    monkeypatch.setattr(bl, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(bl, "_ip", ip)
-    monkeypatch.setattr(bl, "OWNERS_DIR", tmp_path / "owners")  # writable without root too
+    monkeypatch.setattr(labnet, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(labnet, "ip", ip)
+    monkeypatch.setattr(labnet, "OWNERS_DIR", tmp_path / "owners")  # writable without root too
     lines: list[str] = []
     with Lab(2, "100mbit", echo=lines.append) as lab:
         assert not lab.shaped and "Operation not permitted" in (lab.fallback_reason or "")
@@ -355,10 +357,10 @@ def test_failing_netns_add_falls_back_to_loopback(monkeypatch, tmp_path):
 
 
 def test_a_lab_that_cannot_record_its_owner_falls_back_to_loopback(monkeypatch, tmp_path):
-    monkeypatch.setattr(bl, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(bl, "_ip", lambda *args, check=True: pytest.fail(f"no namespace without a record: {args}"))
+    monkeypatch.setattr(labnet, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(labnet, "ip", lambda *args, check=True: pytest.fail(f"no namespace without a record: {args}"))
     (tmp_path / "file").write_text("")
-    monkeypatch.setattr(bl, "OWNERS_DIR", tmp_path / "file" / "owners")  # cannot be a folder
+    monkeypatch.setattr(labnet, "OWNERS_DIR", tmp_path / "file" / "owners")  # cannot be a folder
     with Lab(1, "none", echo=None) as lab:
         assert not lab.shaped and f"cannot record this lab's owner in {tmp_path}" in (lab.fallback_reason or "")
 

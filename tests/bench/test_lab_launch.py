@@ -11,6 +11,7 @@ import pytest
 
 from sylvie_comm.bench import horovod as bh
 from sylvie_comm.bench import lab as bl
+from sylvie_comm.bench import labnet
 from sylvie_comm.bench.lab import Lab, LabError
 
 pytestmark = pytest.mark.multiprocess
@@ -67,7 +68,7 @@ def test_torchrun_starts_rank_i_in_namespace_i_with_its_address(tmp_path):
         assert (rank, world, master, addr) == (str(i), "2", lab.addresses[0], lab.addresses[i])
         assert int(inode) == inodes[i] and (iface, omp, launcher) == ("eth0", "1", "torchrun")
         assert resolved == lab.addresses[i]  # the host name resolves to this worker's eth0, not 127.0.0.1
-    assert bl.namespaces(lab.prefix) == [] and not list(bl.NETNS_ETC.glob(f"{lab.prefix}*"))
+    assert bl.namespaces(lab.prefix) == [] and not list(labnet.NETNS_ETC.glob(f"{lab.prefix}*"))
 
 
 def test_torchrun_on_the_loopback_fallback(tmp_path):
@@ -167,7 +168,7 @@ def test_launched_workers_are_killed_with_the_run_and_nothing_is_left(tmp_path, 
     while [p for p in pids if _alive(p)] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [p for p in pids if _alive(p)]
-    assert bl.namespaces(lab.prefix) == [] and not list(bl.NETNS_ETC.glob(f"{lab.prefix}*"))
+    assert bl.namespaces(lab.prefix) == [] and not list(labnet.NETNS_ETC.glob(f"{lab.prefix}*"))
 
 
 def test_bad_launcher_and_horovodrun_rank_are_named():

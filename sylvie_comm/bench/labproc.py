@@ -1,0 +1,129 @@
+"""The lab's processes: launchers, what a worker reports, and killing a process tree.
+
+Helpers of :class:`~sylvie_comm.bench.lab.Lab` that need no namespace: the launchers it knows
+(:data:`LAUNCHERS`), each worker's end (:class:`WorkerResult`), progress ticks and a clean exit
+for the workers themselves (:class:`ProgressTicks`, :func:`leave_worker`), horovodrun's output split
+by rank, and the process tree a launcher leaves (:func:`kill_tree`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
+
+LAUNCHERS = ("plain", "torchrun", "horovodrun")
+_HVD_LINE = re.compile(r"^\[(\d+)\]<(?:stdout|stderr)>:(.*)$")
+
+
+class ProgressTicks:
+    """A worker's ticks into the lab's progress file, one per finished step or epoch (only the worker
+    given ``write`` writes; the others' ticks do nothing). Called with any arguments; ``close()`` once."""
+
+    def __init__(self, path: str, write: bool) -> None:
+        self._file = open(path, "a") if write else None  # noqa: SIM115 (closed by close())
+
+    def __call__(self, *_: object) -> None:
+        if self._file is not None:
+            self._file.write(".")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def leave_worker(code: int = 0) -> NoReturn:
+    """End a lab worker process now, without the interpreter's teardown (its results written, its groups closed).
+
+    About one exit in 10-20 of a worker that trained with gloo aborted in ``Py_Finalize``
+    ("terminate called without an active exception", SIGABRT): a gloo worker thread still alive
+    there released a finished collective's work holding a Python tensor and needed the GIL that
+    finalization no longer hands out. The launchers (torchrun's agent, the lab) report a worker
+    that aborts as a failed run, after every figure was measured and written. Workers call this
+    last, after ``destroy_process_group()`` and after flushing what they wrote.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@dataclass
+class WorkerResult:
+    """How one worker ended: its rank, exit status and whole output (stdout and stderr together)."""
+
+    rank: int
+    returncode: int
+    output: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tail(text: str, lines: int = 25) -> str:
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def check_launcher(launcher: str) -> str:
+    """``launcher`` if it names one of :data:`LAUNCHERS`; ValueError listing them otherwise."""
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"unknown launcher {launcher!r}; valid: {', '.join(LAUNCHERS)}")
+    return launcher
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every process below it (from /proc; launchers start their workers in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL ``root``'s process group and every process below it, with their groups."""
+    for pid in process_tree(root):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)  # a group leader's group (torchrun's and horovodrun's workers lead theirs)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def split_horovod_output(text: str, workers: int) -> list[str]:
+    """horovodrun's output (lines ``[rank]<stdout>:...``) as each rank's own lines."""
+    out: list[list[str]] = [[] for _ in range(workers)]
+    for line in text.splitlines():
+        m = _HVD_LINE.match(line)
+        if m and int(m.group(1)) < workers:
+            out[int(m.group(1))].append(m.group(2))
+    return ["\n".join(lines) + ("\n" if lines else "") for lines in out]
+
+
+def horovodrun_executable() -> str | None:
+    """The ``horovodrun`` beside this Python (a virtual environment's), else the one on PATH; None without Horovod."""
+    beside = Path(sys.executable).parent / "horovodrun"
+    if beside.exists():
+        return str(beside)
+    return shutil.which("horovodrun")
