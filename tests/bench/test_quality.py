@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sylvie_comm.bench import quality
+from sylvie_comm.bench import quality, quality_diagnosis
 from tests.bench.test_datasets import need
 
 
@@ -27,12 +27,12 @@ def test_models_have_the_documented_sizes_and_kinds() -> None:
     assert lm(torch.zeros(2, 128, dtype=torch.long)).shape == (2, 128, 256)
     with pytest.raises(ValueError, match="sequence length 129 is over the context 128"):
         lm(torch.zeros(1, 129, dtype=torch.long))
-    kinds = quality.layer_kinds(lm)
+    kinds = quality_diagnosis.layer_kinds(lm)
     assert kinds["bytes.weight"] == "embedding" and kinds["norm.weight"] == "layernorm"
     assert kinds["blocks.layers.0.self_attn.in_proj_weight"] == "attention"
     assert kinds["blocks.layers.0.self_attn.out_proj.weight"] == "attention"
     assert kinds["blocks.layers.0.linear1.weight"] == "linear" and kinds["blocks.layers.0.linear1.bias"] == "bias"
-    assert {quality.layer_kinds(cnn)[n] for n in ("conv1.weight", "fc1.weight", "fc1.bias")} == {
+    assert {quality_diagnosis.layer_kinds(cnn)[n] for n in ("conv1.weight", "fc1.weight", "fc1.bias")} == {
         "conv",
         "linear",
         "bias",
@@ -42,12 +42,15 @@ def test_models_have_the_documented_sizes_and_kinds() -> None:
 def test_one_shot_removed_matches_each_codec() -> None:
     g = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
     # Full rank keeps everything; rank 4 of a random matrix keeps little.
-    assert quality.one_shot_removed("acpsgd", {"rank": 64}, g) == pytest.approx(0.0, abs=1e-9)
-    assert 0.8 < quality.one_shot_removed("powersgd", {"rank": 4}, g) < 1.0  # type: ignore[operator]
+    assert quality_diagnosis.one_shot_removed("acpsgd", {"rank": 64}, g) == pytest.approx(0.0, abs=1e-9)
+    assert 0.8 < quality_diagnosis.one_shot_removed("powersgd", {"rank": 4}, g) < 1.0  # type: ignore[operator]
     # One-bit with the mean scale removes 1 - 2/pi of a Gaussian's energy.
-    assert quality.one_shot_removed("onebit", {}, g) == pytest.approx(1 - 2 / torch.pi, abs=0.02)
-    assert quality.one_shot_removed("topk", {"ratio": 1.0}, g) == pytest.approx(0.0, abs=1e-9)
-    assert quality.one_shot_removed("none", {}, g) is None and quality.one_shot_removed("acpsgd", {}, g[0]) is None
+    assert quality_diagnosis.one_shot_removed("onebit", {}, g) == pytest.approx(1 - 2 / torch.pi, abs=0.02)
+    assert quality_diagnosis.one_shot_removed("topk", {"ratio": 1.0}, g) == pytest.approx(0.0, abs=1e-9)
+    assert (
+        quality_diagnosis.one_shot_removed("none", {}, g) is None
+        and quality_diagnosis.one_shot_removed("acpsgd", {}, g[0]) is None
+    )
 
 
 def test_summary_gives_points_for_accuracy_and_percent_for_loss() -> None:
