@@ -19,7 +19,8 @@ fusion group from gradient hooks on a
     opt = sh.DistributedOptimizer(opt, model.named_parameters(), codec="onebit")
 
 This module owns no math: both ways drive the algorithms of
-:mod:`sylvie_comm.algorithms` (behind their policy) as the DDP hooks do.
+:mod:`sylvie_comm.algorithms` (behind their policy) as the DDP hooks do. The compressors are in
+:mod:`sylvie_comm.integrations.horovod_compression` (re-exported here).
 """
 
 from __future__ import annotations
@@ -33,13 +34,20 @@ import torch
 from torch import nn
 
 from sylvie_comm.algorithms import Group, Member, Policy, algorithm_class
-from sylvie_comm.algorithms.acpsgd import ACPSGDAlgorithm
 from sylvie_comm.algorithms.base import real_view
 from sylvie_comm.algorithms.checkpoint import check_checkpoint
-from sylvie_comm.algorithms.guard import nonfinite
 from sylvie_comm.collectives import Stats, agree
-from sylvie_comm.collectives.horovod import HorovodTransport, import_horovod, supports
+from sylvie_comm.collectives.horovod import HorovodTransport
 from sylvie_comm.config import Config
+from sylvie_comm.integrations.horovod_compression import (
+    ACPSGDCompressor,
+    BF16Compressor,
+    Compression,
+    FP16Compressor,
+    NoneCompressor,
+    merge_config,
+    named_parameter_list,
+)
 
 Future = torch.futures.Future
 
@@ -54,342 +62,6 @@ _HOROVOD_ONLY = {
     "sparse_as_dense": "sparse gradients are not supported",
     "process_set": "only the global process set is supported",
 }
-_CONFIG_FIELDS = ("warmup_steps", "min_compression_rate", "seed")
-
-
-def _config(what: str, codec: str | None, config: Config | None, options: Mapping[str, Any]) -> Config:
-    """A Config from a codec name and keywords, or from ``config`` with keywords merged over it."""
-    if config is not None and not isinstance(config, Config):
-        raise TypeError(f"{what}: config must be a sylvie_comm.Config, got {type(config).__name__}")
-    if config is not None and codec is not None and codec != config.codec:
-        raise ValueError(f"{what}: codec {codec!r} given with a config for {config.codec!r}; pass one of them")
-    cfg = config if config is not None else Config(codec=codec or "acpsgd")
-    opts = dict(options)
-    extra = {k: opts.pop(k) for k in _CONFIG_FIELDS if k in opts}
-    if opts or extra:
-        d = cfg.to_dict()
-        d["options"] = {**d["options"], **opts}
-        d.update(extra)
-        cfg = Config.from_dict(d)
-    return cfg
-
-
-def _named(what: str, named_parameters: Iterable[tuple[str, nn.Parameter]]) -> list[tuple[str, nn.Parameter]]:
-    if isinstance(named_parameters, (str, bytes)) or not isinstance(named_parameters, Iterable):
-        raise TypeError(
-            f"{what}: named_parameters must be an iterable of (name, parameter) pairs such as "
-            f"model.named_parameters(), got {type(named_parameters).__name__}"
-        )
-    named = list(named_parameters)
-    for item in named:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                and isinstance(item[1], torch.Tensor)):  # fmt: skip
-            raise TypeError(f"{what}: named_parameters must yield (name, parameter) pairs, got {item!r:.80}")
-    names = [n for n, _ in named]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise ValueError(f"{what}: parameter names must be unique, repeated: {', '.join(dupes)}")
-    if not named:
-        raise ValueError(f"{what}: named_parameters is empty; pass model.named_parameters()")
-    return named
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Compressors for hvd.DistributedOptimizer: compress(tensor) -> (tensor, ctx), decompress(tensor, ctx) -> tensor
-
-
-class NoneCompressor:
-    """No compression (Horovod's default)."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: None) -> torch.Tensor:
-        return tensor
-
-
-class _CastCompressor:
-    """Divide by the world size, cast to a 16-bit float, all-reduce, cast back and multiply.
-
-    Dividing first keeps the sum of ``w`` ranks from overflowing where each rank's values fit
-    (fp16 overflows at 65504); multiplying afterwards restores what Horovod's op asked for
-    (``Average`` and ``Sum`` alike).
-    """
-
-    dtype: torch.dtype
-
-    @classmethod
-    def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.dtype, int] | None]:
-        if not tensor.dtype.is_floating_point:
-            return tensor, None
-        hvd = import_horovod()
-        if not supports("allreduce", cls.dtype):
-            raise TypeError(
-                f"sylvie_comm.horovod.Compression: this Horovod ({_horovod_version()}) has no {cls.dtype} all-reduce "
-                "for PyTorch; use Compression.fp16, or sylvie_comm.horovod.DistributedOptimizer(codec='bf16'), "
-                "which carries bf16 words through an all-gather"
-            )
-        w = hvd.size()
-        return tensor.div(w).to(cls.dtype), (tensor.dtype, w)
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: tuple[torch.dtype, int] | None) -> torch.Tensor:
-        if ctx is None:
-            return tensor
-        dtype, w = ctx
-        return tensor.to(dtype).mul_(w)  # in the original precision, so the product is not rounded to 16 bits
-
-
-def _horovod_version() -> str:
-    import horovod
-
-    return str(getattr(horovod, "__version__", "unknown version"))
-
-
-class FP16Compressor(_CastCompressor):
-    """fp16 all-reduce with pre-division by the world size."""
-
-    dtype = torch.float16
-
-
-class BF16Compressor(_CastCompressor):
-    """bf16 all-reduce with pre-division by the world size (needs a Horovod with bf16 PyTorch ops)."""
-
-    dtype = torch.bfloat16
-
-
-class _Deferred:
-    """A Transport for one rank whose all-reduce Horovod performs later, outside.
-
-    ``all_reduce(t)`` records ``t`` and returns an unfinished future;
-    :class:`ACPSGDCompressor` hands ``t`` to Horovod as the compressed tensor
-    and completes the future in ``decompress``, which runs the algorithm's
-    decoding there and then. Its world size is 1: Horovod's op does the scaling
-    (``Average`` returns the mean factor, ``Sum`` the sum, each with any pre- and
-    post-scale factors), and ACP-SGD is linear in the reduced factor, so the
-    decoded gradient is that op applied to the ranks' approximations.
-    """
-
-    rank = 0
-    world_size = 1
-
-    def __init__(self) -> None:
-        self.issued: list[tuple[torch.Tensor, Future[Any]]] = []
-
-    def all_reduce(self, t: torch.Tensor) -> Future[Any]:
-        fut: Future[Any] = torch.futures.Future()
-        self.issued.append((t, fut))
-        return fut
-
-    def _only_all_reduce(self, kind: str) -> Future[Any]:
-        raise ValueError(f"the Horovod compressor only all-reduces; an algorithm asked for {kind}")
-
-    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor) -> Future[Any]:
-        return self._only_all_reduce("reduce_scatter")
-
-    def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> Future[Any]:
-        return self._only_all_reduce("all_gather")
-
-    def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> Future[Any]:
-        return self._only_all_reduce("all_to_all")
-
-    def all_to_all_v(
-        self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int], in_splits: list[int]
-    ) -> Future[Any]:
-        return self._only_all_reduce("all_to_all_v")
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj]
-
-    def fork(self) -> _Deferred:
-        raise ValueError("the Horovod compressor runs on Horovod's own all-reduce; it has no transport to fork")
-
-
-class _Pending:
-    """What ``decompress`` needs: the buffer Horovod reduced, the future that decodes it, the gradient."""
-
-    __slots__ = ("buffer", "grad", "result", "wire")
-
-    def __init__(self, buffer: torch.Tensor, wire: Future[Any], result: Future[None], grad: torch.Tensor) -> None:
-        self.buffer = buffer
-        self.wire = wire
-        self.result = result
-        self.grad = grad
-
-
-# ``decompress`` context of a tensor Horovod averages uncompressed (a vector, a warm-up step).
-_PASSED = object()
-
-
-class ACPSGDCompressor:
-    """ACP-SGD behind Horovod's ``compress``/``decompress`` (made by :meth:`Compression.acpsgd`).
-
-    ``compress(grad)`` finds the parameter whose ``.grad`` is ``grad`` (Horovod
-    passes no name), runs ACP-SGD's encoding for that parameter (one group per
-    parameter, state keyed by name) and returns the factor buffer for Horovod
-    to all-reduce; ``decompress(buffer, ctx)`` decodes into the gradient and
-    returns it. Vectors, matrices below ``min_compression_rate`` and the first
-    ``warmup_steps`` of each parameter pass through uncompressed.
-
-    Works with any ``op`` but ``Adasum`` (which all-reduces parameter deltas, not
-    gradients), ``backward_passes_per_step`` (compress runs once, after the last
-    pass), ``groups`` and ``zero_grad(set_to_none=True)``. Horovod checks across
-    ranks that every name has the same shape, so ranks configured with different
-    ranks fail at the first compressed step.
-    """
-
-    def __init__(self, named_parameters: Iterable[tuple[str, nn.Parameter]], config: Config) -> None:
-        what = "Compression.acpsgd"
-        if config.codec != "acpsgd":
-            raise ValueError(f"{what}: config is for codec {config.codec!r}, expected 'acpsgd'")
-        if config.warmup != "fixed":
-            raise ValueError(
-                f"{what}: warmup {config.warmup!r} is not available in the compressor, whose parameters step "
-                "one by one; use warmup 'fixed', or sylvie_comm.horovod.DistributedOptimizer for 'auto'"
-            )
-        self.config = config
-        self._params = _named(what, named_parameters)
-        self._keys = {n: i for i, (n, _) in enumerate(self._params)}
-        self.transport = _Deferred()
-        self.algorithm = ACPSGDAlgorithm(self.transport, config.options, seed=config.seed)
-        self.policy = Policy(self.algorithm, config)
-        self.policy.check_parameters(self._params, what)
-        self._by_grad: dict[int, tuple[str, torch.Tensor]] = {}
-        self._steps: dict[str, int] = {}
-        self._stats = Stats()
-        self._world: int | None = None
-
-    def _find(self, tensor: torch.Tensor) -> str:
-        hit = self._by_grad.get(id(tensor))
-        if hit is not None and hit[1].grad is tensor:
-            return hit[0]
-        # A miss: gradients were replaced (zero_grad(set_to_none=True), the first step): map them again.
-        self._by_grad = {id(p.grad): (n, p) for n, p in self._params if p.grad is not None}
-        hit = self._by_grad.get(id(tensor))
-        if hit is not None and hit[1].grad is tensor:
-            return hit[0]
-        if any(p is tensor for _, p in self._params):
-            raise ValueError(
-                "Compression.acpsgd: compress() was given a parameter, not a gradient: op=hvd.Adasum "
-                "all-reduces parameter deltas and is not supported; use op=hvd.Average or hvd.Sum"
-            )
-        raise ValueError(
-            f"Compression.acpsgd: compress() got a tensor of shape {tuple(tensor.shape)} that is not the .grad of "
-            "any parameter given to Compression.acpsgd(named_parameters); pass the named parameters of the model "
-            "the optimizer trains (sparse_as_dense is not supported)"
-        )
-
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, _Pending | object | None]:
-        name = self._find(tensor)
-        step = self._steps.get(name, 0)
-        self._steps[name] = step + 1
-        if self._world is None:
-            self._world = import_horovod().size()
-        meter = self._stats.meter(step, self._world)
-        meter.uncompressed(4 * tensor.numel())
-        compress, options = self.policy.member_options(name, real_view(tensor).shape)
-        if step < self.config.warmup_steps or not compress or not real_view(tensor).dtype.is_floating_point:
-            meter.collective("all_reduce", tensor)
-            if not real_view(tensor).dtype.is_floating_point:
-                return tensor, None
-            # Horovod averages it as it is; its average joins the step's non-finite check in decompress.
-            self.algorithm.guard.begin(step - self.config.warmup_steps)
-            return tensor, _PASSED
-        member = Member(name, tensor, True, options)
-        member = Member(name, real_view(tensor), True, options)  # a complex gradient as its (re, im) pairs
-        result = self.algorithm(Group(self._keys[name], [member]), step - self.config.warmup_steps, meter)
-        ((buffer, wire),) = self.transport.issued
-        self.transport.issued.clear()
-        return buffer, _Pending(buffer, wire, result, tensor)
-
-    def decompress(self, tensor: torch.Tensor, ctx: _Pending | object | None) -> torch.Tensor:
-        if ctx is None:
-            return tensor
-        if ctx is _PASSED:
-            guard = self.algorithm.guard
-            guard.report(nonfinite(tensor))
-            guard.finish()
-            return tensor
-        assert isinstance(ctx, _Pending)
-        if tensor is not ctx.buffer:
-            ctx.buffer.copy_(tensor)
-        ctx.wire.set_result(None)  # runs the decoding, here: it writes the gradient
-        ctx.result.wait()
-        return ctx.grad
-
-    # ------------------------------------------------------------------ public
-
-    def stats(self) -> dict[str, Any]:
-        """Cumulative wire bytes, the fp32 equivalent, their ratio, encode/decode seconds and
-        ``skipped_nonfinite`` (see the DDP hook)."""
-        return {**self._stats.summary(max(self._steps.values(), default=0)), **self.algorithm.report()}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Per-parameter steps and ACP-SGD state (factors, residuals) of this rank, keyed by parameter name."""
-        hvd = import_horovod()
-        return {"codec": "acpsgd", "config": self.config.to_dict(), "world_size": hvd.size(), "rank": hvd.rank(),
-                "steps": dict(self._steps), "params": self.algorithm.state_dict()}  # fmt: skip
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from this rank's :meth:`state_dict` (a collective: every rank loads its own); every field is
-        checked first, and the ranks agree on the steps (see ``sylvie_comm.ddp.HookState.load_state_dict``)."""
-        what = "Compression.acpsgd"
-        hvd = import_horovod()
-
-        def check() -> dict[str, int]:
-            step = check_checkpoint(what, state, "acpsgd", self.config, hvd.size(), hvd.rank(),
-                                    name_key="codec", step_key="steps")  # fmt: skip
-            unknown = sorted(set(state["steps"]) - set(self._keys))
-            if unknown:
-                raise ValueError(f"{what}: checkpoint steps name '{unknown[0]}', not a parameter of this model")
-            shapes = [(n, real_view(p.detach()).shape) for n, p in self._params]
-            tensors = self.policy.compressed_tensors(shapes)
-            self.algorithm.check_state_dict(state["params"], tensors, step > self.config.warmup_steps)
-            return dict(state["steps"])
-
-        steps = agree(_HorovodObjects(), check, lambda steps: {"steps": steps}, f"{what} load_state_dict",
-                      "checkpoint")  # fmt: skip
-        self.algorithm.load_state_dict(state["params"])
-        self._steps = dict(steps)
-
-
-class Compression:
-    """Compressors for ``hvd.DistributedOptimizer(..., compression=...)``.
-
-    ``none``, ``fp16`` and ``bf16`` are stateless; ``acpsgd(named_parameters, rank="auto", ...)``
-    makes a stateful ACP-SGD compressor for one model (its ``state_dict()`` joins a checkpoint).
-    """
-
-    none = NoneCompressor
-    fp16 = FP16Compressor
-    bf16 = BF16Compressor
-
-    @staticmethod
-    def acpsgd(
-        named_parameters: Iterable[tuple[str, nn.Parameter]], rank: int | str = "auto", *, config: Config | None = None,
-        **options: Any,
-    ) -> ACPSGDCompressor:  # fmt: skip
-        """An ACP-SGD compressor for the parameters of one model.
-
-        Args:
-            named_parameters: ``model.named_parameters()`` of the model the optimizer trains.
-            rank: factor rank: ``"auto"`` (the default: each matrix's from its shape) or an integer for every
-                matrix; ignored when ``config`` sets it.
-            config: a :class:`~sylvie_comm.config.Config` with ``codec: acpsgd`` (e.g. from YAML).
-            **options: ``warmup_steps`` (default 2), ``min_compression_rate`` (default 2), ``seed``.
-        """
-        if config is None or "rank" not in config.options:
-            options = {"rank": rank, **options}
-        return ACPSGDCompressor(named_parameters, _config("Compression.acpsgd", "acpsgd", config, options))
-
-
-class _HorovodObjects:
-    """Horovod's object all-gather, for agreeing across ranks where no transport of ours runs."""
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        return list(import_horovod().allgather_object(obj))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -459,7 +131,7 @@ class DistributedOptimizer:
         self.optimizer = optimizer
         self.backward_passes_per_step = bpps
         self.bucket_cap_mb = float(cap)
-        named = _named(what, named_parameters)
+        named = named_parameter_list(what, named_parameters)
         names = {id(p): n for n, p in named}
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         missing = [tuple(p.shape) for p in params if id(p) not in names]
@@ -472,7 +144,7 @@ class DistributedOptimizer:
         self.transport = HorovodTransport()  # every rank creates its transports in the same order
 
         def build() -> tuple[Config, Policy]:
-            cfg = _config(what, codec, config, options)
+            cfg = merge_config(what, codec, config, options)
             cls = algorithm_class(cfg.codec, "codec")
             algorithm = cls(self.transport, cfg.options, seed=cfg.seed)
             policy = Policy(algorithm, cfg)
