@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, then
+from sylvie_comm.codecs import lowrank
 from sylvie_comm.collectives import Meter, Transport
 
 LOG = logging.getLogger("sylvie_comm")
@@ -88,9 +89,7 @@ class AutoAlgorithm(Algorithm):
         rate = out["min_compression_rate"]
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate >= 1:
             raise ValueError(f"auto: min_compression_rate must be a number >= 1, got {rate!r}")
-        rank = out["rank"]  # checked here too: the default candidates have no rank to check it
-        if rank != "auto" and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
-            raise ValueError(f"auto: rank must be 'auto' or an integer >= 1, got {rank!r}")
+        lowrank.check_rank("auto", out["rank"])  # here too: the default candidates have no rank to check it
         for n in names:
             sub = {k: v for k, v in out.items() if k in ALGORITHMS[n].option_defaults}
             ALGORITHMS[n].validate_options(sub)

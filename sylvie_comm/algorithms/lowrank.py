@@ -52,9 +52,7 @@ class LowRankAlgorithm(Algorithm):
     @classmethod
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
         out = super().validate_options(options)
-        rank = out["rank"]
-        if rank != lowrank.AUTO and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
-            raise ValueError(f"{cls.name}: rank must be 'auto' or an integer >= 1, got {rank!r}")
+        lowrank.check_rank(cls.name, out["rank"])
         return out
 
     def compressible(self, shape: torch.Size | tuple[int, ...], options: Mapping[str, Any]) -> bool:

@@ -47,6 +47,13 @@ def auto_rank(shape: torch.Size | tuple[int, ...], alternate: bool = False) -> i
     return min(max(AUTO_MIN, math.floor(budget)), AUTO_MAX, n, m)
 
 
+def check_rank(who: str, rank: object) -> int | str:
+    """``rank`` if it is ``"auto"`` or an integer >= 1; a ValueError naming ``who`` and the value otherwise."""
+    if rank != AUTO and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        raise ValueError(f"{who}: rank must be 'auto' or an integer >= 1, got {rank!r}")
+    return rank
+
+
 def effective_rank(shape: torch.Size | tuple[int, ...], rank: int | str, alternate: bool = False) -> int:
     """``min(rank, n, m)`` for the matrix view of ``shape``; :func:`auto_rank` for ``rank="auto"``."""
     if rank == AUTO:
