@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sylvie_comm.algorithms import ALGORITHMS, Group, Member, Policy, algorithm_class, then
+from sylvie_comm.algorithms import ALGORITHMS, Group, Member, algorithm_class, then
 from sylvie_comm.algorithms.base import real_view
-from sylvie_comm.algorithms.checkpoint import check_checkpoint
-from sylvie_comm.collectives import ProcessGroupTransport, Stats, agree
-from sylvie_comm.config import FIELDS, Config
+from sylvie_comm.algorithms.session import Session, merge_config
+from sylvie_comm.collectives import ProcessGroupTransport, agree
+from sylvie_comm.config import Config
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import GradBucket
@@ -67,7 +67,8 @@ class _Plan:
 
 
 class HookState:
-    """Configuration, algorithm and statistics of one hook.
+    """The hook's :class:`~sylvie_comm.algorithms.session.Session` (configuration, algorithm, statistics,
+    step, checkpoint) and DDP's buckets as groups of named gradients.
 
     Attributes the algorithm keeps (``_factors``, ``_residuals`` of the low-rank
     algorithms, its communication thread) read through this object.
@@ -88,15 +89,15 @@ class HookState:
                 "because DDP rebuilds its buckets after the first iteration and the hook's per-bucket "
                 "buffers should be laid out once the buckets are final"
             )
+        self.session = Session(f"ddp[{cls.name}]", config, transport, kind="hook")
         self.name = cls.name
         self.config = config
         self.transport = transport
         self.world_size = transport.world_size
-        self.algorithm = cls(transport, config.options, seed=config.seed)
+        self.algorithm = self.session.algorithm
         self.options = self.algorithm.options
-        self.policy = Policy(self.algorithm, config)
+        self.policy = self.session.policy
         # internal state
-        self.step = 0
         self._names: dict[int, str] = {}
         self._shapes: dict[str, torch.Size] = {}
         self._auto_names = named_parameters is None
@@ -105,13 +106,20 @@ class HookState:
             self.policy.check_parameters(named_parameters, "ddp")
             self.bind(named_parameters)
         self._plans: dict[int, _Plan] = {}
-        # stats
-        self._stats = Stats()
 
     def __getattr__(self, attr: str) -> Any:
-        if attr == "algorithm":  # not set yet: __init__ failed or is still running
+        if attr in ("algorithm", "session"):  # not set yet: __init__ failed or is still running
             raise AttributeError(attr)
         return getattr(self.algorithm, attr)
+
+    @property
+    def step(self) -> int:
+        """Backward passes done (the policy's step)."""
+        return self.session.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.session.step = value
 
     def describe(self) -> dict[str, Any]:
         """What every rank must agree on."""
@@ -170,55 +178,34 @@ class HookState:
         if bucket.is_last():
             self.step += 1
         buf = bucket.buffer()
-        fut = self.policy(self._group(bucket, step), step, self._stats.meter(step, self.world_size))
-        return then(fut, lambda _: buf)
+        return then(self.session.run(self._group(bucket, step), step), lambda _: buf)
 
     # ------------------------------------------------------------------ public
 
     def stats(self) -> dict[str, Any]:
         """Cumulative wire bytes, the plain fp32 all-reduce equivalent, their ratio and
         encode/decode seconds; ``last_step`` holds the same for the last completed step."""
-        return {**self._stats.summary(self.step), **self.algorithm.report()}
+        return self.session.stats()
 
     def memory_bytes(self) -> int:
         """Bytes of tensors the hook keeps between steps (residuals, factors, buffers)."""
-        return self.algorithm.memory_bytes()
+        return self.session.memory_bytes()
 
     def state_dict(self) -> dict[str, Any]:
         """Step counter and per-parameter state, keyed by parameter name, of this rank (``rank``: residuals
-        are per rank, so every rank saves its own)."""
-        return {
-            "hook": self.name,
-            "config": self.config.to_dict(),
-            "world_size": self.world_size,
-            "rank": self.transport.rank,
-            "step": self.step,
-            "params": self.algorithm.state_dict(),
-            "warmup": self.policy.state_dict(),
-        }
+        are per rank, so every rank saves its own), in the one format of every integration
+        (:data:`~sylvie_comm.algorithms.session.CHECKPOINT_FIELDS`)."""
+        return self.session.state_dict()
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, agreed: bool = True) -> None:
         """Resume from this rank's :meth:`state_dict` (a collective: every rank loads its own checkpoint).
 
         Every field is checked before anything is loaded (a ValueError names the first that does not fit:
         another hook, configuration, world size or rank, foreign or missing parameter names, shapes, dtypes,
         NaN), then the ranks agree: all of them load, or none, and only checkpoints of one step.
+        ``agreed=False``: no exchange, the caller agrees around this call (a trainer's own checkpoint check).
         """
-        what = f"ddp[{self.name}]"
-
-        def check() -> int:
-            step = check_checkpoint(what, state, self.name, self.config, self.world_size, self.transport.rank)
-            warm = state.get("warmup", {})
-            self.policy.check_state(warm)
-            tensors = None if self._auto_names else self.policy.compressed_tensors(self._shapes.items(), step, warm)
-            stepped = step > self.config.warmup_steps
-            self.algorithm.check_state_dict(state["params"], tensors, stepped)
-            return step
-
-        step = agree(self.transport, check, lambda step: {"step": step}, f"{what} load_state_dict", "checkpoint")
-        self.algorithm.load_state_dict(state["params"])
-        self.policy.load_state_dict(state.get("warmup", {}))
-        self.step = step
+        self.session.load_state_dict(state, None if self._auto_names else self._shapes.items(), agreed=agreed)
 
     def close(self) -> None:
         """Stop the communication thread and destroy the hook's process group, now, on this thread.
@@ -227,9 +214,7 @@ class HookState:
         or instead of relying on it and on interpreter exit, which release both too). Idempotent;
         the hook issues no collectives afterwards.
         """
-        self.algorithm.close()
-        self.policy.close()
-        self.transport.close()
+        self.session.close()
 
 
 def hook(state: HookState, bucket: GradBucket) -> Future[torch.Tensor]:
@@ -260,17 +245,7 @@ def make_state(
     named = list(module.named_parameters()) if module is not None else None
 
     def build() -> HookState:
-        cfg = config if config is not None else Config(codec=codec or "acpsgd")
-        if config is not None and codec is not None and codec != config.codec:
-            raise ValueError(f"ddp: codec {codec!r} given with a config for {config.codec!r}; pass one of them")
-        opts = dict(options)
-        extra: dict[str, Any] = {k: opts.pop(k) for k in FIELDS if k != "codec" and k in opts}
-        if opts or extra:
-            d = cfg.to_dict()
-            d["options"] = {**d["options"], **opts}
-            d.update(extra)
-            cfg = Config.from_dict(d)
-        return HookState(cfg, transport, named)
+        return HookState(merge_config("ddp", codec, config, options), transport, named)
 
     try:
         return agree(transport, build, lambda state: state.describe(), "sylvie_comm.ddp")

@@ -33,10 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from sylvie_comm.algorithms import Group, Member, Policy, algorithm_class
+from sylvie_comm.algorithms import Group, Member
 from sylvie_comm.algorithms.base import real_view
-from sylvie_comm.algorithms.checkpoint import check_checkpoint
-from sylvie_comm.collectives import Stats, agree
+from sylvie_comm.algorithms.session import Session, merge_config
 from sylvie_comm.collectives.horovod import HorovodTransport
 from sylvie_comm.config import Config
 from sylvie_comm.integrations.horovod_compression import (
@@ -45,7 +44,6 @@ from sylvie_comm.integrations.horovod_compression import (
     Compression,
     FP16Compressor,
     NoneCompressor,
-    merge_config,
     named_parameter_list,
 )
 
@@ -143,30 +141,22 @@ class DistributedOptimizer:
         self._params = [(names[id(p)], p) for p in params]
         self.transport = HorovodTransport()  # every rank creates its transports in the same order
 
-        def build() -> tuple[Config, Policy]:
-            cfg = merge_config(what, codec, config, options)
-            cls = algorithm_class(cfg.codec, "codec")
-            algorithm = cls(self.transport, cfg.options, seed=cfg.seed)
-            policy = Policy(algorithm, cfg)
-            policy.check_parameters(self._params, what)
-            return cfg, policy
-
-        def describe(built: tuple[Config, Policy]) -> dict[str, Any]:
+        def describe(session: Session) -> dict[str, Any]:
             shapes = ";".join(f"{n}:{tuple(p.shape)}" for n, p in self._params)
-            return {"optimizer": {**built[0].to_dict(), "bucket_cap_mb": self.bucket_cap_mb,
-                                  "backward_passes_per_step": bpps, "parameters": len(self._params),
+            return {"optimizer": {"bucket_cap_mb": self.bucket_cap_mb, "backward_passes_per_step": bpps,
+                                  "parameters": len(self._params),
                                   "parameter_digest": f"{zlib.crc32(shapes.encode()):08x}"}}  # fmt: skip
 
-        try:
-            self.config, self.policy = agree(self.transport, build, describe, what)
-        except BaseException:
-            self.transport.close()
-            raise
+        self.session = Session.agreed(
+            what, self.transport, lambda: merge_config(what, codec, config, options), describe=describe,
+            prepare=lambda session: session.policy.check_parameters(self._params, what),
+        )  # fmt: skip
+        self.config, self.policy = self.session.config, self.session.policy
         self.algorithm = self.policy.algorithm
         self.name = self.algorithm.name
+        self.session.what = f"{what}[{self.name}]"
         self.world_size = self.transport.world_size
         # internal state
-        self.step_count = 0  # communication rounds done (the policy's step)
         self._groups = self._form_groups()
         self._group_of = {id(p): g for g, members in enumerate(self._groups) for _, p, _, _ in members}
         self._passes = {id(p): 0 for _, p in self._params}
@@ -174,7 +164,6 @@ class DistributedOptimizer:
         self._launched = 0  # groups launched this step, in order
         self._futures: list[Future[None]] = []
         self._synchronized = False
-        self._stats = Stats()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in self._params]
 
     # ------------------------------------------------------------------ groups
@@ -227,8 +216,7 @@ class DistributedOptimizer:
                 p.grad = torch.zeros_like(p)
             members.append(Member(name, real_view(p.grad), compress, options))
         self._launched += 1
-        meter = self._stats.meter(self.step_count, self.world_size)
-        self._futures.append(self.policy(Group(g, members), self.step_count, meter))
+        self._futures.append(self.session.run(Group(g, members)))
 
     # ------------------------------------------------------------------ optimizer
 
@@ -262,7 +250,7 @@ class DistributedOptimizer:
             self._waiting = [len(m) for m in self._groups]
             self._launched = 0
         self.transport.restart_names()  # nothing in flight: the next step's names repeat this one's
-        self.step_count += 1
+        self.session.step += 1
         self._synchronized = True
 
     def step(self, closure: Callable[[], float] | None = None, *, skip_synchronize: bool = False) -> Any:
@@ -280,61 +268,40 @@ class DistributedOptimizer:
             )
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    @property
+    def step_count(self) -> int:
+        """Communication rounds done (the policy's step)."""
+        return self.session.step
+
     def stats(self) -> dict[str, Any]:
         """Cumulative wire bytes, the fp32 all-reduce equivalent, their ratio and encode/decode seconds;
         ``last_step`` holds the same for the last completed step."""
-        return {**self._stats.summary(self.step_count), **self.algorithm.report()}
+        return self.session.stats()
 
     def memory_bytes(self) -> int:
         """Bytes of tensors the algorithm keeps between steps (residuals, factors, buffers)."""
-        return self.algorithm.memory_bytes()
+        return self.session.memory_bytes()
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state and the algorithm's per-parameter state, keyed by parameter name."""
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "sylvie_comm": {
-                "codec": self.name,
-                "config": self.config.to_dict(),
-                "world_size": self.world_size,
-                "rank": self.transport.rank,
-                "step": self.step_count,
-                "params": self.algorithm.state_dict(),
-                "warmup": self.policy.state_dict(),
-            },
-        }
+        return {"optimizer": self.optimizer.state_dict(), "sylvie_comm": self.session.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from this rank's :meth:`state_dict` (a collective: every rank loads its own); every field is
         checked first, and the ranks agree on the step (see ``sylvie_comm.ddp.HookState.load_state_dict``)."""
-        what = f"sylvie_comm.horovod.DistributedOptimizer[{self.name}]"
         if not isinstance(state, Mapping) or "optimizer" not in state or "sylvie_comm" not in state:
-            raise ValueError(f"{what}: expected a dict from DistributedOptimizer.state_dict() "
+            raise ValueError(f"{self.session.what}: expected a dict from DistributedOptimizer.state_dict() "
                              "with 'optimizer' and 'sylvie_comm' entries")  # fmt: skip
-        ours = state["sylvie_comm"]
-
-        def check() -> int:
-            step = check_checkpoint(what, ours, self.name, self.config, self.world_size, self.transport.rank,
-                                    name_key="codec")  # fmt: skip
-            shapes = [(n, real_view(p.detach()).shape) for n, p in self._params]
-            tensors = self.policy.compressed_tensors(shapes, step, ours.get("warmup", {}))
-            self.algorithm.check_state_dict(ours["params"], tensors, step > self.config.warmup_steps)
-            return step
-
-        step = agree(self.transport, check, lambda step: {"step": step}, f"{what} load_state_dict", "checkpoint")
+        shapes = [(n, real_view(p.detach()).shape) for n, p in self._params]
+        self.session.load_state_dict(state["sylvie_comm"], shapes)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.algorithm.load_state_dict(ours["params"])
-        self.policy.load_state_dict(ours.get("warmup", {}))
-        self.step_count = step
 
     def close(self) -> None:
         """Remove the gradient hooks, stop the algorithm's thread and the transport's waiter (idempotent)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        self.algorithm.close()
-        self.policy.close()
-        self.transport.close()
+        self.session.close()
 
     def __repr__(self) -> str:
         return f"sylvie_comm.horovod.DistributedOptimizer({self.name}, {len(self._groups)} groups, {self.optimizer!r})"

@@ -1,8 +1,9 @@
 """Horovod's way in: compressors for ``hvd.DistributedOptimizer`` (``sylvie_comm.horovod.Compression``).
 
 Horovod all-reduces whatever ``compress`` returns, so only all-reduce-compatible algorithms fit its
-contract: ``none``, ``fp16``, ``bf16`` and ``acpsgd`` (whose factors add up). :func:`merge_config` and
-:func:`named_parameter_list` serve :class:`~sylvie_comm.integrations.horovod.DistributedOptimizer` too.
+contract: ``none``, ``fp16``, ``bf16`` and ``acpsgd`` (whose factors add up). :func:`named_parameter_list`
+serves :class:`~sylvie_comm.integrations.horovod.DistributedOptimizer` too; the configuration, statistics and
+checkpoint are a :class:`~sylvie_comm.algorithms.session.Session`'s, as for every integration.
 """
 
 from __future__ import annotations
@@ -13,35 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from sylvie_comm.algorithms import Group, Member, Policy
-from sylvie_comm.algorithms.acpsgd import ACPSGDAlgorithm
+from sylvie_comm.algorithms import Group, Member
 from sylvie_comm.algorithms.base import real_view
-from sylvie_comm.algorithms.checkpoint import check_checkpoint
 from sylvie_comm.algorithms.guard import nonfinite
-from sylvie_comm.collectives import Stats, agree
+from sylvie_comm.algorithms.session import Session, merge_config
 from sylvie_comm.collectives.horovod import import_horovod, supports
 from sylvie_comm.config import Config
 
 Future = torch.futures.Future
-
-_CONFIG_FIELDS = ("warmup_steps", "min_compression_rate", "seed")
-
-
-def merge_config(what: str, codec: str | None, config: Config | None, options: Mapping[str, Any]) -> Config:
-    """A Config from a codec name and keywords, or from ``config`` with keywords merged over it."""
-    if config is not None and not isinstance(config, Config):
-        raise TypeError(f"{what}: config must be a sylvie_comm.Config, got {type(config).__name__}")
-    if config is not None and codec is not None and codec != config.codec:
-        raise ValueError(f"{what}: codec {codec!r} given with a config for {config.codec!r}; pass one of them")
-    cfg = config if config is not None else Config(codec=codec or "acpsgd")
-    opts = dict(options)
-    extra = {k: opts.pop(k) for k in _CONFIG_FIELDS if k in opts}
-    if opts or extra:
-        d = cfg.to_dict()
-        d["options"] = {**d["options"], **opts}
-        d.update(extra)
-        cfg = Config.from_dict(d)
-    return cfg
 
 
 def named_parameter_list(
@@ -225,13 +205,21 @@ class ACPSGDCompressor:
         self._params = named_parameter_list(what, named_parameters)
         self._keys = {n: i for i, (n, _) in enumerate(self._params)}
         self.transport = _Deferred()
-        self.algorithm = ACPSGDAlgorithm(self.transport, config.options, seed=config.seed)
-        self.policy = Policy(self.algorithm, config)
+        # Horovod's world: the checkpoint's and the byte accounting's (the transport has one rank).
+        self._world: int | None = None
+        self.session = Session(what, config, self.transport, objects=HorovodObjects())
+        self.algorithm = self.session.algorithm
+        self.policy = self.session.policy
         self.policy.check_parameters(self._params, what)
         self._by_grad: dict[int, tuple[str, torch.Tensor]] = {}
         self._steps: dict[str, int] = {}
-        self._stats = Stats()
-        self._world: int | None = None
+
+    def _horovod_world(self) -> int:
+        if self._world is None:
+            hvd = import_horovod()
+            self._world = hvd.size()
+            self.session.world_size, self.session.rank = hvd.size(), hvd.rank()
+        return self._world
 
     def _find(self, tensor: torch.Tensor) -> str:
         hit = self._by_grad.get(id(tensor))
@@ -257,9 +245,8 @@ class ACPSGDCompressor:
         name = self._find(tensor)
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
-        if self._world is None:
-            self._world = import_horovod().size()
-        meter = self._stats.meter(step, self._world)
+        self._horovod_world()
+        meter = self.session.meter(step)
         meter.uncompressed(4 * tensor.numel())
         compress, options = self.policy.member_options(name, real_view(tensor).shape)
         if step < self.config.warmup_steps or not compress or not real_view(tensor).dtype.is_floating_point:
@@ -296,34 +283,35 @@ class ACPSGDCompressor:
     def stats(self) -> dict[str, Any]:
         """Cumulative wire bytes, the fp32 equivalent, their ratio, encode/decode seconds and
         ``skipped_nonfinite`` (see the DDP hook)."""
-        return {**self._stats.summary(max(self._steps.values(), default=0)), **self.algorithm.report()}
+        return self.session.stats(max(self._steps.values(), default=0))
+
+    def memory_bytes(self) -> int:
+        """Bytes of tensors ACP-SGD keeps between steps (factors, residuals)."""
+        return self.session.memory_bytes()
 
     def state_dict(self) -> dict[str, Any]:
-        """Per-parameter steps and ACP-SGD state (factors, residuals) of this rank, keyed by parameter name."""
-        hvd = import_horovod()
-        return {"codec": "acpsgd", "config": self.config.to_dict(), "world_size": hvd.size(), "rank": hvd.rank(),
-                "steps": dict(self._steps), "params": self.algorithm.state_dict()}  # fmt: skip
+        """Per-parameter steps and ACP-SGD state (factors, residuals) of this rank, keyed by parameter name, in
+        every integration's format (``step`` holds the steps per name: the compressor counts each parameter's)."""
+        self._horovod_world()
+        return self.session.state_dict(step=dict(self._steps))
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from this rank's :meth:`state_dict` (a collective: every rank loads its own); every field is
         checked first, and the ranks agree on the steps (see ``sylvie_comm.ddp.HookState.load_state_dict``)."""
-        what = "Compression.acpsgd"
-        hvd = import_horovod()
+        self._horovod_world()
 
-        def check() -> dict[str, int]:
-            step = check_checkpoint(what, state, "acpsgd", self.config, hvd.size(), hvd.rank(),
-                                    name_key="codec", step_key="steps")  # fmt: skip
-            unknown = sorted(set(state["steps"]) - set(self._keys))
+        def known(state: Mapping[str, Any], step: int) -> None:
+            steps = state["step"]
+            if not isinstance(steps, Mapping):
+                raise ValueError(f"Compression.acpsgd: checkpoint 'step' must map parameter names to their steps, "
+                                 f"got {steps!r:.80}")  # fmt: skip
+            unknown = sorted(set(steps) - set(self._keys))
             if unknown:
-                raise ValueError(f"{what}: checkpoint steps name '{unknown[0]}', not a parameter of this model")
-            shapes = [(n, real_view(p.detach()).shape) for n, p in self._params]
-            tensors = self.policy.compressed_tensors(shapes)
-            self.algorithm.check_state_dict(state["params"], tensors, step > self.config.warmup_steps)
-            return dict(state["steps"])
+                raise ValueError(f"Compression.acpsgd: checkpoint steps name '{unknown[0]}', not a parameter of "
+                                 "this model")  # fmt: skip
 
-        steps = agree(HorovodObjects(), check, lambda steps: {"steps": steps}, f"{what} load_state_dict",
-                      "checkpoint")  # fmt: skip
-        self.algorithm.load_state_dict(state["params"])
+        shapes = [(n, real_view(p.detach()).shape) for n, p in self._params]
+        steps = self.session.load_state_dict(state, shapes, check=known)
         self._steps = dict(steps)
 
 

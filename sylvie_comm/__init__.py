@@ -22,14 +22,15 @@ __all__ = [
     "__version__",
     "available_codecs",
     "ddp",
+    "fsdp",
     "get_codec",
 ]
 
 
 def __getattr__(name: str) -> object:
-    # sylvie_comm.ddp imports torch.distributed machinery: load it on first use only.
-    if name == "ddp":
+    # sylvie_comm.ddp and .fsdp import torch.distributed machinery: load them on first use only.
+    if name in ("ddp", "fsdp"):
         import importlib
 
-        return importlib.import_module("sylvie_comm.ddp")
+        return importlib.import_module(f"sylvie_comm.{name}")
     raise AttributeError(f"module 'sylvie_comm' has no attribute {name!r}")

@@ -23,8 +23,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("optim", ("sylvie_comm.optim",)),
     ("gnn", ("sylvie_comm.gnn",)),
     ("integrations", ("sylvie_comm.integrations",)),
-    ("apps", ("sylvie_comm", "sylvie_comm.gnn.train", "sylvie_comm.demo", "sylvie_comm.bench", "sylvie_comm.cli",
-              "sylvie_comm.ddp", "sylvie_comm.horovod")),
+    ("apps", ("sylvie_comm", "sylvie_comm.gnn.train", "sylvie_comm.gnn.gpu_check", "sylvie_comm.demo",
+              "sylvie_comm.bench", "sylvie_comm.cli", "sylvie_comm.ddp", "sylvie_comm.fsdp",
+              "sylvie_comm.horovod")),
 ]  # fmt: skip
 
 # Upward imports allowed inside a function (ARCHITECTURE.md, "Imports that point up").

@@ -82,6 +82,20 @@ def test_ddp_example_runs_in_one_process(tmp_path: Path) -> None:
     assert proc.stdout.startswith("acpsgd: accuracy ")
 
 
+@pytest.mark.multiprocess
+def test_fsdp_example_runs_under_torchrun(tmp_path: Path) -> None:
+    out = tmp_path / "fsdp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "examples" / "fsdp_train.py"), "--codec", "fp16", "--steps", "5",
+           "--json-out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert (result["codec"], result["steps"], result["world_size"]) == ("fp16", 5, 2)
+    assert 0 < result["bytes_sent"] < result["bytes_uncompressed"] and result["codec_state_bytes"] == 0
+    assert proc.stdout.startswith("fp16: accuracy ")
+
+
 def test_gnn_example_runs_in_one_process(tmp_path: Path) -> None:
     out = tmp_path / "gnn.json"
     cmd = [sys.executable, str(ROOT / "examples" / "gnn_full_graph.py"), "--nodes", "400", "--epochs", "2",

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, then
+from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, Segment, then
 from sylvie_comm.codecs import lowrank
 from sylvie_comm.collectives import Meter, Transport
 
@@ -190,9 +190,12 @@ class AutoAlgorithm(Algorithm):
         }  # fmt: skip
 
     def check_state_dict(
-        self, state: Any, tensors: Mapping[str, tuple[tuple[int, ...], Mapping[str, Any]]] | None, stepped: bool
-    ) -> None:
+        self, state: Any, tensors: Mapping[str, tuple[tuple[int, ...], Mapping[str, Any]]] | None, stepped: bool,
+        *, shards: Mapping[str, Segment] | None = None,
+    ) -> None:  # fmt: skip
         """The choices, the timings and each candidate's state (for the tensors that candidate compresses)."""
+        if shards is not None:
+            raise ValueError("auto: no reduce-scatter form, hence no state of one to check")
         if isinstance(state, Mapping) and not state:
             return
         if not isinstance(state, Mapping) or set(state) != {"auto", "candidates"}:

@@ -35,6 +35,50 @@ class Member:
     options: Mapping[str, Any] = field(default_factory=dict)  # the algorithm's options for this name
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One named tensor's part of every rank's shard in a reduce-scatter (an FSDP parameter's dim-0 shard).
+
+    Each of the ``world_size`` shards of the flat input holds this tensor's slice at the same place:
+    ``numel`` elements from ``offset`` (padding included), as rows of ``row`` elements (``prod(shape[1:])``,
+    1 for a vector), so per-row scales are the tensor's own rows.
+    """
+
+    name: str
+    offset: int  # elements into each rank's shard
+    numel: int  # elements of the tensor's slice in each rank's shard (a multiple of ``row``)
+    row: int = 1
+    compress: bool = True  # False: travels as a plain fp32 reduce-scatter
+    options: Mapping[str, Any] = field(default_factory=dict)  # the algorithm's options for this name
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What a reduce-scatter input holds: ``key`` names it between steps (an FSDP unit: its per-rank state,
+    such as residuals, is kept under it), ``segments`` tile each rank's shard in order."""
+
+    key: str
+    segments: tuple[Segment, ...]
+
+    def check(self, shard: int, what: str) -> None:
+        """A ValueError unless the segments tile ``shard`` elements, in order, in whole rows, under distinct names."""
+        names = [s.name for s in self.segments]
+        if len(set(names)) != len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"{what}: shard layout {self.key!r} names segment {twice!r} twice (its state is kept "
+                             "by name)")  # fmt: skip
+        at = 0
+        for seg in self.segments:
+            if seg.offset != at or seg.numel < 0 or seg.row < 1 or seg.numel % seg.row:
+                raise ValueError(
+                    f"{what}: shard layout {self.key!r}: segment {seg.name!r} (offset {seg.offset}, {seg.numel} "
+                    f"elements in rows of {seg.row}) does not follow at offset {at} in whole rows"
+                )
+            at += seg.numel
+        if at != shard:
+            raise ValueError(f"{what}: shard layout {self.key!r} covers {at} elements, the shard has {shard}")
+
+
 @dataclass
 class Group:
     """The named tensors that travel together.
@@ -235,12 +279,15 @@ class Algorithm:
     # ------------------------------------------------------------------ one shard (sharded data parallel)
 
     def reduce_scatter(
-        self, flat: torch.Tensor, out: torch.Tensor, step: int, meter: Meter | None = None
-    ) -> Future[None]:
+        self, flat: torch.Tensor, out: torch.Tensor, step: int, meter: Meter | None = None,
+        layout: ShardLayout | None = None,
+    ) -> Future[None]:  # fmt: skip
         """Average ``flat`` across ranks into ``out``, this rank's shard of the mean: ``flat`` holds
         ``world_size`` shards of ``out.numel()`` elements, rank-major (FSDP's reduce-scatter input, one per
         unit); the future completes once ``out`` is written. ``flat`` is the caller's scratch: it may be
-        changed. ``meter`` counts the wire bytes against a plain fp32 reduce-scatter's.
+        changed. ``meter`` counts the wire bytes against a plain fp32 reduce-scatter's. ``layout`` names the
+        input and its tensors (per-name options, rows, per-unit state); without one the input is one unnamed
+        tensor of rows of one element, keyed ``""``.
 
         Algorithms without a reduce-scatter form (``shards = False``) raise a ValueError naming those with one.
         """
@@ -257,6 +304,17 @@ class Algorithm:
                 else "its encoding has no reduce-scatter form yet"
             )
             raise ValueError(f"{self.name}: no reduce-scatter form ({why}); algorithms with one: {having}")
+        layout = self.check_reduce_scatter(flat, out, layout)
+        meter = meter if meter is not None else Meter(w)
+        meter.uncompressed(4 * flat.numel(), "reduce_scatter")
+        return self._reduce_scatter(flat.reshape(-1), out, step, meter, layout)
+
+    def check_reduce_scatter(
+        self, flat: torch.Tensor, out: torch.Tensor, layout: ShardLayout | None = None
+    ) -> ShardLayout:
+        """A ValueError naming what does not fit a reduce-scatter of ``flat`` into ``out``; the layout (made
+        where none is given)."""
+        w = self.world_size
         if flat.numel() != w * out.numel():
             raise ValueError(
                 f"{self.name}: reduce_scatter input has {flat.numel()} elements, expected world_size * "
@@ -267,11 +325,14 @@ class Algorithm:
                 f"{self.name}: reduce_scatter takes floating-point input and output on one device, got "
                 f"{flat.dtype} on {flat.device} and {out.dtype} on {out.device}"
             )
-        meter = meter if meter is not None else Meter(w)
-        meter.uncompressed(4 * flat.numel(), "reduce_scatter")
-        return self._reduce_scatter(flat.reshape(-1), out, step, meter)
+        if layout is None:
+            layout = ShardLayout("", (Segment("", 0, out.numel()),))
+        layout.check(out.numel(), self.name)
+        return layout
 
-    def _reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, step: int, meter: Meter) -> Future[None]:
+    def _reduce_scatter(
+        self, flat: torch.Tensor, out: torch.Tensor, step: int, meter: Meter, layout: ShardLayout
+    ) -> Future[None]:
         raise NotImplementedError(f"{self.name}: algorithms with shards = True implement _reduce_scatter")
 
     # ------------------------------------------------------------------ collectives with accounting
@@ -333,9 +394,15 @@ class Algorithm:
     # Per-name keys a checkpoint may hold beside the spec's (an older release's), ignored on load.
     legacy_state_keys: ClassVar[frozenset[str]] = frozenset()
 
+    def shard_state_spec(self, segment: Segment) -> dict[str, tuple[int, ...]]:
+        """The per-name state the reduce-scatter form keeps for a compressed ``segment`` of a
+        :class:`ShardLayout`: key -> shape (fp32), for ``self.world_size`` ranks (empty: none)."""
+        return {}
+
     def check_state_dict(
-        self, state: Any, tensors: Mapping[str, tuple[tuple[int, ...], Mapping[str, Any]]] | None, stepped: bool
-    ) -> None:
+        self, state: Any, tensors: Mapping[str, tuple[tuple[int, ...], Mapping[str, Any]]] | None, stepped: bool,
+        *, shards: Mapping[str, Segment] | None = None,
+    ) -> None:  # fmt: skip
         """Raise a ValueError naming the first field of ``state`` (from :meth:`state_dict`) that this algorithm
         could not resume from, before anything is loaded.
 
@@ -345,29 +412,45 @@ class Algorithm:
                 not known: then the entries are checked against themselves only).
             stepped: whether the checkpoint was taken after a compressed step (every compressed tensor must then
                 have its state).
+            shards: the segments of the reduce-scatter form's layouts, by name, where the state is of that
+                form: the compressed segments are then the expected names, each with
+                :meth:`shard_state_spec`, and ``tensors`` is not read.
         """
         where = self.name
         if not isinstance(state, Mapping):
             raise ValueError(
                 f"{where}: checkpoint state must be a mapping of parameter names, got {type(state).__name__}"
             )
+        known: list[str] | None = None
+        if shards is not None:
+            known = [n for n, seg in shards.items() if seg.compress]
+        elif tensors is not None:
+            known = list(tensors)
+
+        def spec_of(name: str) -> dict[str, tuple[int, ...]]:
+            if shards is not None:
+                return self.shard_state_spec(shards[name])
+            assert tensors is not None
+            return self.state_spec(*tensors[name])
+
+        names = None if known is None else set(known)
         for name, entry in state.items():
             if not isinstance(name, str) or not isinstance(entry, Mapping):
                 raise ValueError(f"{where}: checkpoint entry {name!r} must map a parameter name to a dict of tensors")
-            if tensors is not None and name not in tensors:
+            if names is not None and name not in names:
                 raise ValueError(
                     f"{where}: the checkpoint holds state for '{name}', which is not a compressed parameter of this "
                     "model (a parameter of another model, or one this configuration sends uncompressed)"
                 )
-            if tensors is not None:
-                spec = self.state_spec(*tensors[name])
+            if names is not None:
+                spec = spec_of(name)
             else:  # the tensor's shape unknown: take the residual's (every stateful algorithm keeps one)
                 res = entry.get("residual")
                 shape = tuple(res.shape) if isinstance(res, torch.Tensor) and res.dim() >= 1 else (1, 1)
                 spec = self.state_spec(shape, self.options)
             check_entry(f"{where}: checkpoint entry '{name}'", entry, spec, self.legacy_state_keys)
-        if tensors is not None and stepped:
-            missing = [n for n, (shape, opts) in tensors.items() if self.state_spec(shape, opts) and n not in state]
+        if known is not None and stepped:
+            missing = [n for n in known if spec_of(n) and n not in state]
             if missing:
                 raise ValueError(
                     f"{where}: the checkpoint has no state for '{missing[0]}'"

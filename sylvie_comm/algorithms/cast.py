@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from sylvie_comm.algorithms.base import Algorithm, Future, Group, then
+from sylvie_comm.algorithms.base import Algorithm, Future, Group, ShardLayout, then
 from sylvie_comm.algorithms.guard import nonfinite
 from sylvie_comm.codecs.cast import Bf16Codec, CastCodec, Fp16Codec
 from sylvie_comm.collectives import Meter, Transport, fusion
@@ -43,7 +43,9 @@ class CastAlgorithm(Algorithm):
 
         return then(self._all_reduce(wire, meter), decode)
 
-    def _reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, step: int, meter: Meter) -> Future[None]:
+    def _reduce_scatter(
+        self, flat: torch.Tensor, out: torch.Tensor, step: int, meter: Meter, layout: ShardLayout
+    ) -> Future[None]:
         """Each rank's ``x / w`` cast to 16 bits and dealt out by an all-to-all (block ``r`` to rank ``r``, the
         bytes of a 16-bit reduce-scatter); the ``w`` blocks a rank receives are added up in fp32, in rank
         order, so the sum is rounded once, at the end, not at every hop of a ring."""

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from sylvie_comm.algorithms.base import Algorithm, Future, Group, then
+from sylvie_comm.algorithms.base import Algorithm, Future, Group, ShardLayout, then
 from sylvie_comm.algorithms.guard import nonfinite
 from sylvie_comm.collectives import Meter, fusion
 
@@ -33,6 +33,20 @@ def plain_all_reduce(algorithm: Algorithm, group: Group, meter: Meter) -> Future
     return then(algorithm._all_reduce(packed, meter), unpack)
 
 
+def plain_reduce_scatter(algorithm: Algorithm, flat: torch.Tensor, out: torch.Tensor, meter: Meter) -> Future[None]:
+    """Divide by the world size, then reduce-scatter in the input's dtype (FSDP's own reduce-scatter): ``out`` is
+    this rank's shard of the mean. Also every algorithm's warm-up step under sharded data parallel."""
+    flat.div_(algorithm.world_size)
+    direct = out.dtype == flat.dtype and out.is_contiguous()
+    shard = out.view(-1) if direct else torch.empty(out.numel(), dtype=flat.dtype, device=flat.device)
+
+    def write(_: Future[Any]) -> None:
+        if not direct:
+            out.copy_(shard.view(out.shape))
+
+    return then(algorithm._reduce_scatter_wire(shard, flat, meter), write)
+
+
 class NoneAlgorithm(Algorithm):
     """Uncompressed fp32 all-reduce (the baseline; same as DDP's default)."""
 
@@ -43,14 +57,7 @@ class NoneAlgorithm(Algorithm):
     def _step(self, group: Group, layout: Any, step: int, meter: Meter) -> Future[None]:
         return plain_all_reduce(self, group, meter)
 
-    def _reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, step: int, meter: Meter) -> Future[None]:
-        """Divide by the world size, then reduce-scatter in the input's dtype (FSDP's own reduce-scatter)."""
-        flat.div_(self.world_size)
-        direct = out.dtype == flat.dtype and out.is_contiguous()
-        shard = out.view(-1) if direct else torch.empty(out.numel(), dtype=flat.dtype, device=flat.device)
-
-        def write(_: Future[Any]) -> None:
-            if not direct:
-                out.copy_(shard.view(out.shape))
-
-        return then(self._reduce_scatter_wire(shard, flat, meter), write)
+    def _reduce_scatter(
+        self, flat: torch.Tensor, out: torch.Tensor, step: int, meter: Meter, layout: ShardLayout
+    ) -> Future[None]:
+        return plain_reduce_scatter(self, flat, out, meter)

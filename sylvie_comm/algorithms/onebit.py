@@ -10,12 +10,14 @@ from typing import Any, ClassVar
 import torch
 
 from sylvie_comm import kernels
-from sylvie_comm.algorithms.base import Group, Member
+from sylvie_comm.algorithms.base import Future, Group, Member, Segment, ShardLayout, then
 from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
 from sylvie_comm.algorithms.guard import nonfinite, poison
+from sylvie_comm.algorithms.shard_rows import check_residuals, decode_rows, encode_rows, residual_shape
 from sylvie_comm.codecs import ErrorFeedback
 from sylvie_comm.codecs.onebit import OneBitCodec, RowLayout, row_layout
 from sylvie_comm.collectives import Meter, Transport
+from sylvie_comm.kernels.reference import mean_in_rank_order
 
 
 @dataclass
@@ -54,6 +56,38 @@ class _Rows:
         return rows[:, :sb].view(torch.float32), rows[:, sb : sb + self.bit_bytes]
 
 
+@dataclass
+class _ShardSlot:
+    """One segment of a reduce-scatter in the row each peer receives: its scales (or, uncompressed, its fp32
+    values) at ``words_at`` fp32 words, its sign bits at ``bits_at`` bytes into the bit section."""
+
+    segment: Segment
+    layout: RowLayout | None  # None: uncompressed
+    words_at: int
+    bits_at: int
+    norm: bool = False
+
+    @property
+    def n_words(self) -> int:
+        lay = self.layout
+        return self.segment.numel if lay is None else lay.units * lay.nchunks
+
+    @property
+    def n_bytes(self) -> int:
+        return 0 if self.layout is None else self.layout.units * self.layout.width // 8
+
+
+@dataclass
+class _ShardRows:
+    """A layout's peer row: ``words`` fp32 words (scales, uncompressed values), then the sign bits, padded."""
+
+    layout: ShardLayout
+    shard: int
+    slots: list[_ShardSlot]
+    words: int
+    row_bytes: int
+
+
 def _exact_layout(layout: RowLayout) -> bool:
     """Whether a tensor's flat elements are its unit matrix as they are (units of whole chunks, no
     padding inside a unit), so the fused kernels can work on them in place."""
@@ -88,6 +122,17 @@ class OneBitAlgorithm(FeedbackAlgorithm):
     2048-element chunks end more than 20 points below plain DDP at SGD
     momentum 0.9).
 
+    The reduce-scatter form (:meth:`reduce_scatter`, sharded data parallel) is
+    the worker phase alone: each rank adds its residual (kept by segment name:
+    its slice of that parameter in every shard, ``(w * numel // row, row)``),
+    sign-compresses every shard with the same units and scales as above (a
+    segment's own rows, grouped up to 64 elements; a segment of rows of one
+    element is one unit, cut into equal chunks of at most ``chunk_size``) and
+    sends shard ``r`` to rank ``r`` (one all-to-all); rank ``r`` decodes the
+    ``w`` codes and averages them in fp32, in rank order. Nothing is compressed
+    a second time, so there is no server residual. Uncompressed segments travel
+    in the same all-to-all as fp32 words (an fp32 reduce-scatter's bytes).
+
     Args (options):
         chunk_size: longest run of values sharing one scale (default 2048).
         scale: ``norm`` (the RMS ``||x|| / sqrt(n)`` of each chunk, default, as 1-bit Adam) or ``mean`` (the
@@ -102,10 +147,12 @@ class OneBitAlgorithm(FeedbackAlgorithm):
     serial = True
     option_defaults: ClassVar[dict[str, Any]] = {"chunk_size": 2048, "scale": "norm"}
     per_name_options: ClassVar[frozenset[str]] = frozenset({"chunk_size", "scale"})
+    shards = True
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         self.server_feedback = ErrorFeedback()
         super().__init__(transport, options, seed=seed)
+        self._shard_rows: dict[tuple[str, int], _ShardRows] = {}
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -308,6 +355,12 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         per = math.ceil(layout.units / self.world_size)
         return {"residual": tuple(shape), f"server_residual@{self.transport.rank}": (per, layout.width)}
 
+    def shard_state_spec(self, segment: Segment) -> dict[str, tuple[int, ...]]:
+        """The worker residual of this rank's slice of the segment in every shard (no server residual)."""
+        if not (segment.compress and segment.numel):
+            return {}
+        return {"residual": residual_shape(segment, self.world_size)}
+
     def state_dict(self) -> dict[str, Any]:
         """Worker residuals under ``residual``; this rank's server residual under ``server_residual@<rank>``."""
         out = super().state_dict()
@@ -323,3 +376,111 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         server = {f"{n}@{rank}": s[f"server_residual@{rank}"] for n, s in state.items()
                   if f"server_residual@{rank}" in s}  # fmt: skip
         self.server_feedback.load_state_dict({"residuals": server})
+
+    # ------------------------------------------------------------------ the reduce-scatter form
+
+    def _shard_row(self, layout: ShardLayout, shard: int) -> _ShardRows:
+        """The peer row of ``layout`` (checked once per layout: valid per-name options)."""
+        cached = self._shard_rows.get((layout.key, shard))
+        if cached is not None and cached.layout == layout:
+            return cached
+        slots, words, bits = [], 0, 0
+        for seg in layout.segments:
+            if not seg.numel:
+                continue  # nothing to send, nothing to average
+            if not seg.compress:
+                slots.append(_ShardSlot(seg, None, words, bits))
+            else:
+                try:
+                    opts = self.validate_options({**self.options, **seg.options})
+                except ValueError as exc:
+                    raise ValueError(f"onebit: shard layout {layout.key!r}, segment {seg.name!r}: {exc}") from None
+                shape = (seg.numel // seg.row, seg.row) if seg.row > 1 else (seg.numel,)
+                lay = row_layout(shape, opts["chunk_size"], pieces=1)
+                slots.append(_ShardSlot(seg, lay, words, bits, opts["scale"] == "norm"))
+            words += slots[-1].n_words
+            bits += slots[-1].n_bytes
+        row = 4 * words + bits
+        plan = self._shard_rows[(layout.key, shard)] = _ShardRows(layout, shard, slots, words, row + (-row) % 4)
+        return plan
+
+    def _reduce_scatter(
+        self, flat: torch.Tensor, out: torch.Tensor, step: int, meter: Meter, layout: ShardLayout
+    ) -> Future[None]:
+        w, shard = self.world_size, out.numel()
+        plan = self._shard_row(layout, shard)
+        check_residuals("onebit", self.feedback, layout.key, (s.segment for s in plan.slots if s.layout is not None), w)
+        executor = self._executor
+        if executor is None:
+            raise RuntimeError("onebit: the algorithm is closed; it runs no more steps")
+        if flat.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            flat = flat.float()
+        self.guard.begin(step)
+        x = flat.view(w, shard)
+        send = meter.timed("encode", lambda: self._shard_encode(plan, x))
+
+        def finish() -> None:  # on the algorithm's thread: its collectives in submission order on every rank
+            received = torch.empty_like(send)
+            if plan.row_bytes:
+                self._all_to_all(received, send, meter).wait()
+            meter.timed("decode", lambda: self._shard_decode(plan, received, out))
+
+        stream = torch.cuda.current_stream(flat.device) if flat.device.type == "cuda" else None
+        return self.guard.track(then(executor.submit(finish, stream), lambda _: None))
+
+    def _shard_encode(self, plan: _ShardRows, x: torch.Tensor) -> torch.Tensor:
+        """Row ``r`` of the result: what this rank sends rank ``r`` for shard ``r`` of ``x`` (``(w, shard)``)."""
+        w = self.world_size
+
+        def fill(words: torch.Tensor, bits: torch.Tensor) -> None:
+            for slot in plan.slots:
+                seg, lay = slot.segment, slot.layout
+                xs = x[:, seg.offset : seg.offset + seg.numel]
+                sc = words[:, slot.words_at : slot.words_at + slot.n_words]
+                if lay is None:
+                    sc.copy_(xs)
+                    continue
+                bt = bits[:, slot.bits_at : slot.bits_at + slot.n_bytes]
+                key = (id(self.feedback), seg.name)
+                res = self._residual_buffer(self.feedback, seg.name, residual_shape(seg, w), x.device)
+                r2 = res.view(w, seg.numel)
+                if _exact_layout(lay):  # the fused kernel, in the residual's buffer, one shard at a time
+                    saved = self.guard.slot(key, res)
+                    sv = None if saved is None else saved.view(w, seg.numel)
+                    for r in range(w):
+                        kernels.onebit_feedback_encode(r2[r], xs[r], lay.chunk, slot.norm, bt[r], sc[r],
+                                                       saved=None if sv is None else sv[r])  # fmt: skip
+                    continue
+                self.guard.save(key, res)
+                comp = r2 + xs
+                for r in range(w):
+                    packed, scales = lay.encode_units(lay.to_units(comp[r]), slot.norm)
+                    sc[r] = scales
+                    bt[r] = packed
+                    local = lay.zero_padding_(lay.decode_units(packed, scales, lay.units))
+                    torch.sub(comp[r], lay.from_units(local), out=r2[r])
+
+        return encode_rows(w, plan.row_bytes, plan.words, x.device, fill)
+
+    def _shard_decode(self, plan: _ShardRows, received: torch.Tensor, out: torch.Tensor) -> None:
+        """The mean, in fp32 in rank order, of the ``w`` codes of this rank's shard, into ``out``."""
+        w = self.world_size
+
+        def fill(result: torch.Tensor, words: torch.Tensor, bits: torch.Tensor) -> None:
+            for slot in plan.slots:
+                seg, lay = slot.segment, slot.layout
+                sc = words[:, slot.words_at : slot.words_at + slot.n_words]
+                dst = result[seg.offset : seg.offset + seg.numel]
+                if lay is None:
+                    dst.copy_(mean_in_rank_order(sc))
+                    continue
+                bt = bits[:, slot.bits_at : slot.bits_at + slot.n_bytes]
+                parts = torch.empty(w, seg.numel, device=received.device)
+                for j in range(w):
+                    if _exact_layout(lay):
+                        kernels.onebit_decode(bt[j], sc[j], seg.numel, lay.chunk, torch.float32, out=parts[j])
+                    else:
+                        parts[j] = lay.from_units(lay.decode_units(bt[j], sc[j], lay.units))
+                dst.copy_(mean_in_rank_order(parts))
+
+        decode_rows(self.guard, plan.shard, plan.row_bytes, plan.words, received, out, fill)

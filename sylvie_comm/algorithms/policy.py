@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, real_view, then
-from sylvie_comm.algorithms.none import plain_all_reduce
+from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, ShardLayout, real_view, then
+from sylvie_comm.algorithms.none import plain_all_reduce, plain_reduce_scatter
 from sylvie_comm.algorithms.warmup import Warmup
 from sylvie_comm.collectives import Meter
 from sylvie_comm.config import UNCOMPRESSED, Config
@@ -138,6 +138,27 @@ class Policy:
 
         fut = self.algorithm(Group(group.key, members, group.flat), step - self.config.warmup_steps, meter)
         return then(fut, observe)
+
+    def reduce_scatter(
+        self, flat: torch.Tensor, out: torch.Tensor, step: int, meter: Meter | None = None,
+        layout: ShardLayout | None = None,
+    ) -> Future[None]:  # fmt: skip
+        """One reduce-scatter of step ``step`` (sharded data parallel): a plain one during the warm-up steps,
+        then the algorithm's form (:meth:`Algorithm.reduce_scatter`). The adaptive warm-up watches averaged
+        gradients every rank holds whole, which a shard is not: it is refused here."""
+        if self.warmup is not None:
+            raise ValueError(
+                f"{self.algorithm.name}: warmup 'auto' decides per tensor from the whole averaged gradient, and a "
+                "reduce-scatter leaves each rank a shard of it; use warmup 'fixed' (warmup_steps) under sharded "
+                "data parallel"
+            )
+        alg = self.algorithm
+        if step >= self.config.warmup_steps or not alg.shards:  # (the algorithm refuses if it has no form)
+            return alg.reduce_scatter(flat, out, step - self.config.warmup_steps, meter, layout)
+        meter = meter if meter is not None else Meter(alg.world_size)
+        alg.check_reduce_scatter(flat, out, layout)
+        meter.uncompressed(4 * flat.numel(), "reduce_scatter")
+        return plain_reduce_scatter(alg, flat.reshape(-1), out, meter)
 
     # ------------------------------------------------------------------ state
 

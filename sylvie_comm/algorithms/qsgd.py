@@ -10,15 +10,19 @@ from typing import Any, ClassVar
 
 import torch
 
-from sylvie_comm.algorithms.base import Future, Group, Member, then
+from sylvie_comm.algorithms.base import Future, Group, Member, Segment, ShardLayout, then
 from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
 from sylvie_comm.algorithms.guard import nonfinite, poison
+from sylvie_comm.algorithms.shard_rows import check_residuals, decode_rows, encode_rows, residual_shape
 from sylvie_comm.codecs.base import Encoded, TensorMeta
 from sylvie_comm.codecs.quant import QBitCodec
 from sylvie_comm.collectives import Meter, Transport
-from sylvie_comm.kernels.reference import packed_cols
+from sylvie_comm.kernels.reference import mean_in_rank_order, packed_cols
 
 BITS = (2, 4, 8)
+# Elements per scale and minimum where a reduce-scatter segment has rows of one element (a vector's slice, or
+# an input without a layout): 8 bytes of metadata per 2048 values, under 1% of the 2-bit code.
+BLOCK = 2048
 
 
 @dataclass
@@ -46,6 +50,50 @@ class _Row:
     row_bytes: int  # 4-byte aligned, so every rank's fp32 section can be viewed in the gathered buffer
 
 
+@dataclass
+class _Blocks:
+    """Rows of one shape in a segment's slice of every shard: ``rows`` of ``cols`` from element ``at`` of the
+    slice, with their scales and minimums at ``meta_at`` (fp32 words) and packed values at ``packed_at`` (bytes
+    into the packed section) of the row each peer receives."""
+
+    at: int
+    rows: int
+    cols: int
+    meta_at: int
+    packed_at: int
+    packed_per_row: int
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def packed_bytes(self) -> int:
+        return self.rows * self.packed_per_row
+
+
+@dataclass
+class _Piece:
+    """One segment of a reduce-scatter: its blocks (compressed) or its fp32 values at ``raw_at`` (words)."""
+
+    segment: Segment
+    bits: int
+    blocks: list[_Blocks]
+    raw_at: int = 0
+
+
+@dataclass
+class _ShardRow:
+    """What each rank sends each peer for a layout: ``words`` fp32 words (scales, minimums and the raw segments'
+    values), then the packed values, padded to whole words."""
+
+    layout: ShardLayout
+    shard: int
+    pieces: list[_Piece]
+    words: int
+    row_bytes: int
+
+
 class QSGDAlgorithm(FeedbackAlgorithm):
     """Stochastic q-bit quantization of each row, with error feedback, all-gathered.
 
@@ -63,21 +111,41 @@ class QSGDAlgorithm(FeedbackAlgorithm):
     (``step * numel``), so the noise, and a resumed run, do not depend on how
     tensors are grouped, and a skipped step leaves no stream position behind.
 
+    The reduce-scatter form (:meth:`reduce_scatter`, sharded data parallel)
+    quantizes each rank's whole input (plus its residual) the same way, per
+    row of each segment of the :class:`~sylvie_comm.algorithms.base.ShardLayout`
+    (a parameter's own rows), or per block of ``BLOCK`` (2048) elements where a
+    segment has rows of one element (a vector, or an input without a layout);
+    scales never span two shards. One all-to-all deals out shard ``r`` to rank
+    ``r``, which decodes the ``w`` codes it received and averages them in fp32,
+    in rank order. A rank sends each of its ``w - 1`` peers about ``bits / 32``
+    of that peer's shard in fp32, plus 8 bytes per row or block; uncompressed
+    segments travel in the same all-to-all as fp32 words (the bytes of an fp32
+    reduce-scatter). Its residuals are kept by segment name, the rank's slice of
+    that parameter in every shard (``w * numel`` elements, as ``(w * numel //
+    row, row)``); the noise position is ``step * w * numel``.
+
     Args (options):
         bits: 2, 4 or 8 (default 4; a per-name rule may set it). One bit is refused: with one-bit
             stochastic rounding, error feedback diverges (the residual grows with every step).
+        error_feedback: keep what rounding drops and add it back the next step (default True). False keeps no
+            residual (no memory, nothing in the checkpoint): each step is the unbiased stochastic rounding of the
+            gradient alone, noisier but free of stale error.
     """
 
     name = "qsgd"
     codec_name = "qbit"
-    option_defaults: ClassVar[dict[str, Any]] = {"bits": 4}
+    option_defaults: ClassVar[dict[str, Any]] = {"bits": 4, "error_feedback": True}
     per_name_options: ClassVar[frozenset[str]] = frozenset({"bits"})
     legacy_state_keys: ClassVar[frozenset[str]] = frozenset({"offset"})  # a noise position, now set by the step
+    shards = True
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         super().__init__(transport, options, seed=seed)
         self.bits: int = self.options["bits"]
+        self.feedback_on: bool = self.options["error_feedback"]
         self._codecs: dict[str, QBitCodec] = {}
+        self._shard_rows: dict[tuple[str, int], _ShardRow] = {}
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -87,6 +155,8 @@ class QSGDAlgorithm(FeedbackAlgorithm):
             raise ValueError(
                 f"qsgd: bits must be 2, 4 or 8, got {bits!r} (with 1-bit stochastic rounding error feedback diverges)"
             )
+        if not isinstance(out["error_feedback"], bool):
+            raise ValueError(f"qsgd: error_feedback must be True or False, got {out['error_feedback']!r}")
         return out
 
     def _codec(self, name: str, bits: int) -> QBitCodec:
@@ -124,7 +194,7 @@ class QSGDAlgorithm(FeedbackAlgorithm):
             for m, part in zip(members, layout.parts, strict=True):
                 codec = self._codec(m.name, part.bits)
                 codec.offset = step * m.tensor.numel()  # the step's own noise: no stream position to keep
-                enc = self._feedback_encode(codec, m.name, m.tensor)
+                enc = self._feedback_encode(codec, m.name, m.tensor) if self.feedback_on else codec.encode(m.tensor)
                 values, scale, minimum = enc.payload
                 metas[part.meta_at : part.meta_at + part.rows] = scale.reshape(-1)
                 metas[part.meta_at + part.rows : part.meta_at + 2 * part.rows] = minimum.reshape(-1)
@@ -170,7 +240,144 @@ class QSGDAlgorithm(FeedbackAlgorithm):
 
         return then(futs, decode)
 
+    # ------------------------------------------------------------------ state
+
+    def state_spec(self, shape: torch.Size | tuple[int, ...], options: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        return super().state_spec(shape, options) if self.feedback_on else {}
+
+    def shard_state_spec(self, segment: Segment) -> dict[str, tuple[int, ...]]:
+        """The residual of this rank's slice of the segment in every shard, ``(w * numel // row, row)``."""
+        if not (self.feedback_on and segment.compress and segment.numel):
+            return {}
+        return {"residual": residual_shape(segment, self.world_size)}
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """``{name: {"residual"}}``; an ``offset`` (checkpoints of releases that kept a noise position) is
         ignored: the noise of a step is set by the step."""
+        if not self.feedback_on and any(s for s in state.values()):
+            raise ValueError(
+                f"qsgd: error_feedback is off, so no residual is kept, but the checkpoint holds residuals for "
+                f"{len(state)} name(s): it was written with error_feedback on"
+            )
         super().load_state_dict({n: {k: v for k, v in s.items() if k != "offset"} for n, s in state.items()})
+
+    # ------------------------------------------------------------------ the reduce-scatter form
+
+    def _shard_row(self, layout: ShardLayout, shard: int) -> _ShardRow:
+        """The peer row of ``layout`` (checked once per layout: valid per-name options)."""
+        cached = self._shard_rows.get((layout.key, shard))
+        if cached is not None and cached.layout == layout:
+            return cached
+        pieces, words, packed = [], 0, 0
+        for seg in layout.segments:
+            if not seg.numel:
+                continue  # nothing to send, nothing to average
+            if not seg.compress:
+                pieces.append(_Piece(seg, 0, [], words))
+                words += seg.numel
+                continue
+            try:
+                bits = int(self.validate_options({**self.options, **seg.options})["bits"])
+            except ValueError as exc:
+                raise ValueError(f"qsgd: shard layout {layout.key!r}, segment {seg.name!r}: {exc}") from None
+            if seg.row > 1:
+                shapes = [(0, seg.numel // seg.row, seg.row)]
+            else:  # rows of one element: blocks of BLOCK, then the rest
+                full, rest = divmod(seg.numel, BLOCK)
+                shapes = [(0, full, BLOCK)] if full else []
+                shapes += [(full * BLOCK, 1, rest)] if rest else []
+            blocks = []
+            for at, rows, cols in shapes:
+                blocks.append(_Blocks(at, rows, cols, words, packed, packed_cols(cols, bits)))
+                words += 2 * rows
+                packed += blocks[-1].packed_bytes
+            pieces.append(_Piece(seg, bits, blocks))
+        row = 4 * words + packed
+        plan = self._shard_rows[(layout.key, shard)] = _ShardRow(layout, shard, pieces, words, row + (-row) % 4)
+        return plan
+
+    def _reduce_scatter(
+        self, flat: torch.Tensor, out: torch.Tensor, step: int, meter: Meter, layout: ShardLayout
+    ) -> Future[None]:
+        w, shard = self.world_size, out.numel()
+        plan = self._shard_row(layout, shard)
+        if self.feedback_on:
+            check_residuals(
+                "qsgd", self.feedback, layout.key, (p.segment for p in plan.pieces if p.segment.compress), w
+            )
+        self.guard.begin(step)
+        x = flat.view(w, shard)
+        send = meter.timed("encode", lambda: self._shard_encode(plan, x, step))
+        received = torch.empty_like(send)
+        if plan.row_bytes:
+            fut = self._all_to_all(received, send, meter)
+        else:  # an empty shard: nothing to send
+            fut = torch.futures.Future()
+            fut.set_result(None)
+
+        def decode(_: Future[Any]) -> None:
+            meter.timed("decode", lambda: self._shard_decode(plan, received, out))
+
+        return self.guard.track(then(fut, decode))
+
+    def _shard_residual(self, seg: Segment, device: torch.device) -> torch.Tensor:
+        """The segment's residual, guarded for the step (a zero one, put back to zeros if skipped, at first)."""
+        res = self.feedback.residual(seg.name, device)
+        if res is None:
+            zero = torch.zeros(residual_shape(seg, self.world_size), device=device)
+            res = self.feedback.update(seg.name, zero, zero)
+            self.guard.zero_on_skip(res)
+        else:
+            self.guard.save((id(self.feedback), seg.name), res)
+        return res
+
+    def _shard_encode(self, plan: _ShardRow, x: torch.Tensor, step: int) -> torch.Tensor:
+        """Row ``r`` of the result: what this rank sends rank ``r`` for shard ``r`` of ``x`` (``(w, shard)``)."""
+        w = self.world_size
+
+        def fill(words: torch.Tensor, packed: torch.Tensor) -> None:
+            for piece in plan.pieces:
+                seg = piece.segment
+                xs = x[:, seg.offset : seg.offset + seg.numel]
+                if not seg.compress:
+                    words[:, piece.raw_at : piece.raw_at + seg.numel] = xs
+                    continue
+                res = self._shard_residual(seg, x.device).view(w, seg.numel) if self.feedback_on else None
+                comp = xs.to(torch.float32) if res is None else res.add_(xs)  # compensated, in the residual's buffer
+                codec = self._codec(seg.name, piece.bits)
+                for b in piece.blocks:
+                    codec.offset = step * w * seg.numel + w * b.at  # the step's own noise, as the all-reduce form's
+                    enc = codec.encode(comp[:, b.at : b.at + b.numel].reshape(w * b.rows, b.cols))
+                    values, scale, minimum = enc.payload
+                    words[:, b.meta_at : b.meta_at + b.rows] = scale.view(w, b.rows)
+                    words[:, b.meta_at + b.rows : b.meta_at + 2 * b.rows] = minimum.view(w, b.rows)
+                    packed[:, b.packed_at : b.packed_at + b.packed_bytes] = values.view(w, b.packed_bytes)
+                    if res is not None:
+                        res[:, b.at : b.at + b.numel].sub_(codec.decode(enc).view(w, b.numel))
+
+        return encode_rows(w, plan.row_bytes, plan.words, x.device, fill)
+
+    def _shard_decode(self, plan: _ShardRow, received: torch.Tensor, out: torch.Tensor) -> None:
+        """The mean, in fp32 in rank order, of the ``w`` codes of this rank's shard, into ``out``."""
+        w = self.world_size
+
+        def fill(result: torch.Tensor, words: torch.Tensor, packed: torch.Tensor) -> None:
+            for piece in plan.pieces:
+                seg = piece.segment
+                dst = result[seg.offset : seg.offset + seg.numel]
+                if not seg.compress:
+                    dst.copy_(mean_in_rank_order(words[:, piece.raw_at : piece.raw_at + seg.numel]))
+                    continue
+                decoder = QBitCodec(bits=piece.bits)
+                for b in piece.blocks:
+                    enc = Encoded(
+                        (
+                            packed[:, b.packed_at : b.packed_at + b.packed_bytes].reshape(w * b.rows, b.packed_per_row),
+                            words[:, b.meta_at : b.meta_at + b.rows].reshape(-1),
+                            words[:, b.meta_at + b.rows : b.meta_at + 2 * b.rows].reshape(-1),
+                        ),
+                        TensorMeta(torch.Size((w * b.rows, b.cols)), torch.float32, received.device),
+                    )
+                    dst[b.at : b.at + b.numel] = mean_in_rank_order(decoder.decode(enc).view(w, b.numel))
+
+        decode_rows(self.guard, plan.shard, plan.row_bytes, plan.words, received, out, fill)

@@ -47,10 +47,10 @@ from typing import Any, cast
 import torch
 
 from sylvie_comm import kernels
-from sylvie_comm.algorithms import Group, Member, Policy, algorithm_class
-from sylvie_comm.algorithms.checkpoint import check_checkpoint
+from sylvie_comm.algorithms import Group, Member
 from sylvie_comm.algorithms.guard import nonfinite, poison
-from sylvie_comm.collectives import Stats, Transport, agree
+from sylvie_comm.algorithms.session import Session
+from sylvie_comm.collectives import Transport
 from sylvie_comm.config import Config
 
 # The algorithms that average the momentum: error feedback (onebit, sign, topk, qsgd), casts, and plain fp32.
@@ -184,9 +184,8 @@ class CompressedAdamW(torch.optim.Optimizer):
         self._close_transport = close_transport
         self._building = True
         params = list(params)
-        built: dict[str, Any] = {}
 
-        def build() -> Policy:
+        def build() -> Config:
             b1, b2 = _check_hyperparameters(lr, betas, eps, weight_decay)
             if not _number(denom_floor) or denom_floor < 0:
                 raise ValueError(f"{WHAT}: denom_floor must be a finite number >= 0, got {denom_floor!r}")
@@ -206,28 +205,22 @@ class CompressedAdamW(torch.optim.Optimizer):
             fixed: dict[str, Any] = (
                 {"warmup": "fixed"} if "warmup" in {f.name for f in dataclasses.fields(Config)} else {}
             )
-            cfg = Config(codec=codec, options=dict(options), warmup_steps=steps, seed=seed, rules=tuple(rules),
-                         **fixed)  # fmt: skip
-            cls = algorithm_class(cfg.codec, "codec")
-            algorithm = built["algorithm"] = cls(transport, cfg.options, seed=cfg.seed)
-            policy = Policy(algorithm, cfg)
-            policy.check_parameters(self._named, WHAT)
-            return policy
+            return Config(codec=codec, options=dict(options), warmup_steps=steps, seed=seed, rules=tuple(rules),
+                          **fixed)  # fmt: skip
 
-        def describe(policy: Policy) -> dict[str, Any]:
+        def describe(session: Session) -> dict[str, Any]:
             shapes = ";".join(f"{n}:{tuple(p.shape)}" for n, p in self._named)
             g = self.defaults
-            return {"optimizer": {**policy.config.to_dict(), "lr": g["lr"], "betas": list(g["betas"]),
-                                  "eps": g["eps"], "weight_decay": g["weight_decay"], "denom_floor": g["denom_floor"],
+            return {"optimizer": {"lr": g["lr"], "betas": list(g["betas"]), "eps": g["eps"],
+                                  "weight_decay": g["weight_decay"], "denom_floor": g["denom_floor"],
                                   "parameters": len(self._named),
                                   "parameter_digest": f"{zlib.crc32(shapes.encode()):08x}"}}  # fmt: skip
 
-        try:
-            self.policy = agree(transport, build, describe, WHAT)
-        except BaseException:
-            if "algorithm" in built:
-                built["algorithm"].close()
-            raise
+        self.session = Session.agreed(
+            WHAT, transport, build, describe=describe, close_transport=False,
+            prepare=lambda session: session.policy.check_parameters(self._named, WHAT),
+        )  # fmt: skip
+        self.policy = self.session.policy
         self._building = False
         self.config = self.policy.config
         self.algorithm = self.policy.algorithm
@@ -237,8 +230,11 @@ class CompressedAdamW(torch.optim.Optimizer):
         self._options: dict[str, tuple[bool, Mapping[str, Any]]] = {
             n: self.policy.member_options(n, p.shape) for n, p in self._named
         }
-        self._step = 0  # steps taken by every rank (skipped ones included): the phase and the algorithm's step
-        self._stats = Stats()
+
+    @property
+    def _step(self) -> int:
+        """Steps taken by every rank (skipped ones included): the phase and the algorithm's step."""
+        return int(self.session.step)
 
     # ------------------------------------------------------------------ set-up
 
@@ -344,8 +340,7 @@ class CompressedAdamW(torch.optim.Optimizer):
                 members.append(Member(name, view, compress, opts))
                 views.append((kind, group, p, view))
         poison([flat], local_bad)
-        meter = self._stats.meter(self._step, self.world_size)
-        self.policy(Group(0, members, flat=flat), self._step, meter).wait()
+        self.session.run(Group(0, members, flat=flat)).wait()
         bad = nonfinite(flat)  # what every rank received: a NaN or Inf sent by any rank shows on every rank
         ok = torch.ones((), dtype=torch.bool, device=device) if bad is None else ~bad
         for kind, group, p, view in views:
@@ -353,7 +348,7 @@ class CompressedAdamW(torch.optim.Optimizer):
                 _frozen_update(p, view, self.state[p], group, ok)
             else:
                 _adamw_update(p, view, self.state[p], group, ok)
-        self._step += 1
+        self.session.step += 1
         restart = getattr(self.transport, "restart_names", None)
         if restart is not None:  # Horovod: nothing in flight, so the next step's collective names repeat
             restart()
@@ -364,8 +359,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         """Wire bytes (``bytes_sent``), the fp32 all-reduce of the same values (``bytes_uncompressed``), their
         ``compression_ratio``, ``collectives``, encode/decode seconds, cumulative and for ``last_step``; the
         ``phase``, ``warmup_steps``, ``step`` and ``skipped_nonfinite``."""
-        summary = self._stats.summary(self._step)
-        return {**summary, **self.algorithm.report(), "codec": self.name, "phase": self.phase,
+        return {**self.session.stats(), "codec": self.name, "phase": self.phase,
                 "warmup_steps": self.warmup, "step": self._step}  # fmt: skip
 
     def memory_bytes(self) -> int:
@@ -379,15 +373,7 @@ class CompressedAdamW(torch.optim.Optimizer):
 
         The compression state is per rank: save it on every rank and load each rank's own."""
         out = super().state_dict()
-        out["sylvie_comm"] = {
-            "codec": self.name,
-            "config": self.config.to_dict(),
-            "world_size": self.world_size,
-            "rank": self.transport.rank,
-            "step": self._step,
-            "phase": self.phase,
-            "params": self.algorithm.state_dict(),
-        }
+        out["sylvie_comm"] = {**self.session.state_dict(), "phase": self.phase}
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -402,18 +388,14 @@ class CompressedAdamW(torch.optim.Optimizer):
         ours = dict(state_dict["sylvie_comm"]) if isinstance(state_dict["sylvie_comm"], Mapping) else {}
         phase = ours.pop("phase", None)
 
-        def check() -> int:
-            step = check_checkpoint(what, ours, self.name, self.config, self.world_size, self.transport.rank,
-                                    name_key="codec")  # fmt: skip
+        def check(ours: Mapping[str, Any], step: int) -> None:
             expected = "warmup" if step < self.warmup else "compressed"
             if phase != expected:
                 raise ValueError(f"{what}: checkpoint phase {phase!r} does not fit its step {step} (expected "
                                  f"{expected!r} with warmup {self.warmup})")  # fmt: skip
-            tensors = self.policy.compressed_tensors((n, p.shape) for n, p in self._named)
-            self.algorithm.check_state_dict(ours["params"], tensors, stepped=False)
-            return step
 
-        step = agree(self.transport, check, lambda step: {"step": step}, what, "checkpoint")
+        step = self.session.load_state_dict(ours, ((n, p.shape) for n, p in self._named), check=check,
+                                            stepped=False, what=what)  # fmt: skip
         # torch.optim casts every state tensor but 'step' to the parameter's dtype: the step counts stay fp32.
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -426,18 +408,11 @@ class CompressedAdamW(torch.optim.Optimizer):
         for p in params:
             for key, value in counts.get(id(p), {}).items():
                 self.state[p][key] = torch.as_tensor(value).to(dtype=torch.float32, device=p.device).clone()
-        self.algorithm.load_state_dict(ours["params"])
-        self._step = step
+        self.session.step = step
 
     def close(self) -> None:
         """Stop the algorithm's communication thread (and close the transport if this optimizer owns it)."""
-        self.algorithm.close()
-        close_policy = getattr(self.policy, "close", None)
-        if close_policy is not None:
-            close_policy()
-        close = getattr(self.transport, "close", None)
-        if self._close_transport and close is not None:
-            close()
+        self.session.close(transport=self._close_transport)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

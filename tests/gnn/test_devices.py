@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from sylvie_comm.collectives import ProcessGroupTransport
 from sylvie_comm.collectives.local import run_local
+from sylvie_comm.gnn import gpu_check
 from sylvie_comm.gnn import train as gtrain
 from sylvie_comm.gnn.halo import (
     PRECISIONS,
@@ -334,8 +335,8 @@ def test_an_explicit_cpu_device_trains_exactly_as_the_default(device: Any) -> No
 def test_the_gpu_check_fails_at_once_without_a_gpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
                                                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(gtrain.GPUUnavailableError, match=r"no CUDA device \(torch.cuda.is_available\(\) is False"):
-        gtrain.gpu_check(tmp_path / "out")
+    with pytest.raises(gpu_check.GPUUnavailableError, match=r"no CUDA device \(torch.cuda.is_available\(\) is False"):
+        gpu_check.gpu_check(tmp_path / "out")
     assert gtrain.main(["--gpu-check", str(tmp_path / "out")]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

@@ -132,7 +132,7 @@ def check_compression(rank: int) -> dict[str, Any]:
     out["acpsgd_stats"] = comp.stats()
     state = comp.state_dict()
     out["acpsgd_state_keys"] = sorted(state["params"])
-    out["acpsgd_steps"] = state["steps"]
+    out["acpsgd_steps"] = state["step"]
     # A gradient that belongs to no named parameter: a clear error.
     try:
         comp.compress(torch.zeros(3, 3))

@@ -153,7 +153,7 @@ def test_optimizer_resume_is_bit_identical(checks):
 
 def test_configuration_errors_fail_every_rank_with_a_message(checks):
     for rank, res in enumerate(checks["errors"]):
-        assert "ranks disagree on the configuration: 'optimizer.options.rank' is 4 on rank 0 but 8" in res["disagree"]
+        assert "ranks disagree on the configuration: 'options.rank' is 4 on rank 0 but 8" in res["disagree"]
         bad = res["bad_option_one_rank"]
         assert "ratio must be in (0, 1]" in bad and (rank == 1 or "rank 1 could not set up" in bad)
         assert "unknown codec 'zip'" in res["unknown_codec"] and "acpsgd" in res["unknown_codec"]

@@ -441,7 +441,7 @@ def test_ranks_that_disagree_fail_fast_on_every_rank() -> None:
         return "built"
 
     for msg in run_local(2, body):
-        assert "'optimizer.warmup_steps' is 4 on rank 0 but 5 on rank 1" in msg, msg
+        assert "'warmup_steps' is 4 on rank 0 but 5 on rank 1" in msg, msg
 
     def bad_lr(tr: Any) -> str:
         try:

@@ -1,0 +1,322 @@
+"""PyTorch FSDP2 (``fully_shard``): a compressed gradient reduce-scatter, or a compressed replica all-reduce (HSDP).
+
+Three lines, after ``fully_shard`` on each block and on the root::
+
+    import sylvie_comm
+    state = sylvie_comm.fsdp.register(model, "qsgd", bits=4)
+    ...  # train; state.stats(), state.state_dict(), state.close()
+
+FSDP2 reduce-scatters each unit's gradients as one flat buffer: ``world`` shards, rank-major, each holding every
+parameter's dim-0 shard (padded) in the unit's order. :func:`register` installs one
+:class:`torch.distributed.fsdp.ReduceScatter` comm per unit (``set_custom_reduce_scatter``) that maps that
+buffer back to parameter names through FSDP's own metadata (a :class:`~sylvie_comm.algorithms.base.ShardLayout`:
+per-name rules, per-row scales) and hands it to the algorithm's reduce-scatter form: ``none``, ``fp16``,
+``bf16``, ``qsgd`` and ``onebit`` have one. The low-rank algorithms need whole matrices, which a shard is not;
+with ``replicas=`` (HSDP: ``fully_shard`` within a node, replicas across nodes) the reduce-scatter stays
+FSDP's and the algorithm, any of them, averages each rank's shard across the replicas instead
+(``set_all_reduce_hook``): there each parameter's shard is a block of its rows, a matrix.
+
+This module owns no math; the configuration, statistics, checkpoint and agreement across ranks are those of
+every integration (:class:`~sylvie_comm.algorithms.session.Session`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sylvie_comm.algorithms import Group, Member
+from sylvie_comm.algorithms.base import Segment, ShardLayout
+from sylvie_comm.algorithms.session import Session, merge_config
+from sylvie_comm.collectives import ProcessGroupTransport
+from sylvie_comm.config import Config
+
+WHAT = "sylvie_comm.fsdp"
+
+
+def _fsdp() -> Any:
+    try:
+        from torch.distributed import fsdp
+    except ImportError as exc:  # pragma: no cover - torch without distributed
+        raise ImportError(f"{WHAT}: this torch has no torch.distributed.fsdp ({exc})") from None
+    if not hasattr(fsdp, "FSDPModule") or not hasattr(fsdp.FSDPModule, "set_custom_reduce_scatter"):
+        raise ImportError(f"{WHAT}: needs FSDP2 with FSDPModule.set_custom_reduce_scatter (torch >= 2.9), this "
+                          f"torch is {torch.__version__}")  # fmt: skip
+    return fsdp
+
+
+class _Unit:
+    """One FSDP unit: its parameter group, the names of its parameters and, once seen, its shard layout."""
+
+    def __init__(self, index: int, fqn: str, module: nn.Module, names: dict[int, str]) -> None:
+        groups = module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+        if len(groups) != 1:
+            raise ValueError(
+                f"{WHAT}: the FSDP unit '{fqn or '<root>'}' has {len(groups)} parameter groups (a per-parameter "
+                "mesh through shard_placement_fn); FSDP's own set_custom_reduce_scatter takes one comm per unit "
+                "and refuses such units, so one comm cannot serve them: give the unit one mesh"
+            )
+        self.index = index
+        self.fqn = fqn
+        self.module = module
+        self.group = groups[0]
+        self.key = fqn or "<root>"
+        self.names = [names[id(p.sharded_param)] for p in self.group.fsdp_params]
+        self.step = 0
+        self.layout: ShardLayout | None = None
+
+    @property
+    def shard_group(self) -> Any:
+        return self.group.mesh_info.shard_process_group
+
+    def segments(self, world: int, policy: Any) -> ShardLayout:
+        """Each parameter's slice of every rank's shard, as FSDP lays it out (``foreach_reduce``): dim 0 padded
+        to a multiple of the world size and cut in ``world`` blocks of rows (``Shard(i)``, ``i > 0``: the
+        gradient cut along dim ``i``, the pieces stacked on dim 0)."""
+        segs, at = [], 0
+        for name, p in zip(self.names, self.group.fsdp_params, strict=True):
+            size = tuple(p._orig_size) or (1,)
+            if p.fsdp_placement.dim == 0:
+                rows, row = -(-size[0] // world), math.prod(size[1:])
+            else:
+                rows, row = size[0], math.prod(size[1:]) // world
+            compress, options = policy.member_options(name, size)
+            segs.append(Segment(name, at, rows * row, max(row, 1), compress, options))
+            at += rows * row
+        return ShardLayout(self.key, tuple(segs))
+
+
+class _ReduceScatter:
+    """The comm object FSDP calls for one unit: ``allocate`` (plain buffers) and ``__call__``."""
+
+    def __init__(self, state: FSDPState, unit: _Unit) -> None:
+        self.state = state
+        self.unit = unit
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: Any,
+        async_op: bool = False,
+    ) -> None:  # fmt: skip
+        self.state._reduce_scatter(self.unit, output_tensor, input_tensor, group, op)
+
+
+class FSDPState:
+    """The :class:`~sylvie_comm.algorithms.session.Session` of one model's FSDP units, and their comms."""
+
+    def __init__(self, model: nn.Module, session: Session, units: list[_Unit], replicas: bool) -> None:
+        self.model = model
+        self.session = session
+        self.units = units
+        self.replicas = replicas
+        self.name = session.name
+        self.config = session.config
+        self.algorithm = session.algorithm
+        self.policy = session.policy
+        self.world_size = session.world_size
+
+    # ------------------------------------------------------------------ FSDP's calls
+
+    def _layout(self, unit: _Unit, numel: int) -> ShardLayout:
+        layout = unit.layout
+        if layout is None:
+            layout = unit.layout = unit.segments(self.session.transport.world_size, self.policy)
+        full = sum(s.numel for s in layout.segments)
+        if numel != full:
+            raise ValueError(
+                f"{WHAT}: the unit '{unit.key}' reduces {numel} elements per rank where its parameters hold {full}: "
+                "some of its parameters got no gradient this step, so FSDP left them out. Call "
+                "model.set_reduce_scatter_unused_params(True) so that every parameter travels (zeros where "
+                "unused), as DDP's find_unused_parameters does"
+            )
+        return layout
+
+    def _reduce_scatter(
+        self, unit: _Unit, output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup, op: Any
+    ) -> None:
+        transport = self.session.transport
+        if group is not None and dist.get_world_size(group) != transport.world_size:
+            raise ValueError(f"{WHAT}: the unit '{unit.key}' reduce-scatters over {dist.get_world_size(group)} "
+                             f"ranks, this state's transport has {transport.world_size}")  # fmt: skip
+        scale = _op_scale(op, transport.world_size)
+        layout = self._layout(unit, output.numel())
+        self.session.reduce_scatter(flat, output, layout, unit.step).wait()
+        if scale != 1:
+            output.mul_(scale)
+        unit.step += 1
+        self.session.step = max(u.step for u in self.units)
+
+    def _replica_hook(self, unit: _Unit) -> Callable[[torch.Tensor], None]:
+        def hook(reduce_output: torch.Tensor) -> None:
+            layout = self._layout(unit, reduce_output.numel())
+            flat = reduce_output.view(-1)
+            members = [
+                Member(s.name, flat[s.offset : s.offset + s.numel].view(-1, s.row), s.compress, s.options)
+                for s in layout.segments
+            ]
+            self.session.run(Group(unit.index, members, flat=flat), unit.step).wait()
+            unit.step += 1
+            self.session.step = max(u.step for u in self.units)
+
+        return hook
+
+    # ------------------------------------------------------------------ public
+
+    def stats(self) -> dict[str, Any]:
+        """Cumulative wire bytes, the plain fp32 equivalent (the reduce-scatter's, or the replica all-reduce's
+        with ``replicas``), their ratio and encode/decode seconds; ``last_step`` for the last step."""
+        return self.session.stats()
+
+    def memory_bytes(self) -> int:
+        """Bytes this rank keeps between steps for the codec (residuals of its units' unsharded gradients for
+        the error-feedback codecs; nothing for the casts and for ``qsgd`` with ``error_feedback=False``)."""
+        return self.session.memory_bytes()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's codec state (its residuals), per unit steps, in every integration's checkpoint format."""
+        return self.session.state_dict(step={u.key: u.step for u in self.units})
+
+    def load_state_dict(self, state: Any) -> None:
+        """Resume from this rank's :meth:`state_dict` (a collective: every rank loads its own); every field is
+        checked first, and the ranks agree (see ``sylvie_comm.ddp.HookState.load_state_dict``)."""
+        keys = {u.key for u in self.units}
+
+        def units(state: Any, step: int) -> None:
+            steps = state["step"]
+            if not isinstance(steps, dict) or set(steps) != keys:
+                raise ValueError(f"{WHAT}: checkpoint 'step' must map this model's FSDP units {sorted(keys)} to "
+                                 f"their steps, got {steps!r:.120}")  # fmt: skip
+
+        if self.replicas:
+            shapes = [(s.name, (s.numel // s.row, s.row)) for u in self.units for s in self._unit_layout(u).segments]
+            steps = self.session.load_state_dict(state, shapes, check=units)
+        else:
+            shards = {s.name: s for u in self.units for s in self._unit_layout(u).segments if s.compress}
+            steps = self.session.load_state_dict(state, None, shards=shards, check=units)
+        for u in self.units:
+            u.step = steps[u.key]
+        self.session.step = max((u.step for u in self.units), default=0)
+
+    def _unit_layout(self, unit: _Unit) -> ShardLayout:
+        if unit.layout is None:
+            unit.layout = unit.segments(self.session.transport.world_size, self.policy)
+        return unit.layout
+
+    def close(self) -> None:
+        """Stop the algorithm's thread and destroy its process group (idempotent); FSDP's own reduce-scatter
+        serves the units again."""
+        for u in self.units:
+            if self.replicas:
+                u.module.set_all_reduce_hook(None)  # type: ignore[operator]
+            else:
+                u.group._reduce_scatter_comm = _default_comm()
+        self.session.close()
+
+
+def _default_comm() -> Any:
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    return DefaultReduceScatter()
+
+
+def _op_scale(op: Any, world: int) -> float:
+    """What the average is multiplied by for FSDP's ``op``: 1 for AVG, the world size for SUM (FSDP divides
+    before or after, ``set_force_sum_reduction_for_comms``)."""
+    red = dist.ReduceOp
+    if op == red.AVG:
+        return 1.0
+    if op == red.SUM:
+        return float(world)
+    raise ValueError(f"{WHAT}: FSDP asked for a reduce-scatter with op {op!r}; the codecs average (AVG) or sum "
+                     "(SUM); leave set_gradient_divide_factor unset")  # fmt: skip
+
+
+def units_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The FSDP units of ``model`` (``fully_shard`` modules), root included, in module order."""
+    fsdp = _fsdp()
+    return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, fsdp.FSDPModule)]
+
+
+def register(
+    model: nn.Module, codec: str | None = None, *, config: Config | None = None,
+    replicas: dist.ProcessGroup | None = None, timeout: float | timedelta | None = None, **options: Any,
+) -> FSDPState:  # fmt: skip
+    """Compress the gradient traffic of a model sharded with FSDP2's ``fully_shard`` (a collective call).
+
+    Args:
+        model: the root module, after ``fully_shard`` on its blocks and on itself.
+        codec: ``qsgd`` (default), ``onebit``, ``fp16``, ``bf16``, ``none`` for the reduce-scatter; with
+            ``replicas`` any algorithm (``acpsgd``, ``powersgd`` too).
+        config: a :class:`~sylvie_comm.config.Config` (e.g. from YAML) instead of keywords.
+        replicas: HSDP: the process group of this rank's replicas (the other shard groups' ranks of the same
+            shard index); FSDP's reduce-scatter stays within the shard group and the codec averages each
+            rank's shard across ``replicas`` (``set_all_reduce_hook``).
+        timeout: seconds one collective may wait for the other ranks (default 600 s).
+        **options: the algorithm's options (``bits``, ``error_feedback``, ``chunk_size``, ``rank``, ...) and
+            ``warmup_steps``, ``min_compression_rate``, ``seed``.
+
+    Ranks that disagree on the configuration, the units or their parameters fail on every rank naming the
+    first difference. Call ``state.close()`` on every rank after the last backward pass.
+    """
+    units = units_of(model)
+    if not units:
+        raise ValueError(f"{WHAT}.register: {type(model).__name__} has no FSDP units; call fully_shard() on its "
+                         "blocks and on the model first (torch.distributed.fsdp.fully_shard)")  # fmt: skip
+    names = {id(p): n for n, p in model.named_parameters()}
+    # Units without parameters of their own (a root whose blocks hold them all) reduce nothing.
+    units = [(fqn, m) for fqn, m in units if m._get_fsdp_state()._fsdp_param_groups]  # type: ignore[operator]
+    if not units:
+        raise ValueError(f"{WHAT}.register: the FSDP units of {type(model).__name__} hold no parameters")
+    first = units[0][1]._get_fsdp_state()._fsdp_param_groups[0]  # type: ignore[operator]
+    shard_group = first.mesh_info.shard_process_group
+    transport = ProcessGroupTransport(replicas if replicas is not None else shard_group, timeout=timeout)
+    built: list[_Unit] = []
+
+    def build() -> Config:
+        cfg = merge_config(WHAT, codec, config, options, default="qsgd")
+        return cfg
+
+    def prepare(session: Session) -> None:
+        built.extend(_Unit(i, fqn, m, names) for i, (fqn, m) in enumerate(units))
+        if any(u.shard_group is not shard_group for u in built):
+            raise ValueError(f"{WHAT}.register: the model's FSDP units shard over different process groups; "
+                             "register one state per group of units")  # fmt: skip
+        alg = session.algorithm
+        if replicas is None and not alg.shards:
+            alg.reduce_scatter(torch.zeros(0), torch.zeros(0), 0)  # raises the reason, naming the other path
+        if session.policy.warmup is not None and replicas is None:
+            raise ValueError(f"{WHAT}: warmup 'auto' watches whole averaged gradients and each rank holds a shard "
+                             "of them; use warmup 'fixed' (warmup_steps)")  # fmt: skip
+        params = [(n, p) for u in built for n, p in zip(u.names, (q.sharded_param for q in u.group.fsdp_params),
+                                                         strict=True)]  # fmt: skip
+        session.policy.check_parameters(params, WHAT)
+
+    def describe(session: Session) -> dict[str, Any]:
+        layout = [(u.key, [(n, tuple(p._orig_size)) for n, p in zip(u.names, u.group.fsdp_params, strict=True)])
+                  for u in built]  # fmt: skip
+        return {"fsdp": {"units": repr(layout), "replicas": replicas is not None,
+                         "shard_world": dist.get_world_size(shard_group)}}  # fmt: skip
+
+    session = Session.agreed(WHAT, transport, build, describe=describe, prepare=prepare)
+    state = FSDPState(model, session, built, replicas is not None)
+    try:
+        for u in built:
+            if replicas is not None:
+                u.module.set_all_reduce_hook(state._replica_hook(u))  # type: ignore[operator]
+            else:
+                u.module.set_custom_reduce_scatter(_ReduceScatter(state, u))  # type: ignore[operator]
+    except BaseException:
+        state.close()
+        raise
+    return state
+
+
+__all__ = ["FSDPState", "register", "units_of"]

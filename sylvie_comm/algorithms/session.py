@@ -1,0 +1,233 @@
+"""One holder for every integration: configuration, algorithm and policy, step, statistics, checkpoint, close.
+
+What PyTorch's ``PowerSGDState`` is for its DDP hooks, for every framework: the DDP hook, both Horovod routes,
+the FSDP2 reduce-scatter, the GNN trainer's gradient average and the compressed optimizer each wrap one
+:class:`Session` and add only the mapping of their framework's unit of communication (a bucket, a gradient, a
+flat shard) onto :class:`~sylvie_comm.algorithms.Group` or a reduce-scatter. So the configuration is merged
+in one place (:func:`merge_config`), the ranks agree in one place (:meth:`Session.agreed`), and a checkpoint
+has one format (:data:`CHECKPOINT_FIELDS`) with one set of checks (:meth:`Session.load_state_dict`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from sylvie_comm.algorithms.base import Future, Group, Segment, ShardLayout
+from sylvie_comm.algorithms.checkpoint import check_checkpoint
+from sylvie_comm.algorithms.policy import Policy
+from sylvie_comm.algorithms.registry import algorithm_class
+from sylvie_comm.collectives import Meter, Stats, Transport, agree
+from sylvie_comm.collectives.transport import ObjectGather
+from sylvie_comm.config import FIELDS, Config
+
+# The fields of every integration's checkpoint of its compression state (one per rank).
+CHECKPOINT_FIELDS = ("codec", "config", "world_size", "rank", "step", "params", "warmup")
+# Names an older release wrote, read as today's.
+_LEGACY_KEYS = {"hook": "codec", "steps": "step"}
+
+
+def merge_config(
+    what: str, codec: str | None, config: Config | None, options: Mapping[str, Any], default: str = "acpsgd"
+) -> Config:
+    """A Config from a codec name and keywords, or from ``config`` with keywords merged over it.
+
+    Keywords that are fields of :class:`~sylvie_comm.config.Config` (``warmup_steps``, ``warmup``,
+    ``min_compression_rate``, ``seed``, ``total_steps``) set those; the others are the algorithm's options.
+    """
+    if config is not None and not isinstance(config, Config):
+        raise TypeError(f"{what}: config must be a sylvie_comm.Config, got {type(config).__name__}")
+    if codec is not None and not isinstance(codec, str):
+        raise TypeError(f"{what}: codec must be an algorithm's name (a str), got {type(codec).__name__}")
+    if config is not None and codec is not None and codec != config.codec:
+        raise ValueError(f"{what}: codec {codec!r} given with a config for {config.codec!r}; pass one of them")
+    cfg = config if config is not None else Config(codec=codec or default)
+    opts = dict(options)
+    extra = {k: opts.pop(k) for k in FIELDS if k != "codec" and k in opts}
+    if opts or extra:
+        d = cfg.to_dict()
+        d["options"] = {**d["options"], **opts}
+        d.update(extra)
+        cfg = Config.from_dict(d)
+    return cfg
+
+
+def upgrade_checkpoint(state: Any) -> Any:
+    """``state`` with the field names an older release wrote (``hook``, ``steps``) renamed to today's."""
+    if not isinstance(state, Mapping) or not any(k in state for k in _LEGACY_KEYS):
+        return state
+    out = dict(state)
+    for old, new in _LEGACY_KEYS.items():
+        if old in out and new not in out:
+            out[new] = out.pop(old)
+    return out
+
+
+class Session:
+    """The configuration, the algorithm behind its policy, the step, the statistics and the checkpoint of one
+    integration on one rank.
+
+    Args:
+        what: the integration's name in messages (``"ddp[acpsgd]"``).
+        config: the merged configuration.
+        transport: the algorithm's transport.
+        kind: what the integration calls an algorithm in the message for an unknown name (``hook``, ``codec``).
+        world_size, rank: the run's, where they differ from the transport's (a transport of one rank whose
+            all-reduce a framework performs outside).
+        objects: the object all-gather the ranks agree through, where the transport cannot (default: it).
+    """
+
+    def __init__(
+        self, what: str, config: Config, transport: Transport, *, kind: str = "codec",
+        world_size: int | None = None, rank: int | None = None, objects: ObjectGather | None = None,
+    ) -> None:  # fmt: skip
+        cls = algorithm_class(config.codec, kind)
+        self.what = what
+        self.config = config
+        self.transport = transport
+        self.algorithm = cls(transport, config.options, seed=config.seed)
+        self.name = self.algorithm.name
+        self.options = self.algorithm.options
+        self.policy = Policy(self.algorithm, config)
+        self.world_size = transport.world_size if world_size is None else world_size
+        self.rank = transport.rank if rank is None else rank
+        self.objects: ObjectGather = objects if objects is not None else transport
+        self.step = 0
+        self._stats = Stats()
+
+    @classmethod
+    def agreed(
+        cls, what: str, transport: Transport, config: Callable[[], Config], *,
+        describe: Callable[[Session], Mapping[str, Any]] | None = None,
+        prepare: Callable[[Session], None] | None = None, close_transport: bool = True, **kwargs: Any,
+    ) -> Session:  # fmt: skip
+        """Build a session on every rank (a collective): ``config()`` merges this rank's configuration,
+        ``prepare(session)`` checks what the integration adds (its parameters), and the ranks compare
+        ``{**config.to_dict(), **describe(session)}``; any rank's error, or any difference, fails every rank
+        naming it. On failure the transport is closed (no one will use it) unless ``close_transport`` is False.
+        """
+
+        built: list[Session] = []
+
+        def build() -> Session:
+            session = cls(what, config(), transport, **kwargs)
+            built.append(session)
+            if prepare is not None:
+                prepare(session)
+            return session
+
+        def describe_all(session: Session) -> dict[str, Any]:
+            return {**session.config.to_dict(), **(describe(session) if describe is not None else {})}
+
+        try:
+            return agree(kwargs.get("objects") or transport, build, describe_all, what)
+        except BaseException:
+            for session in built:  # its algorithm's thread: no one will use it
+                session.close(transport=False)
+            close = getattr(transport, "close", None)
+            if close_transport and close is not None:
+                close()
+            raise
+
+    # ------------------------------------------------------------------ running
+
+    def meter(self, step: int | None = None) -> Meter:
+        """The byte and time meter of ``step`` (default: the current one)."""
+        return self._stats.meter(self.step if step is None else step, self.world_size)
+
+    def run(self, group: Group, step: int | None = None) -> Future[None]:
+        """Average ``group`` in place through the policy at ``step`` (default: the current one)."""
+        step = self.step if step is None else step
+        return self.policy(group, step, self.meter(step))
+
+    def reduce_scatter(
+        self, flat: torch.Tensor, out: torch.Tensor, layout: ShardLayout | None = None, step: int | None = None
+    ) -> Future[None]:
+        """``out`` = this rank's shard of the average of ``flat`` at ``step``, through the policy."""
+        step = self.step if step is None else step
+        return self.policy.reduce_scatter(flat, out, step, self.meter(step), layout)
+
+    # ------------------------------------------------------------------ public
+
+    def stats(self, steps: int | None = None) -> dict[str, Any]:
+        """Cumulative wire bytes, the plain fp32 equivalent, their ratio and encode/decode seconds over
+        ``steps`` steps (default: the steps done); ``last_step`` holds the same for the last completed step."""
+        return {**self._stats.summary(self.step if steps is None else steps), **self.algorithm.report()}
+
+    def memory_bytes(self) -> int:
+        """Bytes of tensors kept between steps (residuals, factors, buffers, the guard's copies)."""
+        return self.algorithm.memory_bytes()
+
+    def state_dict(self, step: Any = None) -> dict[str, Any]:
+        """This rank's compression state in the one checkpoint format (:data:`CHECKPOINT_FIELDS`): the
+        algorithm, the configuration, the world size and rank that wrote it, the step (``step`` where the
+        integration counts per name) and the per-name state."""
+        return {
+            "codec": self.name,
+            "config": self.config.to_dict(),
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "step": self.step if step is None else step,
+            "params": self.algorithm.state_dict(),
+            "warmup": self.policy.state_dict(),
+        }
+
+    def load_state_dict(
+        self, state: Any, shapes: Iterable[tuple[str, tuple[int, ...]]] | None, *,
+        shards: Mapping[str, Segment] | None = None, check: Callable[[Mapping[str, Any], int], None] | None = None,
+        agreed: bool = True, stepped: bool | None = None, what: str | None = None,
+    ) -> Any:  # fmt: skip
+        """Resume from this rank's :meth:`state_dict` (a collective: every rank loads its own checkpoint).
+
+        Every field is checked before anything is loaded (a ValueError names the first that does not fit:
+        another algorithm, configuration, world size or rank, foreign or missing names, shapes, dtypes, NaN;
+        ``check(state, step)`` adds the integration's own), then the ranks agree: all of them load, or none,
+        and only checkpoints of one step (``stepped``: whether every compressed tensor must have its state,
+        by default whether the checkpoint is past the warm-up). ``shapes`` are the named tensors' shapes (None
+        where the names are not known yet); ``shards`` the reduce-scatter segments by name, where the state is
+        of that form.
+        Returns the checkpoint's step (an int, or the per-name steps it holds). With ``agreed=False`` nothing is
+        exchanged: the caller agrees across ranks around this call (a trainer checking its own checkpoint).
+        ``what`` names the caller in the messages (default: the session's name).
+        """
+        what = self.what if what is None else what
+        state = upgrade_checkpoint(state)
+
+        def checked() -> Any:
+            step = check_checkpoint(what, state, self.name, self.config, self.world_size, self.rank,
+                                    name_key="codec")  # fmt: skip
+            warm = state.get("warmup", {})
+            self.policy.check_state(warm)
+            has_all = step > self.config.warmup_steps if stepped is None else stepped
+            if shards is not None:
+                self.algorithm.check_state_dict(state["params"], None, has_all, shards=shards)
+            else:
+                tensors = None if shapes is None else self.policy.compressed_tensors(shapes, step, warm)
+                self.algorithm.check_state_dict(state["params"], tensors, has_all)
+            if check is not None:
+                check(state, step)
+            return state["step"]
+
+        if agreed:
+            step = agree(self.objects, checked, lambda step: {"step": step}, f"{what} load_state_dict", "checkpoint")
+        else:
+            step = checked()
+        self.algorithm.load_state_dict(state["params"])
+        self.policy.load_state_dict(state.get("warmup", {}))
+        if isinstance(step, int):
+            self.step = step
+        return step
+
+    def close(self, transport: bool = True) -> None:
+        """Stop the algorithm's thread and (unless ``transport`` is False) close the transport (idempotent)."""
+        self.algorithm.close()
+        self.policy.close()
+        if transport:
+            close = getattr(self.transport, "close", None)
+            if close is not None:
+                close()
+
+
+__all__ = ["CHECKPOINT_FIELDS", "Session", "merge_config", "upgrade_checkpoint"]

@@ -1,0 +1,72 @@
+"""What the compressed reduce-scatter forms share (``qsgd``, ``onebit``): each rank's row for each peer.
+
+A rank sends peer ``r`` one row of bytes for shard ``r``: fp32 words (scales, raw values), then the codes.
+Every peer decides a step from what it receives, so a non-finite value bound for one peer is made visible to
+all of them: the first word of every row turns NaN when anything this rank encodes is not finite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from sylvie_comm.algorithms.base import Segment
+from sylvie_comm.algorithms.guard import StepGuard, nonfinite, poison
+from sylvie_comm.codecs import ErrorFeedback
+
+
+def residual_shape(segment: Segment, world_size: int) -> tuple[int, int]:
+    """The reduce-scatter residual of a segment: its slice of every shard, as rows."""
+    return (world_size * segment.numel // segment.row, segment.row)
+
+
+def check_residuals(name: str, feedback: ErrorFeedback, key: str, segments: Iterable[Segment], world_size: int) -> None:
+    """A ValueError naming the first segment whose stored residual does not fit this layout."""
+    for seg in segments:
+        res = feedback.residual(seg.name)
+        if res is not None and tuple(res.shape) != residual_shape(seg, world_size):
+            raise ValueError(
+                f"{name}: shard layout {key!r}, segment {seg.name!r}: its residual has shape "
+                f"{tuple(res.shape)}, this layout's slice of it needs {residual_shape(seg, world_size)} "
+                f"(world_size * numel // row, row): a checkpoint or a layout of another shape"
+            )
+
+
+def encode_rows(
+    world_size: int, row_bytes: int, words: int, device: torch.device,
+    fill: Callable[[torch.Tensor, torch.Tensor], None],
+) -> torch.Tensor:  # fmt: skip
+    """``(world_size, row_bytes)`` bytes, row ``r`` for peer ``r``: ``fill(words, codes)`` writes the fp32
+    words and the codes of every row; a non-finite word then turns the first word of every row NaN."""
+    send = torch.zeros(world_size, row_bytes, dtype=torch.uint8, device=device)
+    if not row_bytes:
+        return send
+    head = send.view(torch.float32)[:, :words]
+    fill(head, send[:, 4 * words :])
+    flag = nonfinite(head)
+    if flag is not None:
+        head[:, :1].masked_fill_(flag, float("nan"))
+    return send
+
+
+def decode_rows(
+    guard: StepGuard, shard: int, row_bytes: int, words: int, received: torch.Tensor, out: torch.Tensor,
+    fill: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+) -> None:  # fmt: skip
+    """The rows received from every peer into ``out``: ``fill(result, words, codes)`` writes the fp32 mean of
+    this rank's shard; every peer's non-finite flag (the same on every rank) goes to the guard and to ``out``."""
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    result = out.view(-1) if direct else torch.empty(shard, device=out.device)
+    if not row_bytes:
+        return
+    head = received.view(torch.float32)[:, :words]
+    bad = nonfinite(head)
+    guard.report(bad)
+    fill(result, head, received[:, 4 * words :])
+    poison([result], bad)
+    if not direct:
+        out.copy_(result.view(out.shape))
+
+
+__all__ = ["check_residuals", "decode_rows", "encode_rows", "residual_shape"]

@@ -1,0 +1,187 @@
+"""What the FSDP2 tests run on each rank: digits under ``fully_shard``, with and without our reduce-scatter."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import sylvie_comm
+from tests.integrations import workloads as wl
+
+STEPS = 300
+
+
+def sharded_mlp(seed: int = 0, mesh: Any = None, reduce_dtype: torch.dtype | None = None) -> nn.Module:
+    """The digits MLP 64-256-256-10, ``fully_shard`` on each Linear and on the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    kw: dict[str, Any] = {"mesh": mesh} if mesh is not None else {}
+    if reduce_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def _step(model: nn.Module, opt: Any, xtr: torch.Tensor, ytr: torch.Tensor, g: torch.Generator) -> None:
+    idx = torch.randint(0, len(xtr), (64,), generator=g)
+    opt.zero_grad()
+    F.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+    opt.step()
+
+
+def train(
+    rank: int, world: int, codec: str | None, options: dict[str, Any], optimizer: str = "sgd_momentum",
+    steps: int = STEPS, hsdp: bool = False, seed: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    """Digits with plain FSDP2 (``codec`` None) or ours; with ``hsdp`` 2 replicas of 2 shards (4 ranks):
+    FSDP's own HSDP for None, else ``fully_shard`` on the shard dimension and our replica all-reduce."""
+    mesh, replicas = None, None
+    if hsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        full = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        mesh = full if codec is None else full["shard"]
+        replicas = full["replicate"].get_group()
+    # Every rank trains on its own slice of the data, as under DDP (HSDP included).
+    xtr, ytr, xte, yte = wl.digits_split(rank, world)
+    model = sharded_mlp(seed, mesh)
+    state = None
+    if codec is not None:
+        kw = {"replicas": replicas} if hsdp else {}
+        state = sylvie_comm.fsdp.register(model, codec, **kw, **options)
+    opt = wl.OPTIMIZERS[optimizer](model.parameters())
+    g = torch.Generator().manual_seed(rank + 100 * seed)
+    for _ in range(steps):
+        _step(model, opt, xtr, ytr, g)
+    with torch.no_grad():
+        acc = (model(xte).argmax(1) == yte).float().mean().item() * 100
+    out: dict[str, Any] = {"accuracy": acc}
+    if state is not None:
+        out["stats"] = state.stats()
+        out["memory_bytes"] = state.memory_bytes()
+        state.close()
+    return out
+
+
+def _save(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _load(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}  # type: ignore[operator]
+
+
+def resume(rank: int, world: int, codec: str, options: dict[str, Any], optimizer: str, k: int = 5) -> dict[str, Any]:
+    """2k steps straight against k steps, a checkpoint (model, optimizer, codec state), a fresh model and k more."""
+    xtr, ytr, _, _ = wl.digits_split(rank, world)
+
+    def fresh() -> tuple[nn.Module, Any, Any]:
+        model = sharded_mlp(0)
+        state = sylvie_comm.fsdp.register(model, codec, **options)
+        return model, wl.OPTIMIZERS[optimizer](model.parameters()), state
+
+    model, opt, state = fresh()
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(2 * k):
+        _step(model, opt, xtr, ytr, g)
+    straight = _params(model)
+    state.close()
+
+    model, opt, state = fresh()
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(k):
+        _step(model, opt, xtr, ytr, g)
+    ckpt = _save({"model": model.state_dict(), "opt": opt.state_dict(), "codec": state.state_dict(),
+                  "rng": g.get_state()})  # fmt: skip
+    state.close()
+    model, opt, state = fresh()
+    saved = _load(ckpt)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    state.load_state_dict(saved["codec"])
+    g = torch.Generator()
+    g.set_state(saved["rng"])
+    for _ in range(k):
+        _step(model, opt, xtr, ytr, g)
+    resumed = _params(model)
+    state.close()
+    diff = max((straight[n] - resumed[n]).abs().max().item() for n in straight)
+    return {"bitwise": all(torch.equal(straight[n], resumed[n]) for n in straight), "max_diff": diff,
+            "state_names": sorted(saved["codec"]["params"]), "step": saved["codec"]["step"]}  # fmt: skip
+
+
+def errors(rank: int, world: int) -> dict[str, str]:
+    """What register says to bad input, on every rank."""
+    out: dict[str, str] = {}
+
+    def attempt(key: str, fn: Any) -> None:
+        try:
+            state = fn()
+            state.close()
+            out[key] = "no error"
+        except (ValueError, TypeError) as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
+
+    attempt("disagree", lambda: sylvie_comm.fsdp.register(sharded_mlp(), "fp16", warmup_steps=2 + rank))
+    attempt("lowrank", lambda: sylvie_comm.fsdp.register(sharded_mlp(), "acpsgd"))
+    attempt("unknown", lambda: sylvie_comm.fsdp.register(sharded_mlp(), "zip"))
+    attempt("auto_warmup", lambda: sylvie_comm.fsdp.register(sharded_mlp(), "qsgd", warmup="auto"))
+    return out
+
+
+def equal_to_fsdp(rank: int, world: int, hsdp: bool) -> dict[str, Any]:
+    """Plain FSDP2 (or its HSDP) against ours with codec ``none``, a few steps: the parameters, bit for bit."""
+    res = {}
+    for codec in (None, "none"):
+        mesh, kw = None, {}
+        if hsdp:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            full = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            mesh = full if codec is None else full["shard"]
+            kw = {"replicas": full["replicate"].get_group()}
+        xtr, ytr, _, _ = wl.digits_split(rank, world)
+        model = sharded_mlp(0, mesh)
+        state = sylvie_comm.fsdp.register(model, codec, **kw) if codec else None
+        opt = wl.OPTIMIZERS["sgd_momentum"](model.parameters())
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(4):
+            _step(model, opt, xtr, ytr, g)
+        res[codec or "fsdp"] = _params(model)
+        if state is not None:
+            res["stats"] = state.stats()
+            state.close()
+    same = all(torch.equal(res["fsdp"][n], res["none"][n]) for n in res["fsdp"])
+    return {"bitwise": same, "stats": res["stats"]}
+
+
+def rules(rank: int, world: int) -> dict[str, Any]:
+    """A YAML-style configuration with per-name rules under FSDP2: the first weight raw, the last at 8 bits."""
+    cfg = sylvie_comm.Config.from_dict({"codec": "qsgd", "options": {"bits": 2}, "rules": [
+        {"match": "0.weight", "codec": "uncompressed"}, {"match": "4.*", "options": {"bits": 8}}]})  # fmt: skip
+    xtr, ytr, _, _ = wl.digits_split(rank, world)
+    model = sharded_mlp(0)
+    state = sylvie_comm.fsdp.register(model, config=cfg)
+    opt = wl.OPTIMIZERS["sgd_momentum"](model.parameters())
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        _step(model, opt, xtr, ytr, g)
+    layouts = {s.name: (s.compress, s.options.get("bits"), s.row) for u in state.units for s in u.layout.segments}
+    out = {"layouts": layouts, "names": sorted(state.state_dict()["params"]), "stats": state.stats()}
+    state.close()
+    return out
