@@ -259,7 +259,8 @@ def register(
         replicas: HSDP: the process group of this rank's replicas (the other shard groups' ranks of the same
             shard index); FSDP's reduce-scatter stays within the shard group and the codec averages each
             rank's shard across ``replicas`` (``set_all_reduce_hook``).
-        timeout: seconds one collective may wait for the other ranks (default 600 s).
+        timeout: seconds one collective may wait for the other ranks (default 600 s; with ``replicas`` the
+            replicas' group keeps its own timeout, as its collectives run on it).
         **options: the algorithm's options (``bits``, ``error_feedback``, ``chunk_size``, ``rank``, ...) and
             ``warmup_steps``, ``min_compression_rate``, ``seed``.
 
@@ -277,7 +278,12 @@ def register(
         raise ValueError(f"{WHAT}.register: the FSDP units of {type(model).__name__} hold no parameters")
     first = units[0][1]._get_fsdp_state()._fsdp_param_groups[0]  # type: ignore[operator]
     shard_group = first.mesh_info.shard_process_group
-    transport = ProcessGroupTransport(replicas if replicas is not None else shard_group, timeout=timeout)
+    if replicas is not None:
+        # The replicas' group itself (a DeviceMesh dimension FSDP does not use with a 1-D shard mesh): a dedicated
+        # copy would be a subgroup that every rank of the world must create in one order.
+        transport = ProcessGroupTransport(replicas, dedicated=False)
+    else:
+        transport = ProcessGroupTransport(shard_group, timeout=timeout)
     built: list[_Unit] = []
 
     def build() -> Config:

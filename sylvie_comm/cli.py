@@ -1,4 +1,4 @@
-"""Command line: ``sylvie-comm demo | bench kernels | bench ddp | bench gnn | info``."""
+"""Command line: ``sylvie-comm demo | bench kernels | bench ddp | bench fsdp | bench gnn | info``."""
 
 from __future__ import annotations
 
@@ -104,6 +104,36 @@ def _bench_ddp_link(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_fsdp(args: argparse.Namespace) -> int:
+    """``bench fsdp --link``: FSDP2's reduce-scatter, its bf16 reduce and ours in one lab (sylvie_comm.bench.fsdp)."""
+    from sylvie_comm.bench import fsdp as bf
+    from sylvie_comm.bench import lab as bl
+    from sylvie_comm.bench import link as bk
+
+    if args.cleanup:
+        removed = bl.cleanup()
+        print(f"removed {len(removed)} leftover lab namespace(s)", file=sys.stderr)
+    out = Path(args.out or f"bench-results/fsdp-link-{args.link}.json")
+    try:
+        rec = bf.run(args.link, steps=args.steps, rows=args.rows, workers=args.workers, model=args.model,
+                     rounds=args.rounds, timeout=args.timeout)  # fmt: skip
+    except (ValueError, bl.LabError) as exc:
+        print(f"sylvie-comm bench fsdp: {exc}", file=sys.stderr)
+        return 1
+    print(bf.format_table(rec))
+    print(f"\nwrote {bk.save(rec, out)}")
+    return 0
+
+
+def _fsdp_rows(text: str) -> list[str]:
+    from sylvie_comm.bench import fsdp as bf
+
+    try:
+        return bf.check_rows([c.strip() for c in text.split(",") if c.strip()])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _codecs(text: str) -> list[str]:
     from sylvie_comm.bench import link as bk
 
@@ -118,7 +148,7 @@ def _bench_cleanup(args: argparse.Namespace) -> int:
     from sylvie_comm.bench import lab as bl
 
     if not args.cleanup:
-        print("sylvie-comm bench: choose a benchmark (kernels, ddp, gnn) or --cleanup", file=sys.stderr)
+        print("sylvie-comm bench: choose a benchmark (kernels, ddp, fsdp, gnn) or --cleanup", file=sys.stderr)
         return 2
     removed = bl.cleanup()
     print(f"removed {len(removed)} leftover lab namespace(s){': ' + ', '.join(removed) if removed else ''}")
@@ -338,6 +368,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: when Horovod is installed)",
     )
     d.set_defaults(func=_bench_ddp)
+
+    fs = bench_sub.add_parser("fsdp", help="FSDP2's reduce-scatter, its bf16 reduce and ours on a shaped link")
+    fs.add_argument("--link", choices=tuple(LINKS), required=True,
+                    help="the lab's link (see sylvie_comm.bench.fsdp; loopback without root)")  # fmt: skip
+    fs.add_argument("--steps", type=_positive, default=10, help="measured steps per row (default 10, after 3 warm-up)")
+    fs.add_argument("--rows", type=_fsdp_rows, default=None,
+                    help="comma-separated rows (default: fsdp2, fsdp2-bf16, none, fp16, bf16, qsgd, onebit, "
+                    "no-comm)")  # fmt: skip
+    fs.add_argument("--workers", type=_positive, default=2, help="ranks, one per namespace (default 2)")
+    fs.add_argument("--model", choices=("mlp_17m", "small"), default="mlp_17m", help="the workload (default mlp_17m)")
+    fs.add_argument("--rounds", type=_positive, default=1, help="run the rows this many times, interleaved (default 1)")
+    fs.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole run (default 1800)")
+    fs.add_argument("--out", default=None, help="the JSON record (default bench-results/fsdp-link-<link>.json)")
+    fs.set_defaults(func=_bench_fsdp)
 
     q = bench_sub.add_parser(
         "quality",

@@ -81,6 +81,7 @@ from sylvie_comm.bench.labnet import (
 )
 from sylvie_comm.bench.labproc import (
     LAUNCHERS,
+    ProgressBar,
     ProgressTicks,
     WorkerResult,
     check_launcher,
@@ -474,6 +475,7 @@ __all__ = [
     "MASTER_PORT",
     "Lab",
     "LabError",
+    "ProgressBar",
     "ProgressTicks",
     "WorkerResult",
     "check_launcher",

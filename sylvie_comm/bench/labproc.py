@@ -2,8 +2,9 @@
 
 Helpers of :class:`~sylvie_comm.bench.lab.Lab` that need no namespace: the launchers it knows
 (:data:`LAUNCHERS`), each worker's end (:class:`WorkerResult`), progress ticks and a clean exit
-for the workers themselves (:class:`ProgressTicks`, :func:`leave_worker`), horovodrun's output split
-by rank, and the process tree a launcher leaves (:func:`kill_tree`).
+for the workers themselves (:class:`ProgressTicks`, :func:`leave_worker`), the driver's bar over those ticks
+(:class:`ProgressBar`), horovodrun's output split by rank, and the process tree a launcher leaves
+(:func:`kill_tree`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import shutil
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -39,6 +41,36 @@ class ProgressTicks:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+class ProgressBar:
+    """The driver's side of :class:`ProgressTicks`: creates the progress file, and as a context manager gives
+    a ``poll()`` (for :meth:`~sylvie_comm.bench.lab.Lab.run`) that moves a tqdm bar on stderr to the ticks
+    written so far (at most ``total``); the bar goes when the block ends. ``enabled=False``: no bar."""
+
+    def __init__(self, path: str | Path, total: int, desc: str, unit: str, *, enabled: bool = True) -> None:
+        self.path = Path(path)
+        self.path.touch()
+        self.total = total
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
+
+    def poll(self) -> None:
+        if self._bar is not None:
+            done = min(self.total, self.path.stat().st_size)
+            if done > self._bar.n:
+                self._bar.update(done - self._bar.n)
+
+    def __enter__(self) -> Callable[[], None]:
+        return self.poll
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def leave_worker(code: int = 0) -> NoReturn:

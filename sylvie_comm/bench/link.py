@@ -57,7 +57,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from sylvie_comm.bench.lab import Lab, LabError, ProgressTicks, check_link, leave_worker
+from sylvie_comm.bench.lab import Lab, LabError, ProgressBar, ProgressTicks, check_link, leave_worker
 from sylvie_comm.bench.workloads import WORKLOADS, check_workload
 
 TORCH_CODECS: dict[str, str] = {
@@ -227,7 +227,13 @@ def measure_steps(model: Any, opt: Any, work: Any, gen: torch.Generator, warmup:
 
 
 def _merge(name: str, rounds: list[list[dict[str, Any]]], world: int, rank: int, batch: int) -> dict[str, Any]:
-    """One codec's figures from every round's of every rank's: a step takes as long as its slowest rank."""
+    """One codec's figures (:func:`merge_rounds`), with its label."""
+    return merge_rounds(rounds, world, batch, label(name, rank))
+
+
+def merge_rounds(rounds: list[list[dict[str, Any]]], world: int, batch: int, label: str) -> dict[str, Any]:
+    """One row's figures from every round's :func:`measure_steps` of every rank: a step takes as long as its
+    slowest rank."""
     per_round = [[max(col) for col in zip(*(p["step_s"] for p in per_rank), strict=True)] for per_rank in rounds]
     steps = [t for r in per_round for t in r]
     per_rank = [p for r in rounds for p in r]
@@ -241,7 +247,7 @@ def _merge(name: str, rounds: list[list[dict[str, Any]]], world: int, rank: int,
     auto = [p["auto"]["choices"] for p in per_rank if "auto" in p]
     return {
         **({"auto_choices": auto[0]} if auto else {}),  # every rank agrees (tested); rank 0's first round
-        "label": label(name, rank),
+        "label": label,
         "step_s": steps,
         "round_median_s": [statistics.median(r) for r in per_round],
         "median_s": med,
@@ -388,27 +394,14 @@ def run(
                "rank": rank,
                "collective_timeout": max(60.0, min(timeout, 600.0)),
                "progress": str(Path(tmp) / "progress"), "result": str(Path(tmp) / "result.json")}  # fmt: skip
-        Path(cfg["progress"]).touch()
         cfg_path = Path(tmp) / "config.json"
         cfg_path.write_text(json.dumps(cfg))
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=total, desc=f"ddp on {link}", unit="step", file=sys.stderr, leave=False)
-
-        def poll() -> None:
-            if bar is not None:
-                done = min(total, Path(cfg["progress"]).stat().st_size)
-                if done > bar.n:
-                    bar.update(done - bar.n)
-
         t0 = time.perf_counter()
         ddp_argv = [sys.executable, "-m", "sylvie_comm.bench.link", "--worker", str(cfg_path)]
         hvd_argv = [sys.executable, "-m", "sylvie_comm.bench.horovod", "--lab-worker", str(Path(tmp) / "hvd.json")]
         launch = {"torchrun": " ".join(lab.command(0, ddp_argv, "torchrun"))}
         hvd_error = None
-        try:
+        with ProgressBar(cfg["progress"], total, f"ddp on {link}", "step", enabled=progress) as poll:
             lab.run(ddp_argv, timeout=timeout, poll=poll, launcher="torchrun")
             results = json.loads(Path(cfg["result"]).read_text())
             for res in results.values():
@@ -426,9 +419,6 @@ def run(
                     if horovod is True:
                         raise
                     hvd_error = str(exc)
-        finally:
-            if bar is not None:
-                bar.close()
         wall = time.perf_counter() - t0
         lab_info = {"shaped": lab.shaped, "fallback_reason": lab.fallback_reason, "banner": lab.banner,
                     "namespaces": lab.worker_namespaces if lab.shaped else None, "launch": launch}  # fmt: skip

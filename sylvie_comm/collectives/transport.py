@@ -122,28 +122,6 @@ def _timeout_seconds(timeout: float | timedelta | None) -> float:
     return float(seconds)
 
 
-def _new_group(ranks: list[int], timeout: timedelta, backend: Any) -> Any:
-    """A new group of ``ranks``. ``dist.new_group`` is a collective of the whole world, in one order: for a
-    subgroup (the replicas of HSDP), every rank learns every rank's subgroup and creates all of them in the
-    order of first appearance, keeping its own."""
-    world = dist.get_world_size()
-    if len(ranks) == world:
-        return dist.new_group(ranks=ranks, timeout=timeout, backend=backend)
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, list(ranks))
-    mine = None
-    seen: list[list[int]] = []
-    for theirs in everyone:
-        if theirs in seen:
-            continue
-        seen.append(theirs)
-        group = dist.new_group(ranks=theirs, timeout=timeout, backend=backend)
-        if theirs == list(ranks):
-            mine = group
-    assert mine is not None  # this rank's own list is among everyone's
-    return mine
-
-
 class ProcessGroupTransport:
     """Asynchronous collectives among the ranks of a ``torch.distributed`` process group.
 
@@ -191,7 +169,7 @@ class ProcessGroupTransport:
             ranks = dist.get_process_group_ranks(parent)
             # The parent's backend (NCCL for CUDA tensors, gloo for CPU ones), whatever the default group's.
             backend = dist.get_backend(parent)
-            group = _new_group(ranks, timedelta(seconds=self.timeout), backend)
+            group = dist.new_group(ranks=ranks, timeout=timedelta(seconds=self.timeout), backend=backend)
         # Borrowed, never owned: torch.distributed's registry owns the group and drops it in
         # destroy_process_group(), on the calling thread. Future callbacks run on the group's own
         # worker threads and hold whoever issued the collective (a hook state, and through it this

@@ -1,7 +1,7 @@
 """Full-graph GraphSAGE (mean), GCN and GAT on a partition's local block.
 
 Each layer first completes its input with the halo rows (``[inner; halo]``,
-through :func:`~sylvie_comm.gnn.halo.halo_exchange`) and then aggregates over
+through :func:`~sylvie_comm.gnn.halo_pipeline.halo_exchange`) and then aggregates over
 the local block, which holds every in-edge of every inner node. GCN uses the
 global degrees stored in the partition, so its normalization equals the full
 graph's.
@@ -33,7 +33,8 @@ from torch import nn
 
 from sylvie_comm import _deps
 from sylvie_comm.gnn.graphops import GRAPH_BACKENDS, EdgeOps, edge_ops
-from sylvie_comm.gnn.halo import HaloPipeline, as_device, halo_exchange
+from sylvie_comm.gnn.halo_checks import as_device
+from sylvie_comm.gnn.halo_pipeline import HaloPipeline, halo_exchange
 from sylvie_comm.gnn.partition import Partition
 
 BACKENDS = ("auto", *sorted(GRAPH_BACKENDS))

@@ -380,3 +380,22 @@ def test_progress_ticks_write_one_dot_per_call_only_where_asked(tmp_path):
     mine.close()
     mine()  # after close: nothing, no error
     assert path.read_text() == "...."
+
+
+def test_progress_bar_creates_the_file_and_follows_the_ticks_up_to_its_total(tmp_path):
+    from sylvie_comm.bench.lab import ProgressBar, ProgressTicks
+
+    path = tmp_path / "progress"
+    bar = ProgressBar(path, 3, "test", "step")
+    assert path.read_text() == ""  # there before any worker ticks
+    ticks = ProgressTicks(str(path), True)
+    with bar as poll:
+        for _ in range(5):
+            ticks()
+            poll()
+        assert bar._bar is not None and bar._bar.n == 3  # never past the total
+    assert bar._bar is None
+    ticks.close()
+    with ProgressBar(tmp_path / "quiet", 3, "test", "step", enabled=False) as poll:
+        poll()  # no bar: nothing to move
+    assert (tmp_path / "quiet").exists()

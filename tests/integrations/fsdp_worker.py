@@ -86,13 +86,25 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.to_local().detach().clone() for n, p in model.named_parameters()}  # type: ignore[operator]
 
 
-def resume(rank: int, world: int, codec: str, options: dict[str, Any], optimizer: str, k: int = 5) -> dict[str, Any]:
+def _hsdp_mesh(world: int) -> tuple[Any, Any]:
+    """The shard dimension's mesh and the replicas' group of 2 replicas of ``world // 2`` shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    full = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    return full["shard"], full["replicate"].get_group()
+
+
+def resume(
+    rank: int, world: int, codec: str, options: dict[str, Any], optimizer: str, k: int = 5, hsdp: bool = False
+) -> dict[str, Any]:
     """2k steps straight against k steps, a checkpoint (model, optimizer, codec state), a fresh model and k more."""
     xtr, ytr, _, _ = wl.digits_split(rank, world)
+    mesh, replicas = _hsdp_mesh(world) if hsdp else (None, None)
 
     def fresh() -> tuple[nn.Module, Any, Any]:
-        model = sharded_mlp(0)
-        state = sylvie_comm.fsdp.register(model, codec, **options)
+        model = sharded_mlp(0, mesh)
+        kw = {"replicas": replicas} if hsdp else {}
+        state = sylvie_comm.fsdp.register(model, codec, **kw, **options)
         return model, wl.OPTIMIZERS[optimizer](model.parameters()), state
 
     model, opt, state = fresh()
@@ -144,8 +156,9 @@ def errors(rank: int, world: int) -> dict[str, str]:
     return out
 
 
-def equal_to_fsdp(rank: int, world: int, hsdp: bool) -> dict[str, Any]:
-    """Plain FSDP2 (or its HSDP) against ours with codec ``none``, a few steps: the parameters, bit for bit."""
+def equal_to_fsdp(rank: int, world: int, hsdp: bool, force_sum: bool = False) -> dict[str, Any]:
+    """Plain FSDP2 (or its HSDP) against ours with codec ``none``, a few steps: the parameters, bit for bit
+    (``force_sum``: FSDP asks for SUM reduce-scatters around its own pre- and post-division)."""
     res = {}
     for codec in (None, "none"):
         mesh, kw = None, {}
@@ -157,6 +170,8 @@ def equal_to_fsdp(rank: int, world: int, hsdp: bool) -> dict[str, Any]:
             kw = {"replicas": full["replicate"].get_group()}
         xtr, ytr, _, _ = wl.digits_split(rank, world)
         model = sharded_mlp(0, mesh)
+        if force_sum:
+            model.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         state = sylvie_comm.fsdp.register(model, codec, **kw) if codec else None
         opt = wl.OPTIMIZERS["sgd_momentum"](model.parameters())
         g = torch.Generator().manual_seed(rank)

@@ -29,14 +29,17 @@ def test_a_model_without_fsdp_units_is_refused() -> None:
         sylvie_comm.fsdp.register(nn.Linear(3, 3), "fp16")
 
 
-def _equal(rank: int, world: int, hsdp: bool) -> dict[str, Any]:
-    return fw.equal_to_fsdp(rank, world, hsdp)
+def _equal(rank: int, world: int, hsdp: bool, force_sum: bool) -> dict[str, Any]:
+    return fw.equal_to_fsdp(rank, world, hsdp, force_sum)
 
 
-@pytest.mark.parametrize("hsdp", [False, True], ids=["fsdp", "hsdp"])
-def test_plain_averaging_is_bit_identical_to_fsdp_own(hsdp: bool) -> None:
+@pytest.mark.parametrize(("hsdp", "force_sum"), [(False, False), (False, True), (True, False)],
+                         ids=["fsdp", "fsdp-sum", "hsdp"])  # fmt: skip
+def test_plain_averaging_is_bit_identical_to_fsdp_own(hsdp: bool, force_sum: bool) -> None:
+    """Codec ``none`` is FSDP2's own reduce-scatter, bit for bit, whether FSDP asks for AVG or (with
+    ``set_force_sum_reduction_for_comms``) SUM; with ``replicas`` it is FSDP2's own HSDP."""
     world = 4 if hsdp else 2
-    for r in run_distributed(_equal, world, hsdp, timeout=300):
+    for r in run_distributed(_equal, world, hsdp, force_sum, timeout=300):
         assert r["bitwise"]
         assert r["stats"]["bytes_sent"] == r["stats"]["bytes_uncompressed"] > 0
 
@@ -80,13 +83,15 @@ def _hsdp(rank: int, world: int) -> dict[str, Any]:
     out = {"hsdp": fw.train(rank, world, None, {}, "sgd_momentum", steps=200, hsdp=True)}
     for codec in ("acpsgd", "powersgd"):
         out[codec] = fw.train(rank, world, codec, {}, "sgd_momentum", steps=200, hsdp=True)
+    out["resume"] = fw.resume(rank, world, "acpsgd", {}, "adam", hsdp=True)
     return out
 
 
 @pytest.mark.slow
 def test_hsdp_low_rank_replica_all_reduce_trains_within_a_point() -> None:
     """4 ranks, 2 replicas of 2 shards: FSDP's own HSDP against fully_shard on the shard dimension with
-    ACP-SGD / PowerSGD averaging each rank's shard (a block of rows of each weight) across the replicas."""
+    ACP-SGD / PowerSGD averaging each rank's shard (a block of rows of each weight) across the replicas; a
+    resumed ACP-SGD run (Adam) bit-identical."""
     res = run_distributed(_hsdp, 4, timeout=1200)
     base = res[0]["hsdp"]["accuracy"]
     print(f"\nHSDP {base:.2f}%: " + ", ".join(f"{c} {res[0][c]['accuracy']:.2f}%" for c in ("acpsgd", "powersgd")))
@@ -95,6 +100,9 @@ def test_hsdp_low_rank_replica_all_reduce_trains_within_a_point() -> None:
         assert res[0][codec]["accuracy"] >= base - 1.0, (codec, res[0][codec]["accuracy"], base)
         last = res[0][codec]["stats"]["last_step"]
         assert last["bytes_sent"] * 2 < last["bytes_uncompressed"], (codec, last)
+    for r in res:  # ACP-SGD's factors and residuals of each rank's shard, checkpointed and resumed
+        assert r["resume"]["bitwise"], r["resume"]["max_diff"]
+        assert r["resume"]["state_names"] == ["0.weight", "2.weight", "4.weight"], r["resume"]["state_names"]
 
 
 def _resume(rank: int, world: int, cases: list[tuple[str, dict[str, Any], str]]) -> dict[str, Any]:

@@ -1,0 +1,339 @@
+"""The bounded-staleness pipeline of the halo exchange, and the autograd function that calls it per layer.
+
+:class:`HaloPipeline` (the bounded-staleness adaptor) runs the exchanges of a
+:class:`~sylvie_comm.gnn.halo_exchanger.HaloExchanger` on one communication
+thread and decides which epoch's data each layer uses; :func:`halo_exchange`
+returns ``[inner; halo]`` for one layer, differentiable, so the gradients of
+halo rows flow back to their owners.
+
+``state_dict()``/``load_state_dict()`` hold the exchanges still queued for later
+epochs (by value) with the exchanger's state, so a run restarted from a
+checkpoint continues bit for bit. On CUDA the communication thread runs its
+kernels on a side stream of its own, ordered by events (see
+:meth:`HaloPipeline._submit`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from sylvie_comm.collectives import SerialExecutor
+from sylvie_comm.gnn.halo_checks import check_state, cuda_aware
+from sylvie_comm.gnn.halo_exchanger import HaloExchanger
+
+# Queue names: "f<layer>" holds feature exchanges, "g<layer>" gradient exchanges.
+_QUEUE_KINDS = {"f": "features", "g": "gradients"}
+
+
+@dataclasses.dataclass
+class _Pending:
+    epoch: int
+    future: torch.futures.Future[Any]
+    sync: bool
+    applied: bool = False
+
+
+class HaloPipeline:
+    """The Bounded Staleness Adaptor.
+
+    ``staleness=0``: every exchange is synchronous. ``staleness=S >= 1``: each
+    layer launches this epoch's exchange in the background and uses halo
+    features from epoch ``t - S`` (or from the last synchronous epoch, if that
+    is newer); halo gradients sent at an asynchronous epoch ``u`` are added at
+    epoch ``u + S``, unless that epoch is synchronous and adds its own fresh
+    ones instead (every backward adds at most one set). Epoch 0 and every ``sync_every``-th epoch are
+    synchronous, so no epoch ever sees zeros or data older than S epochs. All
+    exchanges run in submission order on one thread, the same order on every
+    rank. ``stats()`` reports the staleness actually observed.
+
+    On CUDA that thread's kernels (the collective, the decoding) run on a side stream of the pipeline's own
+    (:attr:`stream`), so they overlap the layers' compute; see :meth:`_submit` for how the two are ordered.
+    """
+
+    def __init__(self, exchanger: HaloExchanger, staleness: int = 0, sync_every: int = 0) -> None:
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise ValueError(f"halo: staleness must be an integer >= 0, got {staleness!r}")
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 0:
+            raise ValueError(f"halo: sync_every must be an integer >= 0 (0: never), got {sync_every!r}")
+        self.exchanger = exchanger
+        self.staleness = staleness
+        self.sync_every = sync_every
+        self.executor = SerialExecutor("sylvie-comm-halo")
+        self.device = exchanger.device
+        # CUDA-only: the communication thread's stream, where the transport's futures are CUDA-aware (NCCL).
+        # Elsewhere (in-process, Horovod) a future completes once its copies are queued on the stream of the
+        # thread that completed it, ordered with nothing else: the exchange then stays on the caller's stream
+        # (the default stream, which all threads share unless they set another).
+        self.stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda" and cuda_aware(exchanger.transport):
+            self.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        self.epoch = -1
+        self.last_sync = 0
+        self._queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
+        self._observed: collections.Counter[int] = collections.Counter()
+        self._evaluating = False
+        # Seconds the caller waited for exchanges (exposed communication), and seconds the communication
+        # thread spent in exchanges (exposed or hidden under compute); see timings().
+        self._wait_s = 0.0
+        self._exchange_s = 0.0
+        self._time_lock = threading.Lock()
+
+    def is_sync(self, epoch: int) -> bool:
+        return self.staleness == 0 or epoch == 0 or (self.sync_every > 0 and epoch % self.sync_every == 0)
+
+    def begin_epoch(self, epoch: int) -> None:
+        if epoch <= self.epoch:
+            raise ValueError(f"halo: epochs must increase, got {epoch} after {self.epoch}")
+        self.epoch = epoch
+        if self.is_sync(epoch):
+            self.last_sync = epoch
+
+    def _submit(self, job: Callable[[], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
+        """Run an exchange job on the communication thread; on CUDA, ordered with the caller's stream by events.
+
+        The job was made after its input rows were encoded on the caller's current stream: an event recorded
+        there now marks them done, and the job's stream waits for it before the collective reads them. The
+        job's future is CUDA-aware (:meth:`SerialExecutor.submit` with a stream): it records an event on the
+        job's stream when the job returns its decoded rows, and ``wait()`` makes the consumer's current stream
+        wait for that event (and records the rows' memory as used there), so no one reads them early.
+        """
+        timed = self._timed(job)
+        if self.device.type != "cuda":
+            return self.executor.submit(timed)
+        # CUDA-only from here to the end of the method.
+        producer = torch.cuda.current_stream(self.device)
+        stream = self.stream if self.stream is not None else producer
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record(producer)
+
+        def run() -> torch.Tensor:
+            stream.wait_event(ready)  # the exchange waits for the layer's input
+            return timed()
+
+        return self.executor.submit(run, stream)  # and the consumer, through the future, for its output
+
+    def _launch(self, name: str, job: Callable[[], torch.Tensor]) -> _Pending:
+        if self.epoch < 0:
+            raise RuntimeError("halo: call begin_epoch(epoch) before the forward pass")
+        pending = _Pending(self.epoch, self._submit(job), self.is_sync(self.epoch))
+        self._queues[name].append(pending)
+        return pending
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Exchanges inside run synchronously, outside the pipeline and without error feedback."""
+        self._evaluating = True
+        try:
+            yield
+        finally:
+            self._evaluating = False
+
+    def exchange_once(self, inner: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
+        """One synchronous exchange outside the pipeline (e.g. the raw input features, once)."""
+        job = self.exchanger.features_job(inner.detach(), "once", feedback=False, precision=precision)
+        out: torch.Tensor = self._wait(self._submit(job))
+        return out
+
+    def features(self, layer: int, inner: torch.Tensor) -> torch.Tensor:
+        """Halo rows for this layer: fresh in a synchronous epoch, else from epoch max(t - S, last sync)."""
+        if self._evaluating:
+            job = self.exchanger.features_job(inner.detach(), str(layer), feedback=False)
+            fresh: torch.Tensor = self._wait(self._submit(job))
+            return fresh
+        name = f"f{layer}"
+        mine = self._launch(name, self.exchanger.features_job(inner.detach(), str(layer)))
+        if mine.sync:
+            target = mine
+        else:
+            want = max(self.epoch - self.staleness, self.last_sync)
+            queue = self._queues[name]
+            while queue[0].epoch < want:
+                self._wait(queue.popleft().future)
+            target = queue[0]
+        self._observed[self.epoch - target.epoch] += 1
+        out: torch.Tensor = self._wait(target.future)
+        self._trim(name, keep_from=max(self.epoch - self.staleness, self.last_sync))
+        return out
+
+    def gradients(self, layer: int, grad_halo: torch.Tensor) -> torch.Tensor | None:
+        """Rows to add at ``exchanger.scatter_idx``: this epoch's if synchronous, else epoch t - S's (once)."""
+        name = f"g{layer}"
+        mine = self._launch(name, self.exchanger.gradients_job(grad_halo.detach(), str(layer)))
+        if mine.sync:
+            # Applied now and never again: keep it out of the queue (it would pin its rows forever).
+            self._queues[name].pop()
+            mine.applied = True
+            return self._applied(mine)
+        queue = self._queues[name]
+        want = self.epoch - self.staleness
+        while queue and queue[0].epoch < want:
+            self._wait(queue.popleft().future)
+        if queue and queue[0].epoch == want and not queue[0].applied:
+            entry = queue.popleft()
+            entry.applied = True
+            return self._applied(entry)
+        return None
+
+    def _applied(self, entry: _Pending) -> torch.Tensor:
+        self._observed[self.epoch - entry.epoch] += 1
+        out: torch.Tensor = self._wait(entry.future)
+        return out
+
+    def _trim(self, name: str, keep_from: int) -> None:
+        queue = self._queues[name]
+        while len(queue) > 1 and queue[0].epoch < keep_from:
+            self._wait(queue.popleft().future)
+
+    def _timed(self, job: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            t0 = time.perf_counter()
+            try:
+                return job()
+            finally:
+                with self._time_lock:
+                    self._exchange_s += time.perf_counter() - t0
+
+        return run
+
+    def _wait(self, fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            return fut.wait()
+        finally:
+            self._wait_s += time.perf_counter() - t0
+
+    def timings(self) -> dict[str, float]:
+        """Cumulative seconds: ``wait_s`` the training thread waited for exchanges (communication it
+        could not hide), ``exchange_s`` the communication thread spent exchanging (hidden or not)."""
+        with self._time_lock:
+            return {"wait_s": self._wait_s, "exchange_s": self._exchange_s}
+
+    def drain(self) -> None:
+        """Wait for every exchange in flight (call before tearing the process group down)."""
+        for queue in self._queues.values():
+            for entry in queue:
+                entry.future.wait()
+            queue.clear()
+
+    def pending(self) -> int:
+        """Exchanges held in the queues (at most about ``2 (S + 1)`` per layer)."""
+        return sum(len(q) for q in self._queues.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch counters, the observed staleness, the exchanger's state and, by layer, every exchange
+        still queued for later epochs (its epoch and decoded rows). Call it between epochs.
+
+        Each queued exchange is waited for and captured by value, so the checkpoint does not depend on how far
+        the communication thread has got. Local: the peers' threads complete their half of these
+        exchanges on their own.
+        """
+        queued: dict[str, dict[int, list[dict[str, Any]]]] = {"features": {}, "gradients": {}}
+        for name, queue in sorted(self._queues.items()):
+            if queue:
+                queued[_QUEUE_KINDS[name[0]]][int(name[1:])] = [
+                    {"epoch": e.epoch, "sync": e.sync, "rows": e.future.wait().detach().clone()} for e in queue
+                ]
+        return {"staleness": self.staleness, "sync_every": self.sync_every, "epoch": self.epoch,
+                "last_sync": self.last_sync, "observed": dict(self._observed), **queued,
+                "exchanger": self.exchanger.state_dict()}  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output into a pipeline that has not run an epoch yet.
+
+        A checkpoint with another staleness, ``sync_every``, precision, world size or partition raises
+        ValueError naming the field; nothing is changed then.
+        """
+        what = "halo: HaloPipeline.load_state_dict"
+        if self.epoch != -1 or self.pending():
+            raise ValueError(f"{what}: load a checkpoint before the first epoch (this pipeline is at epoch "
+                             f"{self.epoch}); build a fresh trainer to resume")  # fmt: skip
+        keys = {"staleness", "sync_every", "epoch", "last_sync", "observed", "features", "gradients", "exchanger"}
+        state = check_state(what, state, keys)
+        for field in ("staleness", "sync_every"):
+            if state[field] != getattr(self, field):
+                raise ValueError(f"{what}: the checkpoint's '{field}' is {state[field]!r} but this run's is "
+                                 f"{getattr(self, field)!r}; resume with the configuration that wrote it")  # fmt: skip
+        epoch, last_sync = state["epoch"], state["last_sync"]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (epoch, last_sync)):
+            raise ValueError(f"{what}: 'epoch' and 'last_sync' must be integers, got {epoch!r} and {last_sync!r}")
+        if not -1 <= last_sync <= max(epoch, 0):
+            raise ValueError(f"{what}: 'last_sync' {last_sync} is not an epoch up to 'epoch' {epoch}")
+        rows_expected = {"features": self.exchanger.part.n_halo, "gradients": int(self.exchanger.scatter_idx.numel())}
+        queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
+        for prefix, kind in _QUEUE_KINDS.items():
+            if not isinstance(state[kind], Mapping) or not all(isinstance(v, list) for v in state[kind].values()):
+                raise ValueError(f"{what}: '{kind}' must map layers to lists of exchanges")
+            for layer, entries in state[kind].items():
+                for e in entries:
+                    e = check_state(f"{what}: {kind}[{layer}]", e, {"epoch", "sync", "rows"})
+                    rows = e["rows"]
+                    if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape[0] != rows_expected[kind]:
+                        got = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
+                        raise ValueError(f"{what}: {kind}[{layer}] rows must be a ({rows_expected[kind]}, F) "
+                                         f"tensor for this partition, got {got}")  # fmt: skip
+                    if not isinstance(e["epoch"], int) or not 0 <= e["epoch"] <= epoch:
+                        raise ValueError(f"{what}: {kind}[{layer}] holds epoch {e['epoch']!r}; expected 0..{epoch}")
+                    done = self._completed(rows)
+                    queues[f"{prefix}{int(layer)}"].append(_Pending(e["epoch"], done, bool(e["sync"])))
+        observed = state["observed"]
+        if not isinstance(observed, Mapping):
+            raise ValueError(f"{what}: 'observed' must map staleness to counts, got {type(observed).__name__}")
+        self.exchanger.load_state_dict(state["exchanger"])  # validates before it changes anything
+        self.epoch, self.last_sync = epoch, last_sync
+        self._queues = queues
+        self._observed = collections.Counter({int(k): int(v) for k, v in observed.items()})
+
+    def _completed(self, rows: torch.Tensor) -> torch.futures.Future[Any]:
+        """A future already holding a copy of ``rows`` on the pipeline's device (a checkpoint's queued rows)."""
+        # CUDA-only: a future holding CUDA tensors must be CUDA-aware, so its consumers' streams wait for the copy.
+        devices: list[int | str | torch.device] | None = [self.device] if self.device.type == "cuda" else None
+        done: torch.futures.Future[Any] = torch.futures.Future(devices=devices)
+        done.set_result(rows.detach().to(self.device, copy=True))
+        return done
+
+    def stats(self) -> dict[str, Any]:
+        total = sum(self._observed.values())
+        return {
+            "staleness_bound": self.staleness,
+            "observed_staleness": dict(sorted(self._observed.items())),
+            "max_observed_staleness": max(self._observed, default=0),
+            "mean_observed_staleness": sum(k * v for k, v in self._observed.items()) / total if total else 0.0,
+            "bytes_sent": dict(self.exchanger.bytes_sent),
+        }
+
+    def close(self) -> None:
+        """Wait for the exchanges in flight, then stop the communication thread (also when one failed)."""
+        try:
+            self.drain()
+        finally:
+            self.executor.close()
+
+
+class _HaloFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, inner: torch.Tensor, pipeline: HaloPipeline, layer: int) -> torch.Tensor:
+        halo = pipeline.features(layer, inner)
+        ctx.pipeline, ctx.layer, ctx.n_inner = pipeline, layer, inner.shape[0]
+        return torch.cat([inner, halo.to(inner.dtype)])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        n = ctx.n_inner
+        grad_inner = grad[:n].clone()
+        returned = ctx.pipeline.gradients(ctx.layer, grad[n:])
+        if returned is not None and returned.numel():
+            grad_inner.index_add_(0, ctx.pipeline.exchanger.scatter_idx, returned.to(grad_inner.dtype))
+        return grad_inner, None, None
+
+
+def halo_exchange(inner: torch.Tensor, pipeline: HaloPipeline, layer: int) -> torch.Tensor:
+    """``[inner; halo]`` for one layer, differentiable: gradients of halo rows flow back to their owners."""
+    return _HaloFn.apply(inner, pipeline, layer)  # type: ignore[no-any-return,no-untyped-call]
