@@ -49,6 +49,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
+from sylvie_comm.bench.choices import unique_choices
 from sylvie_comm.bench.lab import Lab, ProgressBar, ProgressTicks, check_link, leave_worker
 from sylvie_comm.bench.link import HOOK_WARMUP, LR, MOMENTUM, WARMUP, _mb, _x, machine, measure_steps, merge_rounds
 from sylvie_comm.bench.workloads import WORKLOADS
@@ -69,15 +70,7 @@ WORKERS = 2
 
 def check_rows(rows: Sequence[str]) -> list[str]:
     """``rows`` without repeats; ValueError naming the bad one and listing the valid ones otherwise."""
-    out: list[str] = []
-    for name in rows:
-        if name not in ROWS:
-            raise ValueError(f"unknown row {name!r}; valid: {', '.join(ROWS)}")
-        if name not in out:
-            out.append(name)
-    if not out:
-        raise ValueError(f"no row given; valid: {', '.join(ROWS)}")
-    return out
+    return unique_choices(rows, ROWS, "row")
 
 
 def check_model(model: str) -> str:

@@ -46,7 +46,8 @@ from typing import Any, NoReturn
 import torch
 
 from sylvie_comm.bench import gnn as bg
-from sylvie_comm.bench.lab import LINK_RATES_BPS, Lab, ProgressTicks, check_link, leave_worker
+from sylvie_comm.bench.choices import unique_choices
+from sylvie_comm.bench.lab import LINK_RATES_BPS, Lab, ProgressTicks, leave_worker
 from sylvie_comm.bench.link import NO_MATPLOTLIB, machine, pyplot, save_figure
 
 DEFAULT_LINKS = ("100mbit", "1gbit", "none")
@@ -59,14 +60,7 @@ def check_links(links: Sequence[str] | str | None) -> list[str]:
     if links is None:
         return list(DEFAULT_LINKS)
     names = [s.strip() for s in links.split(",")] if isinstance(links, str) else list(links)
-    out: list[str] = []
-    for name in names:
-        check_link(name)
-        if name not in out:
-            out.append(name)
-    if not out:
-        raise ValueError(f"no link given; valid: {', '.join(LINK_RATES_BPS)}")
-    return out
+    return unique_choices(names, list(LINK_RATES_BPS), "link")
 
 
 # ---------------------------------------------------------------------- worker side

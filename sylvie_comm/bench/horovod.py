@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sylvie_comm.bench.choices import unique_choices
 from sylvie_comm.bench.ddp import batch, mlp_17m
 
 RUNS = ("hvd fp32", "hvd fp16", "hvd+acpsgd", "ours none", "ours acpsgd", "ours powersgd", "ours onebit")
@@ -71,13 +72,7 @@ def available() -> str | None:
 
 def check_rows(rows: Sequence[str]) -> list[str]:
     """``rows`` without repeats; ValueError naming the bad one and listing :data:`LAB_ROWS` otherwise."""
-    out: list[str] = []
-    for name in rows:
-        if name not in LAB_ROWS:
-            raise ValueError(f"unknown Horovod row {name!r}; valid: {', '.join(LAB_ROWS)}")
-        if name not in out:
-            out.append(name)
-    return out
+    return unique_choices(rows, list(LAB_ROWS), "Horovod row", allow_empty=True)
 
 
 def lab_label(name: str, rank: int) -> str:

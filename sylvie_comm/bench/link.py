@@ -57,6 +57,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from sylvie_comm.bench.choices import unique_choices
 from sylvie_comm.bench.lab import Lab, LabError, ProgressBar, ProgressTicks, check_link, leave_worker
 from sylvie_comm.bench.workloads import WORKLOADS, check_workload
 
@@ -81,16 +82,7 @@ def all_codecs() -> list[str]:
 
 def check_codecs(codecs: Sequence[str]) -> list[str]:
     """``codecs`` without repeats; ValueError naming the bad one and listing the valid ones otherwise."""
-    valid = all_codecs()
-    out: list[str] = []
-    for name in codecs:
-        if name not in valid:
-            raise ValueError(f"unknown codec {name!r}; valid: {', '.join(valid)}")
-        if name not in out:
-            out.append(name)
-    if not out:
-        raise ValueError(f"no codec given; valid: {', '.join(valid)}")
-    return out
+    return unique_choices(codecs, all_codecs(), "codec")
 
 
 def check_model(model: str) -> str:
