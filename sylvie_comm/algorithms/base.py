@@ -380,7 +380,7 @@ class Algorithm:
         return []
 
     def memory_bytes(self) -> int:
-        """Bytes of tensors kept between steps (with the guard's copies of what a step changes)."""
+        """Bytes of tensors kept between steps (with the guard's copies of what a step changes, where it keeps any)."""
         return sum(t.numel() * t.element_size() for t in self.persistent_tensors()) + self.guard.memory_bytes()
 
     def state_dict(self) -> dict[str, Any]:

@@ -13,7 +13,14 @@ from sylvie_comm import kernels
 from sylvie_comm.algorithms.base import Future, Group, Member, Segment, ShardLayout, then
 from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
 from sylvie_comm.algorithms.guard import nonfinite, poison
-from sylvie_comm.algorithms.shard_rows import check_residuals, decode_rows, encode_rows, residual_shape
+from sylvie_comm.algorithms.shard_rows import (
+    StepVerdict,
+    check_residuals,
+    decode_rows,
+    encode_rows,
+    residual_shape,
+    update_residual,
+)
 from sylvie_comm.codecs import ErrorFeedback
 from sylvie_comm.codecs.onebit import OneBitCodec, RowLayout, row_layout
 from sylvie_comm.collectives import Meter, Transport
@@ -153,6 +160,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         self.server_feedback = ErrorFeedback()
         super().__init__(transport, options, seed=seed)
         self._shard_rows: dict[tuple[str, int], _ShardRows] = {}
+        self._shard_verdict = StepVerdict()
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -423,13 +431,25 @@ class OneBitAlgorithm(FeedbackAlgorithm):
             received = torch.empty_like(send)
             if plan.row_bytes:
                 self._all_to_all(received, send, meter).wait()
-            meter.timed("decode", lambda: self._shard_decode(plan, received, out))
+            bad = self._shard_verdict.add(step, meter.timed("decode", lambda: self._shard_decode(plan, received, out)))
+            # Every rank's verdict is known: the residuals change unless the step is skipped (after the decode,
+            # on this thread, so the next step's encode, which waits for this one, reads them updated).
+            meter.timed("encode", lambda: self._shard_update(plan, x, send, bad))
 
         stream = torch.cuda.current_stream(flat.device) if flat.device.type == "cuda" else None
         return self.guard.track(then(executor.submit(finish, stream), lambda _: None))
 
+    def _shard_residual(self, seg: Segment, device: torch.device) -> torch.Tensor:
+        """The segment's residual on ``device``, as ``(w, numel)`` (a zero one, kept, before its first step:
+        zeros are what a skipped first step leaves too)."""
+        res = self._residual_buffer(self.feedback, seg.name, residual_shape(seg, self.world_size), device)
+        return res.view(self.world_size, seg.numel)
+
     def _shard_encode(self, plan: _ShardRows, x: torch.Tensor) -> torch.Tensor:
-        """Row ``r`` of the result: what this rank sends rank ``r`` for shard ``r`` of ``x`` (``(w, shard)``)."""
+        """Row ``r`` of the result: what this rank sends rank ``r`` for shard ``r`` of ``x`` (``(w, shard)``).
+
+        The residuals are read, not changed (:meth:`_shard_update` does that once the step is decided): each
+        segment is compensated in a temporary of that segment alone, freed once it is encoded."""
         w = self.world_size
 
         def fill(words: torch.Tensor, bits: torch.Tensor) -> None:
@@ -441,29 +461,51 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                     sc.copy_(xs)
                     continue
                 bt = bits[:, slot.bits_at : slot.bits_at + slot.n_bytes]
-                key = (id(self.feedback), seg.name)
-                res = self._residual_buffer(self.feedback, seg.name, residual_shape(seg, w), x.device)
-                r2 = res.view(w, seg.numel)
-                if _exact_layout(lay):  # the fused kernel, in the residual's buffer, one shard at a time
-                    saved = self.guard.slot(key, res)
-                    sv = None if saved is None else saved.view(w, seg.numel)
+                res = self._shard_residual(seg, x.device)
+                if _exact_layout(lay):  # the fused kernel, one shard at a time, on a copy of the residual
+                    comp = res.clone()  # it leaves the updated residual there: :meth:`_shard_update` redoes it
                     for r in range(w):
-                        kernels.onebit_feedback_encode(r2[r], xs[r], lay.chunk, slot.norm, bt[r], sc[r],
-                                                       saved=None if sv is None else sv[r])  # fmt: skip
-                    continue
-                self.guard.save(key, res)
-                comp = r2 + xs
-                for r in range(w):
-                    packed, scales = lay.encode_units(lay.to_units(comp[r]), slot.norm)
-                    sc[r] = scales
-                    bt[r] = packed
-                    local = lay.zero_padding_(lay.decode_units(packed, scales, lay.units))
-                    torch.sub(comp[r], lay.from_units(local), out=r2[r])
+                        kernels.onebit_feedback_encode(comp[r], xs[r], lay.chunk, slot.norm, bt[r], sc[r])
+                else:
+                    comp = res + xs
+                    for r in range(w):
+                        packed, scales = lay.encode_units(lay.to_units(comp[r]), slot.norm)
+                        sc[r] = scales
+                        bt[r] = packed
+                del comp
 
         return encode_rows(w, plan.row_bytes, plan.words, x.device, fill)
 
-    def _shard_decode(self, plan: _ShardRows, received: torch.Tensor, out: torch.Tensor) -> None:
-        """The mean, in fp32 in rank order, of the ``w`` codes of this rank's shard, into ``out``."""
+    def _shard_update(
+        self, plan: _ShardRows, x: torch.Tensor, send: torch.Tensor, bad: torch.Tensor | None
+    ) -> None:  # fmt: skip
+        """Every compressed segment's residual ``+= x``, ``-=`` the decode of the codes this rank sent
+        (``send``), unless ``bad`` (the step's verdict) is set: the bits of the fused kernel's update (and of
+        ``(residual + x) - decode(encode(residual + x))``), a sign's ``±scale`` being exact."""
+        if not plan.row_bytes:
+            return
+        words, bits = send.view(torch.float32)[:, : plan.words], send[:, 4 * plan.words :]
+        for slot in plan.slots:
+            seg, lay = slot.segment, slot.layout
+            if lay is None:
+                continue
+            sc = words[:, slot.words_at : slot.words_at + slot.n_words]
+            bt = bits[:, slot.bits_at : slot.bits_at + slot.n_bytes]
+
+            def subtract(res: torch.Tensor, lay: RowLayout = lay, sc: torch.Tensor = sc, bt: torch.Tensor = bt) -> None:
+                for r in range(res.shape[0]):
+                    if _exact_layout(lay):
+                        res[r].sub_(kernels.onebit_decode(bt[r], sc[r], lay.numel, lay.chunk, torch.float32))
+                    else:
+                        local = lay.zero_padding_(lay.decode_units(bt[r], sc[r], lay.units))
+                        res[r].sub_(lay.from_units(local))
+
+            update_residual(self._shard_residual(seg, x.device), x[:, seg.offset : seg.offset + seg.numel], bad,
+                            subtract)  # fmt: skip
+
+    def _shard_decode(self, plan: _ShardRows, received: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+        """The mean, in fp32 in rank order, of the ``w`` codes of this rank's shard, into ``out``; the flag of
+        a non-finite input on some rank (None: nothing received)."""
         w = self.world_size
 
         def fill(result: torch.Tensor, words: torch.Tensor, bits: torch.Tensor) -> None:
@@ -483,4 +525,4 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                         parts[j] = lay.from_units(lay.decode_units(bt[j], sc[j], lay.units))
                 dst.copy_(mean_in_rank_order(parts))
 
-        decode_rows(self.guard, plan.shard, plan.row_bytes, plan.words, received, out, fill)
+        return decode_rows(self.guard, plan.shard, plan.row_bytes, plan.words, received, out, fill)

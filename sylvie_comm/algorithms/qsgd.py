@@ -13,7 +13,14 @@ import torch
 from sylvie_comm.algorithms.base import Future, Group, Member, Segment, ShardLayout, then
 from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
 from sylvie_comm.algorithms.guard import nonfinite, poison
-from sylvie_comm.algorithms.shard_rows import check_residuals, decode_rows, encode_rows, residual_shape
+from sylvie_comm.algorithms.shard_rows import (
+    StepVerdict,
+    check_residuals,
+    decode_rows,
+    encode_rows,
+    residual_shape,
+    update_residual,
+)
 from sylvie_comm.codecs.base import Encoded, TensorMeta
 from sylvie_comm.codecs.quant import QBitCodec
 from sylvie_comm.collectives import Meter, Transport
@@ -146,6 +153,7 @@ class QSGDAlgorithm(FeedbackAlgorithm):
         self.feedback_on: bool = self.options["error_feedback"]
         self._codecs: dict[str, QBitCodec] = {}
         self._shard_rows: dict[tuple[str, int], _ShardRow] = {}
+        self._shard_verdict = StepVerdict()
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -316,23 +324,26 @@ class QSGDAlgorithm(FeedbackAlgorithm):
             fut.set_result(None)
 
         def decode(_: Future[Any]) -> None:
-            meter.timed("decode", lambda: self._shard_decode(plan, received, out))
+            bad = self._shard_verdict.add(step, meter.timed("decode", lambda: self._shard_decode(plan, received, out)))
+            if self.feedback_on:  # every rank's verdict is known: the residuals change unless the step is skipped
+                meter.timed("encode", lambda: self._shard_update(plan, x, send, bad))
 
         return self.guard.track(then(fut, decode))
 
     def _shard_residual(self, seg: Segment, device: torch.device) -> torch.Tensor:
-        """The segment's residual, guarded for the step (a zero one, put back to zeros if skipped, at first)."""
+        """The segment's residual on ``device`` (a zero one, kept, before its first step: zeros are what a
+        skipped first step leaves too)."""
         res = self.feedback.residual(seg.name, device)
         if res is None:
             zero = torch.zeros(residual_shape(seg, self.world_size), device=device)
             res = self.feedback.update(seg.name, zero, zero)
-            self.guard.zero_on_skip(res)
-        else:
-            self.guard.save((id(self.feedback), seg.name), res)
         return res
 
     def _shard_encode(self, plan: _ShardRow, x: torch.Tensor, step: int) -> torch.Tensor:
-        """Row ``r`` of the result: what this rank sends rank ``r`` for shard ``r`` of ``x`` (``(w, shard)``)."""
+        """Row ``r`` of the result: what this rank sends rank ``r`` for shard ``r`` of ``x`` (``(w, shard)``).
+
+        The residuals are read, not changed (:meth:`_shard_update` does that once the step is decided): each
+        segment's compensated values are a temporary of that segment alone, freed once it is encoded."""
         w = self.world_size
 
         def fill(words: torch.Tensor, packed: torch.Tensor) -> None:
@@ -342,8 +353,10 @@ class QSGDAlgorithm(FeedbackAlgorithm):
                 if not seg.compress:
                     words[:, piece.raw_at : piece.raw_at + seg.numel] = xs
                     continue
-                res = self._shard_residual(seg, x.device).view(w, seg.numel) if self.feedback_on else None
-                comp = xs.to(torch.float32) if res is None else res.add_(xs)  # compensated, in the residual's buffer
+                if self.feedback_on:
+                    comp = torch.add(self._shard_residual(seg, x.device).view(w, seg.numel), xs)
+                else:
+                    comp = xs.to(torch.float32)
                 codec = self._codec(seg.name, piece.bits)
                 for b in piece.blocks:
                     codec.offset = step * w * seg.numel + w * b.at  # the step's own noise, as the all-reduce form's
@@ -352,13 +365,48 @@ class QSGDAlgorithm(FeedbackAlgorithm):
                     words[:, b.meta_at : b.meta_at + b.rows] = scale.view(w, b.rows)
                     words[:, b.meta_at + b.rows : b.meta_at + 2 * b.rows] = minimum.view(w, b.rows)
                     packed[:, b.packed_at : b.packed_at + b.packed_bytes] = values.view(w, b.packed_bytes)
-                    if res is not None:
-                        res[:, b.at : b.at + b.numel].sub_(codec.decode(enc).view(w, b.numel))
+                del comp
 
         return encode_rows(w, plan.row_bytes, plan.words, x.device, fill)
 
-    def _shard_decode(self, plan: _ShardRow, received: torch.Tensor, out: torch.Tensor) -> None:
-        """The mean, in fp32 in rank order, of the ``w`` codes of this rank's shard, into ``out``."""
+    @staticmethod
+    def _blocks_encoded(piece: _Piece, b: _Blocks, words: torch.Tensor, packed: torch.Tensor) -> Encoded:
+        """Block ``b`` of ``piece`` in every row of ``words`` / ``packed`` (one row per rank or per shard), as
+        one encoding of ``(rows * b.rows, b.cols)``."""
+        n = words.shape[0]
+        return Encoded(
+            (
+                packed[:, b.packed_at : b.packed_at + b.packed_bytes].reshape(n * b.rows, b.packed_per_row),
+                words[:, b.meta_at : b.meta_at + b.rows].reshape(-1),
+                words[:, b.meta_at + b.rows : b.meta_at + 2 * b.rows].reshape(-1),
+            ),
+            TensorMeta(torch.Size((n * b.rows, b.cols)), torch.float32, words.device),
+        )
+
+    def _shard_update(self, plan: _ShardRow, x: torch.Tensor, send: torch.Tensor, bad: torch.Tensor | None) -> None:
+        """Every segment's residual ``+= x``, ``-=`` the decode of the codes this rank sent (``send``), unless
+        ``bad`` (the step's verdict) is set: the bits of ``(residual + x) - decode(encode(residual + x))``."""
+        if not plan.row_bytes:
+            return
+        w = self.world_size
+        words, packed = send.view(torch.float32)[:, : plan.words], send[:, 4 * plan.words :]
+        for piece in plan.pieces:
+            seg = piece.segment
+            if not seg.compress:
+                continue
+            decoder = QBitCodec(bits=piece.bits)
+
+            def subtract(res: torch.Tensor, piece: _Piece = piece, decoder: QBitCodec = decoder) -> None:
+                for b in piece.blocks:
+                    own = decoder.decode(self._blocks_encoded(piece, b, words, packed))
+                    res[:, b.at : b.at + b.numel].sub_(own.view(w, b.numel))
+
+            res = self._shard_residual(seg, x.device).view(w, seg.numel)
+            update_residual(res, x[:, seg.offset : seg.offset + seg.numel], bad, subtract)
+
+    def _shard_decode(self, plan: _ShardRow, received: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+        """The mean, in fp32 in rank order, of the ``w`` codes of this rank's shard, into ``out``; the flag of
+        a non-finite input on some rank (None: nothing received)."""
         w = self.world_size
 
         def fill(result: torch.Tensor, words: torch.Tensor, packed: torch.Tensor) -> None:
@@ -370,14 +418,7 @@ class QSGDAlgorithm(FeedbackAlgorithm):
                     continue
                 decoder = QBitCodec(bits=piece.bits)
                 for b in piece.blocks:
-                    enc = Encoded(
-                        (
-                            packed[:, b.packed_at : b.packed_at + b.packed_bytes].reshape(w * b.rows, b.packed_per_row),
-                            words[:, b.meta_at : b.meta_at + b.rows].reshape(-1),
-                            words[:, b.meta_at + b.rows : b.meta_at + 2 * b.rows].reshape(-1),
-                        ),
-                        TensorMeta(torch.Size((w * b.rows, b.cols)), torch.float32, received.device),
-                    )
+                    enc = self._blocks_encoded(piece, b, words, packed)
                     dst[b.at : b.at + b.numel] = mean_in_rank_order(decoder.decode(enc).view(w, b.numel))
 
-        decode_rows(self.guard, plan.shard, plan.row_bytes, plan.words, received, out, fill)
+        return decode_rows(self.guard, plan.shard, plan.row_bytes, plan.words, received, out, fill)

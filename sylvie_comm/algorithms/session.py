@@ -157,7 +157,7 @@ class Session:
         return {**self._stats.summary(self.step if steps is None else steps), **self.algorithm.report()}
 
     def memory_bytes(self) -> int:
-        """Bytes of tensors kept between steps (residuals, factors, buffers, the guard's copies)."""
+        """Bytes of tensors kept between steps (residuals, factors, buffers, the guard's copies where it keeps any)."""
         return self.algorithm.memory_bytes()
 
     def state_dict(self, step: Any = None) -> dict[str, Any]:

@@ -3,14 +3,20 @@
 A rank sends peer ``r`` one row of bytes for shard ``r``: fp32 words (scales, raw values), then the codes.
 Every peer decides a step from what it receives, so a non-finite value bound for one peer is made visible to
 all of them: the first word of every row turns NaN when anything this rank encodes is not finite.
+
+The residuals are changed only once that decision is known, after the decode (:func:`update_residual`), so a
+skipped step leaves them as they were without a copy: these forms keep no guard copy between steps and no
+copy of a whole unit within one (the compensated values live in a temporary of one segment at a time).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 
 import torch
 
+from sylvie_comm import kernels
 from sylvie_comm.algorithms.base import Segment
 from sylvie_comm.algorithms.guard import StepGuard, nonfinite, poison
 from sylvie_comm.codecs import ErrorFeedback
@@ -53,13 +59,14 @@ def encode_rows(
 def decode_rows(
     guard: StepGuard, shard: int, row_bytes: int, words: int, received: torch.Tensor, out: torch.Tensor,
     fill: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
-) -> None:  # fmt: skip
+) -> torch.Tensor | None:  # fmt: skip
     """The rows received from every peer into ``out``: ``fill(result, words, codes)`` writes the fp32 mean of
-    this rank's shard; every peer's non-finite flag (the same on every rank) goes to the guard and to ``out``."""
+    this rank's shard; every peer's non-finite flag (the same on every rank) goes to the guard and to ``out``,
+    and is returned (None: nothing was received)."""
     direct = out.dtype == torch.float32 and out.is_contiguous()
     result = out.view(-1) if direct else torch.empty(shard, device=out.device)
     if not row_bytes:
-        return
+        return None
     head = received.view(torch.float32)[:, :words]
     bad = nonfinite(head)
     guard.report(bad)
@@ -67,6 +74,47 @@ def decode_rows(
     poison([result], bad)
     if not direct:
         out.copy_(result.view(out.shape))
+    return bad
 
 
-__all__ = ["check_residuals", "decode_rows", "encode_rows", "residual_shape"]
+class StepVerdict:
+    """Whether the reduce-scatter calls of a step so far had a non-finite input on some rank: the or of their
+    flags (0-dim bool tensors on the data's device, the same on every rank), reset by a new step number.
+
+    A call updates its residuals unless this is set, so a step that an earlier unit's NaN skips changes no
+    later unit's residual either. (A unit decoded before the NaN arrives has updated its residuals by then:
+    undoing that would take the copy these forms no longer keep.)"""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._step: int | None = None
+        self._bad: torch.Tensor | None = None
+
+    def add(self, step: int, bad: torch.Tensor | None) -> torch.Tensor | None:
+        """Or ``bad`` (None: no flag) into step ``step``'s; return the step's flag so far (None: none yet)."""
+        with self._lock:
+            if step != self._step:
+                self._step, self._bad = step, None
+            if bad is not None:
+                flag = bad.reshape(())
+                self._bad = flag.clone() if self._bad is None else self._bad | flag
+            return self._bad
+
+
+def update_residual(
+    res: torch.Tensor, x: torch.Tensor, bad: torch.Tensor | None, subtract: Callable[[torch.Tensor], None]
+) -> None:
+    """``res += x``, then ``subtract(res)`` (which takes the decode of this rank's own codes off it): the
+    residual's update, in the same fp32 operations as compensating, encoding and updating in one go. Where
+    ``bad`` (a 0-dim bool tensor) is set ``res`` stays as it is: the update goes to a temporary of ``res``'s
+    size that replaces it only where ``bad`` is false (read on the device: no host synchronisation)."""
+    if bad is None:
+        res.add_(x)
+        subtract(res)
+        return
+    new = torch.add(res, x)
+    subtract(new)
+    kernels.copy_if(res, new, ~bad)
+
+
+__all__ = ["StepVerdict", "check_residuals", "decode_rows", "encode_rows", "residual_shape", "update_residual"]

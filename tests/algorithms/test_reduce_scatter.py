@@ -421,7 +421,7 @@ def test_error_feedback_keeps_what_was_not_sent(world, name, options, layout, sh
         torch.testing.assert_close(sent, total, rtol=0, atol=1e-4)
         res = {n: tuple(e["residual"].shape) for n, e in r["state"].items()}
         assert res == {s.name: (world * s.numel // s.row, s.row) for s in lay.segments if s.compress}
-        assert r["memory"] == 2 * 4 * world * sum(s.numel for s in lay.segments if s.compress)  # + the guard's copy
+        assert r["memory"] == 4 * world * sum(s.numel for s in lay.segments if s.compress)  # the residuals alone
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -592,8 +592,8 @@ def test_a_nonfinite_input_on_one_rank_skips_the_step_on_every_rank(world, name,
 
 @pytest.mark.parametrize("name,options", [("qsgd", {}), ("qsgd", {"error_feedback": False}), ("onebit", {})])
 def test_the_compressed_forms_keep_their_state_on_the_inputs_device(name, options):
-    """Two steps on ``meta`` through a layout with an uncompressed segment: output, residuals and the guard's
-    copies all on ``meta`` (a buffer made on the CPU would fail to mix with them)."""
+    """Two steps on ``meta`` through a layout with an uncompressed segment: output, residuals and every
+    temporary on ``meta`` (a buffer made on the CPU would fail to mix with them); no guard copy is kept."""
     layout = LAYOUT if name == "qsgd" else ONEBIT_LAYOUT
     shard = UNIT if name == "qsgd" else ONEBIT_UNIT
 
@@ -610,7 +610,7 @@ def test_the_compressed_forms_keep_their_state_on_the_inputs_device(name, option
     for out, state, memory in run_local(2, body):
         assert out.device.type == "meta" and all(t.device.type == "meta" for t in state)
         compressed = sum(s.numel for s in layout.segments if s.compress)
-        assert len(state) == (0 if options else 3) and memory == (0 if options else 2 * 4 * 2 * compressed)
+        assert len(state) == (0 if options else 3) and memory == (0 if options else 4 * 2 * compressed)
 
 
 @pytest.mark.parametrize("name", ["qsgd", "onebit"])
@@ -653,3 +653,192 @@ def test_qsgd_error_feedback_is_an_option_of_both_forms():
     for off, off_memory, on, on_memory in run_local(2, body):
         assert off == {} and off_memory == 0
         assert tuple(on["w"]["residual"].shape) == (6, 10) and on_memory > 0
+
+
+# ------------------------------------------------- the residual's update, once the step is decided, without a copy
+
+
+# Every rank's outputs of each step (None: skipped) and its residuals after them, by name, as (w, numel).
+Reference = tuple[list[list[torch.Tensor] | None], list[dict[str, torch.Tensor]]]
+
+
+def qsgd_blocks(seg: Segment) -> list[tuple[int, int, int]]:
+    """``(at, rows, cols)`` of each scale block of a segment's slice (its rows; 2048-blocks of a vector's)."""
+    if seg.row > 1:
+        return [(0, seg.numel // seg.row, seg.row)]
+    full, rest = divmod(seg.numel, BLOCK)
+    return ([(0, full, BLOCK)] if full else []) + ([(full * BLOCK, 1, rest)] if rest else [])
+
+
+def qsgd_reference(world: int, steps: Any, options: dict[str, Any], layout: ShardLayout, shard: int,
+                   data: Data, seed: int = 0) -> Reference:  # fmt: skip
+    """Every rank's outputs (None for a skipped step) and residuals, by the formula the reduce-scatter form
+    always had: ``residual = (residual + x) - decode(encode(residual + x))`` per block, in one go, with the
+    noise of each name's stream (the agreed seed, the name, the rank) at ``step * w * numel + w * at``; a step
+    with a non-finite input on some rank leaves every residual as it was."""
+    import zlib
+
+    from sylvie_comm.codecs.quant import QBitCodec
+
+    compressed = [s for s in layout.segments if s.compress]
+    res = [{s.name: torch.zeros(world, s.numel) for s in compressed} for _ in range(world)]
+    outs: list[list[torch.Tensor] | None] = []
+    for step in steps:
+        xs = [data(r, step, world, shard).view(world, shard) for r in range(world)]
+        good = all(bool(torch.isfinite(x).all()) for x in xs)
+        decoded: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
+        for r, x in enumerate(xs):
+            for seg in compressed:
+                stream = (seed * 1_000_003 + zlib.crc32(seg.name.encode()) * 131 + r) % 2**31
+                codec = QBitCodec(bits=seg.options.get("bits", options.get("bits", 4)), seed=stream)
+                comp = res[r][seg.name] + x[:, seg.offset : seg.offset + seg.numel]
+                new, dec = comp.clone(), torch.empty(world, seg.numel)
+                for at, rows, cols in qsgd_blocks(seg):
+                    codec.offset = step * world * seg.numel + world * at
+                    enc = codec.encode(comp[:, at : at + rows * cols].reshape(world * rows, cols))
+                    dec[:, at : at + rows * cols] = codec.decode(enc).view(world, rows * cols)
+                    new[:, at : at + rows * cols] -= dec[:, at : at + rows * cols]
+                decoded[r][seg.name] = dec
+                if good:
+                    res[r][seg.name] = new
+        outs.append(reference_outs(world, layout, shard, xs, decoded) if good else None)
+    return outs, res
+
+
+def onebit_reference(world: int, steps: Any, options: dict[str, Any], layout: ShardLayout, shard: int,
+                     data: Data) -> Reference:  # fmt: skip
+    """As :func:`qsgd_reference` for onebit: an exact layout through the fused kernel, which updates the
+    residual in place as it encodes (what the form did), the others by the plain formula."""
+    from sylvie_comm import kernels
+
+    compressed = [s for s in layout.segments if s.compress]
+    res = [{s.name: torch.zeros(world, s.numel) for s in compressed} for _ in range(world)]
+    outs: list[list[torch.Tensor] | None] = []
+    for step in steps:
+        xs = [data(r, step, world, shard).view(world, shard) for r in range(world)]
+        good = all(bool(torch.isfinite(x).all()) for x in xs)
+        decoded: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
+        for r, x in enumerate(xs):
+            for seg in compressed:
+                opts = {"chunk_size": 2048, "scale": "norm", **options, **seg.options}
+                lay = row_layout((seg.numel // seg.row, seg.row) if seg.row > 1 else (seg.numel,), opts["chunk_size"])
+                norm, xseg = opts["scale"] == "norm", x[:, seg.offset : seg.offset + seg.numel]
+                dec = torch.empty(world, seg.numel)
+                if lay.units and lay.span == lay.width and lay.last == lay.span:
+                    new = res[r][seg.name].clone()
+                    for k in range(world):
+                        packed = torch.empty(lay.units * lay.width // 8, dtype=torch.uint8)
+                        scales = torch.empty(lay.units * lay.nchunks)
+                        kernels.onebit_feedback_encode(new[k], xseg[k], lay.chunk, norm, packed, scales)
+                        dec[k] = kernels.onebit_decode(packed, scales, seg.numel, lay.chunk, torch.float32)
+                else:
+                    comp = res[r][seg.name] + xseg
+                    new = torch.empty(world, seg.numel)
+                    for k in range(world):
+                        packed, scales = lay.encode_units(lay.to_units(comp[k]), norm)
+                        local = lay.zero_padding_(lay.decode_units(packed, scales, lay.units))
+                        new[k] = comp[k] - lay.from_units(local)
+                        dec[k] = lay.from_units(lay.decode_units(packed, scales, lay.units))
+                decoded[r][seg.name] = dec
+                if good:
+                    res[r][seg.name] = new
+        outs.append(reference_outs(world, layout, shard, xs, decoded) if good else None)
+    return outs, res
+
+
+def reference_outs(world: int, layout: ShardLayout, shard: int, xs: list[torch.Tensor],
+                   decoded: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:  # fmt: skip
+    """Each rank's shard: the rank-order fp32 mean of every rank's decode (of its raw values where uncompressed)."""
+    outs = []
+    for k in range(world):
+        out = torch.empty(shard)
+        for seg in layout.segments:
+            at = slice(seg.offset, seg.offset + seg.numel)
+            parts = [decoded[j][seg.name][k] if seg.compress else xs[j][k, at].float() for j in range(world)]
+            out[at] = rank_order_mean(parts)
+        outs.append(out)
+    return outs
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same fp32 words (``torch.equal`` would take -0.0 for 0.0)."""
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,options,layout,shard", [
+    ("qsgd", {}, LAYOUT, UNIT),  # per-row bits, a raw segment, 2048-blocks and a rest
+    ("qsgd", {"bits": 2}, None, SHARD),
+    ("onebit", {}, ONEBIT_LAYOUT, ONEBIT_UNIT),  # exact layouts (the fused kernel's) and a padded one
+    ("onebit", {"scale": "mean"}, None, 2 * BLOCK),  # an exact layout
+    ("onebit", {}, None, SHARD),  # a padded one
+])  # fmt: skip
+def test_the_residual_updated_after_the_decode_has_the_bits_of_the_one_pass_formula(world, dtype, name, options,
+                                                                                     layout, shard):  # fmt: skip
+    """Six steps, the fourth with a NaN on rank 1: outputs and residuals bit for bit those of the formula the
+    form had, which updated the residual as it encoded (and restored a copy of it on a skip), qsgd's noise
+    included; the skipped step's output not finite. The form now changes the residual only after the decode."""
+    lay = layout or default_layout(shard)
+    nan = with_nonfinite(lay.segments[-1].offset + 7, float("nan"), bad_step=3)
+
+    def data(rank: int, step: int, w: int, n: int) -> torch.Tensor:
+        return nan(rank, step, w, n).to(dtype)
+
+    steps = range(6)
+    got = run_rs(name, world, steps, options=options, layout=layout, shard=shard, data=data)
+    reference = qsgd_reference if name == "qsgd" else onebit_reference
+    outs, residuals = reference(world, steps, options, lay, shard, data)
+    for k, r in enumerate(got):
+        for t in steps:
+            expected = outs[t]
+            if expected is None:
+                assert not torch.isfinite(r["outs"][t]).all() and r["report"]["skipped_nonfinite"] == 1
+            else:
+                assert bits_equal(r["outs"][t], expected[k]), (k, t)
+        assert r["state"].keys() == residuals[k].keys()
+        for n, e in r["state"].items():
+            assert bits_equal(e["residual"].view(world, -1), residuals[k][n]), (k, n)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name,layout,shard", [
+    ("qsgd", LAYOUT, UNIT), ("qsgd", None, 2**16), ("onebit", ONEBIT_LAYOUT, ONEBIT_UNIT), ("onebit", None, 2**16),
+])  # fmt: skip
+def test_the_compressed_forms_keep_the_residuals_and_no_copy_of_them(world, name, layout, shard):
+    """Four steps, the third skipped (a NaN on rank 1): ``memory_bytes()`` is exactly the bytes of the residuals,
+    each rank's slice of every compressed segment in every shard, fp32 (``4 * w * numel``): no guard copy."""
+    lay = layout or default_layout(shard)
+    data = with_nonfinite(lay.segments[-1].offset + 7, float("inf"), bad_step=2)
+    compressed = sum(s.numel for s in lay.segments if s.compress)
+    for r in run_rs(name, world, range(4), layout=layout, shard=shard, data=data):
+        assert r["report"]["skipped_nonfinite"] == 1
+        held = sum(e["residual"].numel() * e["residual"].element_size() for e in r["state"].values())
+        assert held == 4 * world * compressed
+        assert r["memory"] == held
+
+
+@pytest.mark.parametrize("name", ["qsgd", "onebit"])
+def test_a_nonfinite_unit_skips_the_later_units_of_its_step_too(name):
+    """Two units per step, the first with a NaN on rank 1 at step 1: the second unit's residual is left as it
+    was that step too (the verdict is the step's so far), and the next step runs as one that never had it."""
+    shard = 2 * BLOCK
+    units = [ShardLayout(u, (Segment(f"{u}.w", 0, shard),)) for u in ("u1", "u2")]
+
+    def body(tr: Any) -> list[dict[str, torch.Tensor]]:
+        alg, states = make_algorithm(name, tr, {}), []
+        for step in range(3):
+            for i, layout in enumerate(units):
+                flat = grad(tr.rank, 10 * step + i, 2, shard)
+                if (tr.rank, step, i) == (1, 1, 0):
+                    flat[5] = float("nan")
+                alg.reduce_scatter(flat, torch.empty(shard), step, None, layout).wait()
+            states.append({n: e["residual"].clone() for n, e in alg.state_dict().items()})
+        assert alg.report()["skipped_nonfinite"] == 1
+        alg.close()
+        return states
+
+    for states in run_local(2, body):
+        for n in ("u1.w", "u2.w"):
+            assert bits_equal(states[1][n], states[0][n]), n
+            assert not bits_equal(states[2][n], states[1][n]), n
