@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from sylvie_comm.bench.choices import unique_choices
-from sylvie_comm.bench.lab import Lab, ProgressBar, ProgressTicks, check_link, leave_worker
+from sylvie_comm.bench.lab import Lab, ProgressBar, check_link, leave_worker, start_worker
 from sylvie_comm.bench.link import HOOK_WARMUP, LR, MOMENTUM, WARMUP, _mb, _x, machine, measure_steps, merge_rounds
 from sylvie_comm.bench.workloads import WORKLOADS
 from sylvie_comm.collectives import wire_bytes
@@ -226,11 +226,7 @@ def worker_main(config_path: str) -> NoReturn:
     """One worker of one row (fresh processes per row); rank 0 writes every rank's figures."""
     import torch.distributed as dist
 
-    cfg = json.loads(Path(config_path).read_text())
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg["collective_timeout"]))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    progress = ProgressTicks(cfg["progress"], rank == 0)
+    cfg, rank, world, progress = start_worker(config_path)
     try:
         start = _rss_mib()
         mine = {**_run_row(cfg["row"], cfg, rank, progress), "rss_start_mib": start}

@@ -39,15 +39,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
-
 from sylvie_comm.bench import gnn as bg
 from sylvie_comm.bench.choices import unique_choices
-from sylvie_comm.bench.lab import LINK_RATES_BPS, Lab, ProgressTicks, leave_worker
+from sylvie_comm.bench.lab import LINK_RATES_BPS, Lab, leave_worker, start_worker
 from sylvie_comm.bench.link import NO_MATPLOTLIB, machine, pyplot, save_figure
 
 DEFAULT_LINKS = ("100mbit", "1gbit", "none")
@@ -70,11 +67,7 @@ def worker_main(config_path: str) -> NoReturn:
     """One worker: every setting in turn on one process group; rank 0 writes every rank's figures; exit 0."""
     import torch.distributed as dist
 
-    cfg = json.loads(Path(config_path).read_text())
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg["collective_timeout"]))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    progress = ProgressTicks(cfg["progress"], rank == 0)
+    cfg, rank, world, progress = start_worker(config_path)
 
     try:
         results: dict[str, list[Any]] = {}

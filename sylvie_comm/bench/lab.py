@@ -90,6 +90,7 @@ from sylvie_comm.bench.labproc import (
     kill_tree,
     leave_worker,
     split_horovod_output,
+    start_worker,
     tail,
 )
 
@@ -488,6 +489,7 @@ __all__ = [
     "main",
     "namespaces",
     "split_horovod_output",
+    "start_worker",
     "unavailable_reason",
 ]
 

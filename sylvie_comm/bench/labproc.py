@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 LAUNCHERS = ("plain", "torchrun", "horovodrun")
 _HVD_LINE = re.compile(r"^\[(\d+)\]<(?:stdout|stderr)>:(.*)$")
@@ -86,6 +86,22 @@ def leave_worker(code: int = 0) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def start_worker(config_path: str) -> tuple[dict[str, Any], int, int, ProgressTicks]:
+    """A lab worker's start: its JSON configuration, one thread, the gloo group (with the configuration's
+    ``collective_timeout``); ``(config, rank, world, progress)``, the ticks shown by rank 0."""
+    import json
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    cfg = json.loads(Path(config_path).read_text())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg["collective_timeout"]))
+    rank = dist.get_rank()
+    return cfg, rank, dist.get_world_size(), ProgressTicks(cfg["progress"], rank == 0)
 
 
 @dataclass

@@ -51,14 +51,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
 from sylvie_comm.bench.choices import unique_choices
-from sylvie_comm.bench.lab import Lab, LabError, ProgressBar, ProgressTicks, check_link, leave_worker
+from sylvie_comm.bench.lab import Lab, LabError, ProgressBar, check_link, leave_worker, start_worker
 from sylvie_comm.bench.workloads import WORKLOADS, check_workload
 
 TORCH_CODECS: dict[str, str] = {
@@ -260,11 +259,7 @@ def worker_main(config_path: str) -> NoReturn:
     """One worker: every codec in turn on one process group; rank 0 writes the merged record."""
     import torch.distributed as dist
 
-    cfg = json.loads(Path(config_path).read_text())
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=cfg["collective_timeout"]))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    progress = ProgressTicks(cfg["progress"], rank == 0)
+    cfg, rank, world, progress = start_worker(config_path)
 
     try:
         # Rounds interleave the codecs (a b c a b c): a burst of load elsewhere on the machine
