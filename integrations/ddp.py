@@ -217,8 +217,25 @@ class HookState:
         self.session.close()
 
 
+_PYTHON_REDUCER = (
+    "DDP's Python reducer (torch._dynamo.config.optimize_ddp = 'python_reducer', used with compiled autograd) "
+    "calls a communication hook once per parameter as hook(state, (grad, param)) and ignores what it returns, so "
+    "a bucket hook would not average anything; expected the default optimize_ddp (DDPOptimizer, which keeps "
+    "DDP's C++ reducer and its buckets under torch.compile): set torch._dynamo.config.optimize_ddp = True before "
+    "building DistributedDataParallel, and leave compiled autograd off for the backward pass"
+)
+
+
+def check_reducer(ddp_model: nn.Module) -> None:
+    """Fail where DDP would not hand the hook its buckets: a model built under the Python reducer."""
+    if getattr(ddp_model, "_use_python_reducer", False):
+        raise RuntimeError(f"sylvie_comm.ddp: this DistributedDataParallel model was built with {_PYTHON_REDUCER}")
+
+
 def hook(state: HookState, bucket: GradBucket) -> Future[torch.Tensor]:
     """The DDP communication hook of every sylvie_comm algorithm."""
+    if isinstance(bucket, tuple):  # the Python reducer's (grad, param): it would drop our average
+        raise RuntimeError(f"sylvie_comm.ddp[{state.name}]: the hook was called by {_PYTHON_REDUCER}")
     return state.communicate(bucket)
 
 
@@ -240,6 +257,8 @@ def make_state(
     **options: Any,
 ) -> HookState:
     """Build the state of a hook (a collective call: every rank must make it)."""
+    if model is not None:
+        check_reducer(model)  # before the first collective: every rank's model was built the same way
     transport = ProcessGroupTransport(process_group, timeout=timeout)  # a collective: every rank gets here
     module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     named = list(module.named_parameters()) if module is not None else None
@@ -315,4 +334,4 @@ def register(
     return state
 
 
-__all__ = ["HOOKS", "Config", "HookState", "hook", "make_hook", "make_state", "register"]
+__all__ = ["HOOKS", "Config", "HookState", "check_reducer", "hook", "make_hook", "make_state", "register"]

@@ -27,6 +27,9 @@ if [ "$(cat "$VENV/.deps-stamp" 2>/dev/null)" != "$deps_stamp" ]; then
     "pytest>=8" "hypothesis>=6.100" "scikit-learn>=1.3" "ruff>=0.6" "mypy>=1.10" "pybind11>=2.11" ninja "matplotlib>=3.7"
   # GNN extras: DGL 2.1.0 (imported with graphbolt stubbed on this torch), METIS, OGB loaders.
   python -m pip install --quiet "dgl==2.1.0" "torchdata<0.10" packaging pandas pydantic "pymetis>=2023.1" "ogb==1.3.6"
+  # Framework adapters (Lightning, Accelerate, PyG) and the documentation site, pinned as in the dev extras.
+  python -m pip install --quiet "lightning==2.6.6" "accelerate==1.16.0" "torch_geometric==2.8.1" \
+    "mkdocs==1.6.1" "mkdocs-material==9.8.2" "mkdocstrings==1.0.8" "mkdocstrings-python==2.0.11"
   echo "$deps_stamp" > "$VENV/.deps-stamp"
 fi
 

@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parts-dir", default=None, help="where rank 0 writes the partitions (default: a temp dir)")
     p.add_argument("--backend", default="auto", choices=["auto", "dgl", "torch"])
     p.add_argument("--grad-hook", default=None, help="a sylvie_comm.ddp hook for the weight gradients")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (the halo exchanges stay eager)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json-out", default=None, help="rank 0 writes its results here")
     p.add_argument("--no-progress", action="store_true")
@@ -97,7 +98,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         model=args.model, hidden=args.hidden, layers=args.layers, dropout=args.dropout, lr=args.lr,
         forward=precision(args.bits_fwd), backward=precision(args.bits_bwd), meta_dtype=args.meta_dtype,
         error_feedback=args.error_feedback, staleness=args.staleness, sync_every=args.sync_every,
-        backend=args.backend, grad_hook=args.grad_hook, seed=args.seed,
+        backend=args.backend, grad_hook=args.grad_hook, seed=args.seed, compile=args.compile,
     )  # fmt: skip
     trainer = Trainer(part, config, transport=transport)
     try:

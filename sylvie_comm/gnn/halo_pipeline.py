@@ -334,6 +334,9 @@ class _HaloFn(torch.autograd.Function):
         return grad_inner, None, None
 
 
+# Opaque to torch.compile: the exchange talks to other ranks through threads and queues, which Dynamo cannot
+# trace; a compiled model breaks its graph here and runs the exchange (and its backward) eagerly.
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def halo_exchange(inner: torch.Tensor, pipeline: HaloPipeline, layer: int) -> torch.Tensor:
     """``[inner; halo]`` for one layer, differentiable: gradients of halo rows flow back to their owners."""
     return _HaloFn.apply(inner, pipeline, layer)  # type: ignore[no-any-return,no-untyped-call]

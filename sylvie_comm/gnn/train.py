@@ -84,6 +84,7 @@ class TrainConfig:
     precompute_first: bool = True  # aggregate the fixed input features once (fp32): no first-layer exchange
     # (GAT: its attention depends on the weights, so it keeps the input's halo rows, exchanged once)
     seed: int = 0
+    compile: bool = False  # torch.compile the model (its dense parts; halo exchanges stay eager): same losses
 
     def validated(self) -> TrainConfig:
         return dataclasses.replace(self, forward=parse_precision(self.forward), backward=parse_precision(self.backward))
@@ -244,6 +245,8 @@ class Trainer:
             # Plain fp32 all-reduce: buckets of GRAD_BUCKET_MB, so the last layers' gradients are summed while
             # the first layers' are still computed (a hook keeps DDP's default buckets, which it was written for).
             bucket_mb = GRAD_BUCKET_MB if cfg.grad_hook is None else None  # None: DDP's default
+            if cfg.compile:  # DDPOptimizer splits the graph at buckets no smaller than DDP's first (1 MiB)
+                bucket_mb = None
             device_ids = [self.device] if self.device.type == "cuda" else None  # CUDA: the model's one device
             self.net = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=device_ids, process_group=process_group, bucket_cap_mb=bucket_mb
@@ -255,6 +258,9 @@ class Trainer:
         elif self.world > 1 and transport is not None:
             # Any other transport (Horovod, in-process): the algorithm averages the gradients after backward.
             self.averager = self.hook_state = GradientAverage(self.model, transport.fork(), cfg.grad_hook or "none")
+        if cfg.compile:
+            # Around DDP, as DDPOptimizer expects: the graph splits at DDP's buckets, the C++ reducer stays.
+            self.net = torch.compile(self.net)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         host_masks = {k: part.ndata[k] for k in ("train_mask", "val_mask", "test_mask") if k in part.ndata}
         self.masks: dict[str, torch.Tensor] = {k: m.to(self.device) for k, m in host_masks.items()}

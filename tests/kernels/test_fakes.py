@@ -98,3 +98,16 @@ def test_fake_tensor_mode_gives_the_real_shapes(name: str) -> None:
     flat_real = [real] if isinstance(real, torch.Tensor) else list(real or ())
     flat_fake = [fake] if isinstance(fake, torch.Tensor) else list(fake or ())
     assert [(t.shape, t.dtype) for t in flat_fake] == [(t.shape, t.dtype) for t in flat_real]
+
+
+@pytest.mark.parametrize("name", ["onebit_encode", "qbit_encode", "pack_bits"])
+def test_the_op_compiles_in_one_graph(name: str) -> None:
+    """``torch.compile(fullgraph=True)`` traces the op through its fake (no graph break) and runs the kernel."""
+    args = CASES[name]()
+    op = getattr(OPS, name)
+    compiled = torch.compile(lambda *a: op(*a), fullgraph=True, backend="aot_eager")
+    got, want = compiled(*args), op(*args)
+    flat_got = [got] if isinstance(got, torch.Tensor) else list(got)
+    flat_want = [want] if isinstance(want, torch.Tensor) else list(want)
+    for a, b in zip(flat_got, flat_want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
