@@ -65,8 +65,13 @@ def ddp_compressed_adamw(
 
     Args:
         ddp_model: the ``DistributedDataParallel`` model.
-        lr, betas, eps, weight_decay, codec, **kwargs: as :class:`~sylvie_comm.optim.CompressedAdamW`
-            (``warmup`` or ``total_steps`` among them).
+        lr: as :class:`~sylvie_comm.optim.CompressedAdamW` (default 1e-3).
+        betas: as :class:`~sylvie_comm.optim.CompressedAdamW` (default (0.9, 0.999)).
+        eps: as :class:`~sylvie_comm.optim.CompressedAdamW` (default 1e-8).
+        weight_decay: as :class:`~sylvie_comm.optim.CompressedAdamW` (default 0.01).
+        codec: the algorithm that averages the momentum (default ``onebit``).
+        **kwargs: the other arguments of :class:`~sylvie_comm.optim.CompressedAdamW` (``warmup`` or
+            ``total_steps`` among them).
         timeout: seconds (or a ``timedelta``) a collective may wait for the other ranks.
     """
     if not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
@@ -101,7 +106,13 @@ def horovod_compressed_adamw(
 
     Args:
         model: the model, or its ``named_parameters()``.
-        lr, betas, eps, weight_decay, codec, **kwargs: as :class:`~sylvie_comm.optim.CompressedAdamW`.
+        lr: as :class:`~sylvie_comm.optim.CompressedAdamW` (default 1e-3).
+        betas: as :class:`~sylvie_comm.optim.CompressedAdamW` (default (0.9, 0.999)).
+        eps: as :class:`~sylvie_comm.optim.CompressedAdamW` (default 1e-8).
+        weight_decay: as :class:`~sylvie_comm.optim.CompressedAdamW` (default 0.01).
+        codec: the algorithm that averages the momentum (default ``onebit``).
+        **kwargs: the other arguments of :class:`~sylvie_comm.optim.CompressedAdamW` (``warmup`` or
+            ``total_steps`` among them).
     """
     named = list(model.named_parameters()) if isinstance(model, nn.Module) else list(model)
     transport = HorovodTransport()  # every rank creates its transports in the same order

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite: the data sets, lint, types, CUDA sources compile (where nvcc exists), pytest.
+# The test suite: the data sets, lint, types, the docs, CUDA sources compile (where nvcc exists), pytest.
 # Usage: scripts/test.sh [pytest options]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
@@ -21,5 +21,13 @@ ruff check .
 ruff format --check .
 echo "== mypy"
 mypy sylvie_comm integrations
+echo "== docs"
+# The documentation site (mkdocs.yml), warnings as errors, built into a temporary folder outside the checkout.
+docs_site="$(mktemp -d)"
+if ! NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$docs_site"; then
+  rm -rf "$docs_site"
+  exit 1
+fi
+rm -rf "$docs_site"
 echo "== pytest"
 exec python -m pytest "$@"

@@ -28,8 +28,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # sylvie_comm.ddp and .fsdp import torch.distributed machinery: load them on first use only.
-    if name in ("ddp", "fsdp"):
+    # sylvie_comm.ddp and .fsdp import torch.distributed machinery, .lightning and .accelerate their framework:
+    # load them on first use only (the last two need their extra installed).
+    if name in ("ddp", "fsdp", "lightning", "accelerate"):
         import importlib
 
         return importlib.import_module(f"sylvie_comm.{name}")

@@ -28,7 +28,8 @@ class ACPSGDAlgorithm(LowRankAlgorithm):
 
     Each step projects on the subspace found the step before, so it keeps less
     of the gradient than PowerSGD at the same rank: with Adam, or plain SGD at a
-    large learning rate, rank 8 is safer than the default 4 (see the README).
+    large learning rate, rank 8 is safer than rank 4, and the default ``rank: auto`` gives each matrix a rank
+    from its shape (see the codec guide, ``docs/guide/codecs.md``).
     """
 
     name = "acpsgd"

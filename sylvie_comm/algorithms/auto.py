@@ -48,8 +48,8 @@ class AutoAlgorithm(Algorithm):
 
     Args (options):
         candidates: algorithm names to choose among (default ``none, fp16, qsgd``: the ones that keep plain
-            averaging's model quality on the real workloads of ``sylvie-comm bench quality``, see the README's
-            "Model quality on real data"; pass ``acpsgd``, ``powersgd`` or ``onebit`` to let it pick those);
+            averaging's model quality on the real workloads of ``sylvie-comm bench quality``, see
+            ``docs/benchmarks/quality.md``; pass ``acpsgd``, ``powersgd`` or ``onebit`` to let it pick those);
             ``none`` is added when missing.
         probe_steps: steps each candidate runs per group before the choice (default 2; the minimum of
             its timings counts).

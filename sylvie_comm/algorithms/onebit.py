@@ -145,7 +145,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         scale: ``norm`` (the RMS ``||x|| / sqrt(n)`` of each chunk, default, as 1-bit Adam) or ``mean`` (the
             mean absolute value: the best one-shot reconstruction, but in the error-feedback loop it sends
             less than each row's energy and the residual carries the rest; on a Fashion-MNIST CNN at SGD
-            momentum 0.9 it ended 16.8 points below ``norm``, see the README's model quality section).
+            momentum 0.9 it ended 16.8 points below ``norm``, see ``docs/benchmarks/quality.md``).
         A per-name rule may set either.
     """
 

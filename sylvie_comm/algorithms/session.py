@@ -74,8 +74,9 @@ class Session:
         config: the merged configuration.
         transport: the algorithm's transport.
         kind: what the integration calls an algorithm in the message for an unknown name (``hook``, ``codec``).
-        world_size, rank: the run's, where they differ from the transport's (a transport of one rank whose
+        world_size: the run's, where it differs from the transport's (a transport of one rank whose
             all-reduce a framework performs outside).
+        rank: the run's, where it differs from the transport's (likewise).
         objects: the object all-gather the ranks agree through, where the transport cannot (default: it).
     """
 

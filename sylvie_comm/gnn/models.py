@@ -97,7 +97,8 @@ class LocalGraph:
     def exchange(self, layer: int, h_inner: torch.Tensor) -> torch.Tensor:
         if self.pipeline is None:
             return h_inner
-        return halo_exchange(h_inner, self.pipeline, layer)
+        out: torch.Tensor = halo_exchange(h_inner, self.pipeline, layer)  # compiler-disabled: typed Any
+        return out
 
     def sum_neighbors(self, h_src: torch.Tensor, backend: str = "torch") -> torch.Tensor:
         """Sum of ``h_src`` (rows ``[inner; halo]``) over the in-neighbours of every inner node.
@@ -188,7 +189,8 @@ class GATLayer(nn.Module):
     ``[inner; halo]`` themselves, exchanged once exactly.
 
     Args:
-        in_dim, out_dim: feature widths (``out_dim`` divisible by ``heads`` unless ``last``).
+        in_dim: input feature width.
+        out_dim: output feature width (divisible by ``heads`` unless ``last``).
         backend: ``"torch"`` or ``"dgl"``.
         last: average the heads instead of concatenating them (the output layer).
         heads: attention heads (default 4).
@@ -251,7 +253,9 @@ class FullGraphGNN(nn.Module):
 
     Args:
         model: a name in :data:`LAYERS` (``"sage"``, ``"gcn"`` or ``"gat"``).
-        in_dim, hidden, out_dim: feature widths.
+        in_dim: input feature width.
+        hidden: hidden feature width.
+        out_dim: output feature width (the number of classes).
         num_layers: layers (>= 1); every layer exchanges halo rows.
         dropout: between layers.
         backend: ``"auto"`` (DGL when it imports), ``"dgl"`` or ``"torch"``.

@@ -115,7 +115,53 @@ def partition_inputs(
             "seed": seed}  # fmt: skip
 
 
+# A torch_geometric Data's node data -> ours (the trainer reads 'feat' and 'label').
+PYG_NODE_DATA = {"x": "feat", "y": "label", "train_mask": "train_mask", "val_mask": "val_mask",
+                 "test_mask": "test_mask"}  # fmt: skip
+
+
+def _is_pyg_data(graph: Any) -> bool:
+    """A torch_geometric ``Data`` or ``HeteroData``, known by its class (PyG is not imported here)."""
+    return any(c.__module__.startswith("torch_geometric.data") and c.__name__ in ("Data", "HeteroData")
+               for c in type(graph).__mro__)  # fmt: skip
+
+
+def _pyg_graph(data: Any) -> tuple[torch.Tensor, torch.Tensor, int, dict[str, torch.Tensor]]:
+    """Edges ``edge_index[0] -> edge_index[1]`` and node data (:data:`PYG_NODE_DATA`) of a PyG ``Data``."""
+    expected = "expected a torch_geometric.data.Data with edge_index, x (node features) and y (node labels)"
+    if not any(c.__name__ == "Data" for c in type(data).__mro__):
+        raise TypeError(f"partition: got a {type(data).__name__} (a heterogeneous graph); {expected}")
+    for key in ("edge_index", "x", "y"):
+        if getattr(data, key, None) is None:
+            raise ValueError(f"partition: the Data has no '{key}'; {expected}")
+    edge_index = data.edge_index
+    if not isinstance(edge_index, torch.Tensor):
+        raise TypeError(f"partition: the Data's edge_index is a {type(edge_index).__name__}; expected a (2, E) "
+                        "integer tensor")  # fmt: skip
+    edge_index = edge_index.as_subclass(torch.Tensor)  # an EdgeIndex is a tensor of its own class
+    if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+        raise ValueError(f"partition: the Data's edge_index has shape {tuple(edge_index.shape)}; expected (2, E)")
+    if edge_index.dtype.is_floating_point or edge_index.dtype == torch.bool:
+        raise TypeError(f"partition: the Data's edge_index is {edge_index.dtype}; expected integers")
+    n = int(data.num_nodes)
+    ndata = {}
+    for key, name in PYG_NODE_DATA.items():
+        value = getattr(data, key, None)
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != n:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"partition: the Data's '{key}' has shape {got}; expected one row per node ({n}, ...)")
+        ndata[name] = value
+    return edge_index[0].long(), edge_index[1].long(), n, ndata
+
+
 def _edges_of(graph: Any, num_nodes: int | None) -> tuple[torch.Tensor, torch.Tensor, int, dict[str, torch.Tensor]]:
+    if _is_pyg_data(graph):
+        src, dst, n, ndata = _pyg_graph(graph)
+        if num_nodes is not None and num_nodes != n:
+            raise ValueError(f"partition: num_nodes={num_nodes} but the Data has {n} nodes; leave num_nodes out")
+        return src, dst, n, ndata
     if isinstance(graph, tuple) and len(graph) == 2:
         src, dst = graph
         if not (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)):
@@ -132,7 +178,8 @@ def _edges_of(graph: Any, num_nodes: int | None) -> tuple[torch.Tensor, torch.Te
         src, dst = graph.edges()
         ndata = {k: v for k, v in graph.ndata.items() if isinstance(v, torch.Tensor)}
         return src.long(), dst.long(), int(graph.num_nodes()), ndata
-    raise TypeError(f"partition: expected (src, dst) edge tensors or a DGLGraph, got {type(graph).__name__}")
+    raise TypeError(f"partition: expected (src, dst) edge tensors, a DGLGraph or a torch_geometric Data, got "
+                    f"{type(graph).__name__}")  # fmt: skip
 
 
 def partition(
@@ -147,8 +194,10 @@ def partition(
     """Split a graph into ``num_parts`` partitions, one per rank.
 
     Args:
-        graph: a DGLGraph (its ``ndata`` is carried along) or ``(src, dst)``
-            integer edge tensors (edge ``src -> dst``: ``dst`` aggregates ``src``).
+        graph: a DGLGraph (its ``ndata`` is carried along), a ``torch_geometric.data.Data`` (edges
+            ``edge_index[0] -> edge_index[1]``; ``x``, ``y`` and the masks carried along as ``feat``,
+            ``label``, ``train_mask``, ``val_mask``, ``test_mask``; ``x`` and ``y`` required) or
+            ``(src, dst)`` integer edge tensors (edge ``src -> dst``: ``dst`` aggregates ``src``).
         num_parts: partitions (ranks), 1 <= num_parts <= number of nodes.
         method: ``"metis"`` (pymetis, seeded), ``"bfs"`` (plain torch, seeded:
             see :func:`assign_bfs`), ``"random"`` (balanced), or an explicit
@@ -256,8 +305,9 @@ def shared_partition(
     :class:`~sylvie_comm.collectives.Transport`: a process group's, Horovod's), or
     of the default process group when none is given and one is initialized;
     ``rank`` must be the process's rank there. Rank 0 builds the graph with ``make_graph()``
-    (a :class:`~sylvie_comm.gnn.data.GraphData`, or anything with ``src``,
-    ``dst``, ``num_nodes`` and ``ndata``; no other rank calls it), computes
+    (a :class:`~sylvie_comm.gnn.data.GraphData`, anything with ``src``,
+    ``dst``, ``num_nodes`` and ``ndata``, or a ``torch_geometric.data.Data`` as
+    :func:`partition` takes it; no other rank calls it), computes
     :func:`partition_inputs` and compares them with those recorded in
     ``folder`` (:func:`recorded_inputs`: only a complete folder, every part file
     of its recorded size and SHA-256, records any). Equal: the folder is reused
@@ -270,7 +320,8 @@ def shared_partition(
 
     Args:
         make_graph: builds the graph (rank 0 only).
-        rank, num_parts: this process's part and the number of parts (= ranks).
+        rank: this process's part.
+        num_parts: the number of parts (= ranks).
         folder: where the parts live between runs.
         method: ``"metis"``, ``"bfs"`` or ``"random"``.
         seed: the partitioner's seed (see :func:`partition`).
@@ -286,12 +337,13 @@ def shared_partition(
     if rank == 0:
         try:
             g = make_graph()
-            inputs = partition_inputs(g.src, g.dst, g.num_nodes, g.ndata, method, num_parts, seed)
+            src, dst, n, ndata = _pyg_graph(g) if _is_pyg_data(g) else (g.src, g.dst, g.num_nodes, g.ndata)
+            inputs = partition_inputs(src, dst, n, ndata, method, num_parts, seed)
             if recorded_inputs(folder) != inputs:
-                parts = partition((g.src, g.dst), num_parts, method, num_nodes=g.num_nodes, ndata=g.ndata, seed=seed)
+                parts = partition((src, dst), num_parts, method, num_nodes=n, ndata=ndata, seed=seed)
                 save_partitions(parts, folder, inputs)
                 del parts
-            del g
+            del g, src, dst, ndata
         except Exception as exc:  # tell the other ranks instead of leaving them waiting
             failure = exc
     if gather is not None:

@@ -26,9 +26,9 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -161,6 +161,11 @@ class Trainer:
         device: where to train (see :func:`resolve_device`); default ``cuda:LOCAL_RANK`` when CUDA is
             available and the group's backend is NCCL, else the CPU. On CUDA the trainer makes it the
             current device. Every rank must train on the same kind of device.
+        model: instead of the configuration's layers, a PyG model (a ``torch.nn.Module`` whose
+            ``forward(x, edge_index)`` calls ``SAGEConv``/``GCNConv``/``GATConv``) or a zero-argument factory
+            building one (called under the seeded lock, as our layers are made): see
+            :mod:`sylvie_comm.integrations.pyg`. ``config.model``, ``hidden``, ``layers``, ``dropout`` and
+            ``backend`` then do not apply; ``precompute_first`` exchanges the input's halo rows once.
     """
 
     def __init__(
@@ -170,6 +175,7 @@ class Trainer:
         process_group: dist.ProcessGroup | None = None,
         transport: Transport | None = None,
         device: torch.device | str | None = None,
+        model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
     ) -> None:
         self.part = part
         self.process_group = process_group
@@ -231,13 +237,19 @@ class Trainer:
         if cfg.precompute_first:
             # The input never changes: exchange its halo rows once, exactly, and aggregate once.
             halo_x = self.pipeline.exchange_once(self.x) if self.pipeline is not None else self.x[:0]
-            self.first_aggregate = self.graph.first_aggregate(cfg.model, torch.cat([self.x, halo_x]))
+            x_full = torch.cat([self.x, halo_x])  # a PyG model's convs take these rows themselves
+            self.first_aggregate = x_full if model is not None else self.graph.first_aggregate(cfg.model, x_full)
         num_classes = self._all_reduce_max(int(labels.max()) + 1 if labels.numel() else 0)  # host labels
-        with _SEEDED_INIT:  # identical initial weights on every rank (made on the CPU, on any device)
-            torch.manual_seed(cfg.seed)
-            model = FullGraphGNN(cfg.model, self.x.shape[1], cfg.hidden, num_classes, cfg.layers, cfg.dropout,
-                                 cfg.backend)  # fmt: skip
-        self.model = model.to(self.device)
+        if model is not None:  # a PyG model: built (a factory, under the lock), checked and agreed on there
+            from sylvie_comm.integrations.pyg import bind
+
+            built: torch.nn.Module = bind(model, self.graph, self.transport, seed=cfg.seed, lock=_SEEDED_INIT)
+        else:
+            with _SEEDED_INIT:  # identical initial weights on every rank (made on the CPU, on any device)
+                torch.manual_seed(cfg.seed)
+                built = FullGraphGNN(cfg.model, self.x.shape[1], cfg.hidden, num_classes, cfg.layers, cfg.dropout,
+                                     cfg.backend)  # fmt: skip
+        self.model = built.to(self.device)
         self.net: torch.nn.Module = self.model
         self.hook_state: Any = None
         self.averager: GradientAverage | None = None
@@ -260,7 +272,7 @@ class Trainer:
             self.averager = self.hook_state = GradientAverage(self.model, transport.fork(), cfg.grad_hook or "none")
         if cfg.compile:
             # Around DDP, as DDPOptimizer expects: the graph splits at DDP's buckets, the C++ reducer stays.
-            self.net = torch.compile(self.net)
+            self.net = cast(torch.nn.Module, torch.compile(self.net))
         self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         host_masks = {k: part.ndata[k] for k in ("train_mask", "val_mask", "test_mask") if k in part.ndata}
         self.masks: dict[str, torch.Tensor] = {k: m.to(self.device) for k, m in host_masks.items()}

@@ -129,8 +129,10 @@ class CompressedAdamW(torch.optim.Optimizer):
     Args:
         params: parameters or parameter groups, as for torch.optim.AdamW; ``(name, parameter)`` pairs
             (``model.named_parameters()``) name the compression state, else ``param.<k>`` by position.
-        lr, betas, eps, weight_decay: as torch.optim.AdamW (defaults 1e-3, (0.9, 0.999), 1e-8, 0.01);
-            ``lr`` may change between steps (schedulers).
+        lr: as torch.optim.AdamW (default 1e-3); it may change between steps (schedulers).
+        betas: as torch.optim.AdamW (default (0.9, 0.999)).
+        eps: as torch.optim.AdamW (default 1e-8).
+        weight_decay: as torch.optim.AdamW, decoupled (default 0.01).
         denom_floor: after the freeze, each tensor's denominator ``sqrt(v / bc2) + eps`` is at least this
             fraction of its mean (default 0.1; 0 turns the floor off): coordinates whose gradient was (nearly)
             zero throughout the warm-up would otherwise step by up to ``lr / eps`` per unit of momentum for good.

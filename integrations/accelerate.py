@@ -1,0 +1,254 @@
+"""Hugging Face Accelerate: a sylvie_comm hook on the DDP model ``accelerator.prepare`` returns, and its state
+in ``accelerator.save_state`` / ``load_state``.
+
+Three lines, after ``prepare``::
+
+    import sylvie_comm.accelerate
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    state = sylvie_comm.accelerate.register(accelerator, model, "acpsgd", rank=4)
+
+which is ``sylvie_comm.ddp.register(model, ...)`` plus
+``accelerator.register_for_checkpointing(PerRankState(state))``, after checking that the accelerator does not
+register a hook of its own.
+
+Two traps of Accelerate 1.16 this module works around:
+
+- ``DistributedDataParallelKwargs(comm_hook=...)`` looks the hook up in a table of its own enum
+  (``DDPCommunicationHookType``: fp16, bf16, PowerSGD) and registers nothing for any other value, a function or a
+  string included, without a word; our hook is registered on the prepared model instead, and :func:`register`
+  refuses a handler whose hook would be dropped or would take DDP's one hook slot.
+- ``save_state`` calls every registered object's ``state_dict()`` on every process but writes the result from
+  the main process only (``checkpointing.save_custom_state`` -> ``utils.save``), and ``load_state`` hands that one
+  file to every process. The hook's state is per rank (error-feedback residuals differ between ranks), so
+  :class:`PerRankState` gathers every rank's state in its ``state_dict()`` (a collective: ``save_state`` runs on
+  every process) and each rank restores its own in ``load_state_dict()``.
+
+:class:`PerRankState` serves any per-rank state (``HookState``, ``FSDPState``) and any checkpointer that writes
+from one process; the Lightning strategies (:mod:`sylvie_comm.integrations.lightning`) use its format too.
+Accelerate itself is never imported here: the accelerator is read through its attributes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sylvie_comm.config import Config
+from sylvie_comm.integrations.ddp import HookState
+from sylvie_comm.integrations.ddp import register as ddp_register
+
+WHAT = "sylvie_comm.accelerate"
+FORMAT = "sylvie_comm.per_rank/1"  # every rank's state, by rank, in one object
+
+
+class RankState(Protocol):
+    """What :class:`PerRankState` wraps: one rank's checkpointable state (``HookState``, ``FSDPState``)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+def _to_cpu(obj: Any) -> Any:
+    # Gathered objects are pickled: a CUDA tensor would be rebuilt on its rank's device in the main process.
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, Mapping):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def gather_states(state: Mapping[str, Any], *, everywhere: bool = False) -> dict[str, Any]:
+    """Every rank's ``state`` on rank 0 of the default group (on every rank with ``everywhere``): a collective.
+
+    Returns ``{"format", "world_size", "ranks"}`` where ``ranks[r]`` is rank ``r``'s state, tensors on the CPU;
+    ``ranks`` is None on the ranks that receive nothing (their copy is not meant to be written).
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{WHAT}: torch.distributed is not initialized; the per-rank states cannot be gathered")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = _to_cpu(state)
+    ranks: list[Any] | None
+    if everywhere:
+        ranks = [None] * world
+        dist.all_gather_object(ranks, local)
+    else:
+        ranks = [None] * world if rank == 0 else None
+        dist.gather_object(local, ranks, dst=0)
+    return {"format": FORMAT, "world_size": world, "ranks": ranks}
+
+
+def own_state(blob: Any, rank: int, world_size: int, what: str = WHAT, fix: str = "") -> Any:
+    """Rank ``rank``'s state out of :func:`gather_states`' ``blob``; a ValueError says why it does not fit.
+
+    ``fix`` is appended to the world-size message: how the caller's framework starts the state afresh.
+    """
+    if not isinstance(blob, Mapping) or blob.get("format") != FORMAT:
+        got = f"a mapping of {sorted(map(str, blob))[:8]}" if isinstance(blob, Mapping) else type(blob).__name__
+        raise ValueError(
+            f"{what}: expected every rank's compression state (format {FORMAT!r}, from PerRankState.state_dict()), "
+            f"got {got}; a single rank's state_dict() loads through that state's own load_state_dict()"
+        )
+    ranks, saved = blob.get("ranks"), blob.get("world_size")
+    if ranks is None:
+        raise ValueError(
+            f"{what}: this copy of the compression state was made on a rank that received no other rank's state "
+            "(only rank 0 gathers them); load the copy rank 0 wrote, or gather with everywhere=True"
+        )
+    if not isinstance(ranks, list) or saved != len(ranks):
+        raise ValueError(f"{what}: malformed per-rank state: world_size {saved!r} with {type(ranks).__name__} ranks")
+    if saved != world_size:
+        raise ValueError(
+            f"{what}: the checkpoint holds the compression state of {saved} ranks and this run has {world_size}; "
+            "each rank resumes its own state (error-feedback residuals differ between ranks), so resume with "
+            f"{saved} processes{fix}"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"{what}: rank {rank} is outside the world of {world_size}")
+    return ranks[rank]
+
+
+class PerRankState:
+    """Every rank's compression state as one checkpointable object, for checkpointers that write from one
+    process (``accelerator.register_for_checkpointing``).
+
+    Args:
+        state: this rank's state: a ``HookState`` (``sylvie_comm.ddp.register``), an ``FSDPState``, or any object
+            with ``state_dict()`` and ``load_state_dict()``.
+        everywhere: gather onto every rank instead of rank 0 only (a checkpointer that writes on the main process
+            of each node, ``ProjectConfiguration(save_on_each_node=True)``); costs every rank the memory of all.
+        on_world_change: ``"error"`` (default): loading a checkpoint of another world size raises;
+            ``"fresh"``: it warns and keeps this rank's state as it is (the compression state starts afresh,
+            the rest of the checkpoint resumes).
+
+    ``state_dict()`` and ``load_state_dict()`` are collectives over the default process group: call them on
+    every rank (``save_state`` and ``load_state`` do).
+
+    Example::
+
+        state = sylvie_comm.ddp.register(model, "acpsgd", rank=4)
+        accelerator.register_for_checkpointing(sylvie_comm.accelerate.PerRankState(state))
+    """
+
+    def __init__(self, state: RankState, *, everywhere: bool = False, on_world_change: str = "error") -> None:
+        if not callable(getattr(state, "state_dict", None)) or not callable(getattr(state, "load_state_dict", None)):
+            raise TypeError(f"{WHAT}.PerRankState: expected a state with state_dict() and load_state_dict(), "
+                            f"got {type(state).__name__}")  # fmt: skip
+        if on_world_change not in ("error", "fresh"):
+            raise ValueError(
+                f"{WHAT}.PerRankState: on_world_change must be 'error' or 'fresh', got {on_world_change!r}"
+            )
+        self.state = state
+        self.everywhere = everywhere
+        self.on_world_change = on_world_change
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's ``state.state_dict()`` (a collective); complete on rank 0 (every rank with ``everywhere``)."""
+        return gather_states(self.state.state_dict(), everywhere=self.everywhere)
+
+    def load_state_dict(self, blob: Mapping[str, Any]) -> None:
+        """Restore this rank's own state out of every rank's (a collective, as ``state.load_state_dict`` is)."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if self.on_world_change == "fresh" and isinstance(blob, Mapping) and blob.get("world_size") != world:
+            warnings.warn(
+                f"{WHAT}: the checkpoint holds the compression state of {blob.get('world_size')} ranks and this run "
+                f"has {world}; the compression state starts afresh (on_world_change='fresh')",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        self.state.load_state_dict(own_state(blob, rank, world, f"{WHAT}.PerRankState"))
+
+
+def _hook_types() -> Any:
+    from accelerate.utils import DDPCommunicationHookType
+
+    return DDPCommunicationHookType
+
+
+def check_accelerator(accelerator: Any) -> None:
+    """Fail where the accelerator's DDP handler would drop a hook silently or register one of its own.
+
+    ``DistributedDataParallelKwargs(comm_hook=...)`` registers only its enum's hooks (fp16, bf16, PowerSGD) and
+    ignores anything else; DDP takes one communication hook, so an enum hook leaves no room for ours.
+    """
+    handler = getattr(accelerator, "ddp_handler", None)
+    if handler is None:
+        return
+    kinds = _hook_types()
+    for field in ("comm_hook", "comm_wrapper"):
+        value = getattr(handler, field, kinds.NO)
+        if not isinstance(value, kinds):
+            raise ValueError(
+                f"{WHAT}: DistributedDataParallelKwargs({field}={value!r}) is not a DDPCommunicationHookType, and "
+                f"Accelerate drops such a {field} without registering anything; leave {field} at its default and "
+                "register sylvie_comm's hook on the prepared model (sylvie_comm.accelerate.register)"
+            )
+        if value is not kinds.NO:
+            raise ValueError(
+                f"{WHAT}: DistributedDataParallelKwargs({field}={value}) makes Accelerate register its own "
+                f"communication hook, and DDP takes one per model; leave {field} at DDPCommunicationHookType.NO"
+            )
+
+
+def register(
+    accelerator: Any,
+    model: nn.Module,
+    codec: str | None = None,
+    *,
+    config: Config | None = None,
+    timeout: float | timedelta | None = None,
+    **options: Any,
+) -> HookState:
+    """Register a sylvie_comm hook on a model prepared by ``accelerator.prepare`` and checkpoint its state with the
+    accelerator's (a collective call: every process makes it, after ``prepare``).
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` that prepared ``model``.
+        model: the model ``prepare`` returned (a ``DistributedDataParallel`` under a multi-process launch).
+        codec: the hook's name, as for ``sylvie_comm.ddp.register`` (default ``acpsgd``).
+        config: a :class:`~sylvie_comm.config.Config` instead of keywords.
+        timeout: seconds one of the hook's collectives may wait for the other ranks.
+        **options: hook options, as for ``sylvie_comm.ddp.register``.
+
+    Returns the hook's ``HookState`` (``stats()``, ``close()``); ``accelerator.save_state`` saves every rank's
+    state in one file (:class:`PerRankState`) and ``load_state`` gives each rank its own back.
+
+    Example::
+
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+        state = sylvie_comm.accelerate.register(accelerator, model, "acpsgd", rank=4)
+    """
+    check_accelerator(accelerator)
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        kind, procs = getattr(accelerator, "distributed_type", "unknown"), getattr(accelerator, "num_processes", 0)
+        why = (
+            "; only one process runs, and `accelerate launch --cpu --num_processes N` starts one, not N: launch "
+            "with `--multi_gpu --num_processes N` and Accelerator(cpu=True), or with torchrun"
+            if procs == 1
+            else "; pass the model prepare() returned, not the one given to it"
+        )
+        raise TypeError(
+            f"{WHAT}.register: expected the DistributedDataParallel model accelerator.prepare() returns, got "
+            f"{type(model).__name__} (distributed type {kind}, {procs} process(es)){why}"
+        )
+    config_ = getattr(accelerator, "project_configuration", None)
+    everywhere = bool(getattr(config_, "save_on_each_node", False))
+    state = ddp_register(model, codec, config=config, timeout=timeout, **options)
+    try:
+        accelerator.register_for_checkpointing(PerRankState(state, everywhere=everywhere))
+    except BaseException:
+        state.close()
+        raise
+    return state
+
+
+__all__ = ["FORMAT", "PerRankState", "check_accelerator", "gather_states", "own_state", "register"]
