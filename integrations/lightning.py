@@ -125,6 +125,22 @@ class _CompressionCheckpoint:
         local = self._sylvie_state.state_dict() if live else self._sylvie_saved
         checkpoint[KEY] = gather_states(local)
 
+    # The strategy methods, ahead of Lightning's in the MRO. DDP loads a checkpoint before setup() (the hook does
+    # not exist yet: configure_ddp() restores it); ModelParallelStrategy after setup() (restore_checkpoint_after_setup).
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)  # type: ignore[misc]
+        self._sylvie_pending = checkpoint.get(KEY, _ABSENT)
+        if self._sylvie_state is not None and self._sylvie_saved is None:
+            self._sylvie_resume()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        self._sylvie_add(checkpoint)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
+
+    def teardown(self) -> None:
+        self._sylvie_close()
+        super().teardown()  # type: ignore[misc]
+
     def _sylvie_close(self) -> None:
         state = self._sylvie_state
         if state is not None and self._sylvie_saved is None:
@@ -195,21 +211,6 @@ class CompressedDDPStrategy(_CompressionCheckpoint, DDPStrategy):
         state = ddp.register(self.model, config=self._sylvie_config, timeout=self._sylvie_timeout)
         self._sylvie_attach(state, self._sylvie_trainer)
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
-        # Called on every rank before setup(): the hook does not exist yet; configure_ddp() restores it.
-        self._sylvie_pending = checkpoint.get(KEY, _ABSENT)
-        if self._sylvie_state is not None and self._sylvie_saved is None:
-            self._sylvie_resume()
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        self._sylvie_add(checkpoint)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    def teardown(self) -> None:
-        self._sylvie_close()
-        super().teardown()
-
 
 class CompressedModelParallelStrategy(_CompressionCheckpoint, ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` (FSDP2: ``fully_shard`` in ``LightningModule.configure_model``) with
@@ -266,21 +267,6 @@ class CompressedModelParallelStrategy(_CompressionCheckpoint, ModelParallelStrat
             assert self.model is not None  # set by connect(); ModelParallelStrategy.setup asserts it too
             state = fsdp.register(self.model, config=self._sylvie_config, timeout=self._sylvie_timeout)
             self._sylvie_attach(state, trainer)
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
-        # Called on every rank after setup() (restore_checkpoint_after_setup): the reduce-scatter exists.
-        self._sylvie_pending = checkpoint.get(KEY, _ABSENT)
-        if self._sylvie_state is not None and self._sylvie_saved is None:
-            self._sylvie_resume()
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        self._sylvie_add(checkpoint)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    def teardown(self) -> None:
-        self._sylvie_close()
-        super().teardown()
 
 
 class CommHookCheck(pl.Callback):
