@@ -30,4 +30,12 @@ if ! NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$docs_site"
 fi
 rm -rf "$docs_site"
 echo "== pytest"
-exec python -m pytest "$@"
+# Tests run in several pytest processes (pytest-xdist), up to 4, one per core: many tests spend part of their
+# time waiting on their peers' messages or on a launcher, so a second process keeps a small machine's cores busy.
+# SYLVIE_COMM_TEST_WORKERS sets how many; 0 runs every test in this process (pytest's own -n, given after, wins).
+cores="$(nproc 2>/dev/null || echo 1)"
+workers="${SYLVIE_COMM_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
+case "$workers" in
+  ''|*[!0-9]*) echo "test: SYLVIE_COMM_TEST_WORKERS must be a whole number of processes, got '$workers'" >&2; exit 2 ;;
+esac
+exec python -m pytest -n "$workers" --dist worksteal "$@"

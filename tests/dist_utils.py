@@ -1,7 +1,14 @@
-"""Run a function on several processes joined by a gloo process group, with a timeout."""
+"""Run a function on several processes joined by a gloo process group, with a timeout.
+
+The workers start from a fork server that has imported torch and sylvie_comm once (``forkserver``): a spawned
+worker imports them again, about two seconds a process on a small machine, and the suite starts hundreds of
+workers. Each worker still gets the caller's environment and working directory as they are at the call, and
+unpickles its function as a spawned one would. ``start="spawn"`` gives a fresh interpreter instead.
+"""
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import queue as queue_mod
@@ -22,9 +29,33 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# What the fork server imports before it forks any worker: nothing here starts a thread at import.
+PRELOAD = ("torch", "torch.distributed", "numpy", "sylvie_comm", "tests.dist_utils")
+STARTS = ("forkserver", "spawn")
+
+
+def _context(start: str) -> Any:
+    if start not in STARTS:
+        raise ValueError(f"start must be one of {STARTS}, got {start!r}")
+    ctx = mp.get_context(start)
+    if start == "forkserver":
+        ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts, once per test session
+    return ctx
+
+
 def _worker(
-    fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple[Any, ...], backend: str = "gloo"
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    queue: Any,
+    args: tuple[Any, ...],
+    backend: str,
+    env: dict[str, str],
 ) -> None:
+    # The fork server's environment is the one of its start; the worker takes the caller's of now.
+    os.environ.clear()
+    os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
@@ -41,14 +72,20 @@ def _worker(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # A forked worker leaves through os._exit, which skips the atexit handlers a spawned one runs at
+        # its exit (sylvie_comm's among them): run them here, as that exit would, in both cases.
+        atexit._run_exitfuncs()
 
 
-def _start(fn: Callable[..., Any], world: int, args: tuple[Any, ...], backend: str = "gloo") -> tuple[Any, list[Any]]:
-    """Spawn ``world`` workers joined on a free port; return the queue they report on and the processes."""
-    ctx = mp.get_context("spawn")
+def _start(
+    fn: Callable[..., Any], world: int, args: tuple[Any, ...], backend: str = "gloo", start: str = "forkserver"
+) -> tuple[Any, list[Any]]:
+    """Start ``world`` workers joined on a free port; return the queue they report on and the processes."""
+    ctx = _context(start)
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, queue, args, backend), daemon=True)
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, queue, args, backend, env), daemon=True)
              for r in range(world)]  # fmt: skip
     for p in procs:
         p.start()
@@ -61,14 +98,19 @@ def _raise_errors(errors: dict[int, str]) -> None:
 
 
 def run_distributed(
-    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 180.0, backend: str = "gloo"
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 180.0,
+    backend: str = "gloo",
+    start: str = "forkserver",
 ) -> list[Any]:
     """``fn(rank, world, *args)`` on ``world`` processes joined by ``backend``; returns the results by rank.
 
     A worker that raises fails the caller with its traceback; workers that do not
     finish within ``timeout`` seconds are killed and the caller fails (no hang).
     """
-    queue, procs = _start(fn, world, args, backend)
+    queue, procs = _start(fn, world, args, backend, start)
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout

@@ -253,58 +253,60 @@ def test_invalid_options_raise_at_registration():
 
 FEEDBACK_HOOKS = ("onebit", "sign", "topk", "acpsgd", "powersgd", "qsgd")
 SEEDS = (0, 1, 2)
+# The optimizers users train with; each is its own test, so that a parallel run can spread them.
+CONVERGENCE_OPTIMIZERS = ("sgd_momentum", "adam")
 
 
-def _convergence_worker(rank: int, world: int) -> dict[str, Any]:
-    """Every error-feedback hook with its default options, and plain DDP, under each optimizer and seed."""
-    out: dict[str, Any] = {}
-    for optimizer in wl.OPTIMIZERS:
-        for name in ("none", *FEEDBACK_HOOKS):
-            out[f"{optimizer}/{name}"] = [wl.train_digits(rank, world, name, {}, optimizer, seed=s) for s in SEEDS]
-    out["torch_powersgd"] = wl.train_digits(rank, world, None, {}, torch_powersgd_rank=4, bucket_mb=100.0)
-    out["ours_one_bucket"] = wl.train_digits(rank, world, "powersgd", {"rank": 4}, bucket_mb=100.0)
-    return out
+def _convergence_worker(rank: int, world: int, optimizer: str) -> dict[str, Any]:
+    """Every error-feedback hook with its default options, and plain DDP, under one optimizer and each seed."""
+    return {name: [wl.train_digits(rank, world, name, {}, optimizer, seed=s) for s in SEEDS]
+            for name in ("none", *FEEDBACK_HOOKS)}  # fmt: skip
 
 
 @pytest.mark.slow
-def test_error_feedback_hooks_train_as_well_as_plain_ddp():
-    """Digits, MLP 64-256-256-10, 300 steps: SGD momentum 0.9, plain SGD and Adam, default hook options.
+@pytest.mark.parametrize("optimizer", CONVERGENCE_OPTIMIZERS)
+def test_error_feedback_hooks_train_as_well_as_plain_ddp(optimizer: str) -> None:
+    """Digits, MLP 64-256-256-10, 300 steps, default hook options, at SGD momentum 0.9 and at Adam.
 
     The mean test accuracy over three seeds of every error-feedback hook is within one point of plain
-    DDP's; one-bit stays over 20x smaller than fp32 on the wire. Also: PowerSGD in one bucket against
-    PyTorch's hook (same accuracy, fewer collectives per step).
+    DDP's; one-bit stays over 20x smaller than fp32 on the wire.
     """
-    res = run_distributed(_convergence_worker, 2, timeout=900)[0]
+    res = run_distributed(_convergence_worker, 2, optimizer, timeout=900)[0]
 
     def mean(runs: list[dict[str, Any]]) -> float:
         return sum(r["accuracy"] for r in runs) / len(runs)
 
-    gaps = {}
+    base = mean(res["none"])
     print(f"\n{'test accuracy %':16s}" + "".join(f"{n:>10s}" for n in ("none", *FEEDBACK_HOOKS)))
-    for optimizer in wl.OPTIMIZERS:
-        base = mean(res[f"{optimizer}/none"])
-        print(f"{optimizer:16s}" + "".join(f"{mean(res[f'{optimizer}/{n}']):10.2f}" for n in ("none", *FEEDBACK_HOOKS)))
-        assert base > 96, (optimizer, base)
-        for name in FEEDBACK_HOOKS:
-            gaps[f"{optimizer}/{name}"] = round(mean(res[f"{optimizer}/{name}"]) - base, 2)
-    ratios = {n: res[f"sgd_momentum/{n}"][0]["stats"] for n in FEEDBACK_HOOKS}
-    print(f"{'wire vs fp32':16s}{'':10s}" + "".join(f"{r['compression_ratio']:9.1f}x" for r in ratios.values()))
+    print(f"{optimizer:16s}" + "".join(f"{mean(res[n]):10.2f}" for n in ("none", *FEEDBACK_HOOKS)))
+    stats = {n: res[n][0]["stats"] for n in FEEDBACK_HOOKS}
+    print(f"{'wire vs fp32':16s}{'':10s}" + "".join(f"{r['compression_ratio']:9.1f}x" for r in stats.values()))
     print(
         f"{'  (last step)':16s}{'':10s}"
-        + "".join(f"{r['last_step']['compression_ratio']:9.1f}x" for r in ratios.values())
+        + "".join(f"{r['last_step']['compression_ratio']:9.1f}x" for r in stats.values())
     )
+    assert base > 96, (optimizer, base)
+    gaps = {name: round(mean(res[name]) - base, 2) for name in FEEDBACK_HOOKS}
     # One-bit's RMS scale (its default) costs Adam on digits 0.9 points against the mean scale (95.47 against
     # 96.39, plain 96.73) and wins 16.8 points on the Fashion-MNIST CNN at SGD momentum 0.9 (README, model
     # quality on real data): Adam with one-bit is what sylvie_comm.optim.CompressedAdamW is for.
     bounds = {"adam/onebit": -1.5}
-    assert all(gap >= bounds.get(name, -1.0) for name, gap in gaps.items()), gaps
-    for optimizer in wl.OPTIMIZERS:
-        for name in FEEDBACK_HOOKS:
-            stats = res[f"{optimizer}/{name}"][0]["stats"]
-            assert stats["last_step"]["compression_ratio"] > 2, (optimizer, name)
-        assert res[f"{optimizer}/onebit"][0]["stats"]["compression_ratio"] >= 20  # warm-up steps included
-    assert abs(res["ours_one_bucket"]["accuracy"] - res["torch_powersgd"]["accuracy"]) <= 1.0
-    assert res["ours_one_bucket"]["collectives_per_step"] < res["torch_powersgd"]["collectives_per_step"]
+    assert all(gap >= bounds.get(f"{optimizer}/{name}", -1.0) for name, gap in gaps.items()), gaps
+    for name in FEEDBACK_HOOKS:
+        assert stats[name]["last_step"]["compression_ratio"] > 2, name
+    assert stats["onebit"]["compression_ratio"] >= 20  # warm-up steps included
+
+
+def _one_bucket_worker(rank: int, world: int) -> dict[str, Any]:
+    return {"torch": wl.train_digits(rank, world, None, {}, torch_powersgd_rank=4, bucket_mb=100.0),
+            "ours": wl.train_digits(rank, world, "powersgd", {"rank": 4}, bucket_mb=100.0)}  # fmt: skip
+
+
+def test_powersgd_in_one_bucket_trains_as_pytorchs_hook_with_fewer_collectives() -> None:
+    """PowerSGD at rank 4 in one bucket against PyTorch's hook: the same accuracy, fewer collectives a step."""
+    res = run_distributed(_one_bucket_worker, 2, timeout=300)[0]
+    assert abs(res["ours"]["accuracy"] - res["torch"]["accuracy"]) <= 1.0, res
+    assert res["ours"]["collectives_per_step"] < res["torch"]["collectives_per_step"], res
 
 
 COMPLEX_HOOKS = [("none", {}), ("fp16", {}), ("acpsgd", FULL_RANK), ("powersgd", FULL_RANK), ("onebit", {}),

@@ -44,38 +44,38 @@ def test_plain_averaging_is_bit_identical_to_fsdp_own(hsdp: bool, force_sum: boo
         assert r["stats"]["bytes_sent"] == r["stats"]["bytes_uncompressed"] > 0
 
 
-def _convergence(rank: int, world: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for optimizer in OPTIMIZERS:
-        out[f"{optimizer}/fsdp"] = fw.train(rank, world, None, {}, optimizer)
-        for codec in SHARDED:
-            out[f"{optimizer}/{codec}"] = fw.train(rank, world, codec, {}, optimizer)
-    out["adam/onebit-mean"] = fw.train(rank, world, "onebit", {"scale": "mean"}, "adam")
+def _convergence(rank: int, world: int, optimizer: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"fsdp": fw.train(rank, world, None, {}, optimizer)}
+    for codec in SHARDED:
+        out[codec] = fw.train(rank, world, codec, {}, optimizer)
+    if optimizer == "adam":
+        out["onebit-mean"] = fw.train(rank, world, "onebit", {"scale": "mean"}, "adam")
     return out
 
 
 @pytest.mark.slow
-def test_every_codec_trains_digits_within_a_point_of_plain_fsdp() -> None:
-    res = run_distributed(_convergence, 2, timeout=1200)[0]
-    print()
-    for optimizer in OPTIMIZERS:
-        base = res[f"{optimizer}/fsdp"]["accuracy"]
-        row = {c: round(res[f"{optimizer}/{c}"]["accuracy"] - base, 2) for c in SHARDED}
-        print(f"{optimizer}: plain FSDP2 {base:.2f}%, gaps {row}")
-        assert base > 96, (optimizer, base)
-        for codec in SHARDED:
-            # One-bit's RMS scale (its default) costs Adam on digits 7 of the 397 test digits here (95.47 against
-            # plain FSDP2's 97.23; under DDP 95.47 against 96.98); its mean scale keeps Adam's accuracy (below).
-            bound = -2.0 if (optimizer, codec) == ("adam", "onebit") else -1.0
-            assert res[f"{optimizer}/{codec}"]["accuracy"] >= base + bound, (optimizer, codec, row)
-    mean_scale = res["adam/onebit-mean"]["accuracy"]
-    print(f"adam/onebit with scale 'mean': {mean_scale:.2f}%")
-    assert mean_scale >= res["adam/fsdp"]["accuracy"] - 1.0
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)  # one test each, so that a parallel run can spread them
+def test_every_codec_trains_digits_within_a_point_of_plain_fsdp(optimizer: str) -> None:
+    res = run_distributed(_convergence, 2, optimizer, timeout=1200)[0]
+    base = res["fsdp"]["accuracy"]
+    row = {c: round(res[c]["accuracy"] - base, 2) for c in SHARDED}
+    print(f"\n{optimizer}: plain FSDP2 {base:.2f}%, gaps {row}")
+    assert base > 96, (optimizer, base)
     for codec in SHARDED:
-        stats = res[f"sgd_momentum/{codec}"]["stats"]["last_step"]
+        # One-bit's RMS scale (its default) costs Adam on digits 7 of the 397 test digits here (95.47 against
+        # plain FSDP2's 97.23; under DDP 95.47 against 96.98); its mean scale keeps Adam's accuracy (below).
+        bound = -2.0 if (optimizer, codec) == ("adam", "onebit") else -1.0
+        assert res[codec]["accuracy"] >= base + bound, (optimizer, codec, row)
+    if optimizer == "adam":
+        mean_scale = res["onebit-mean"]["accuracy"]
+        print(f"adam/onebit with scale 'mean': {mean_scale:.2f}%")
+        assert mean_scale >= base - 1.0
+        return
+    for codec in SHARDED:
+        stats = res[codec]["stats"]["last_step"]
         assert stats["bytes_sent"] <= stats["bytes_uncompressed"], codec
     if "onebit" in SHARDED:
-        last = res["sgd_momentum/onebit"]["stats"]["last_step"]
+        last = res["onebit"]["stats"]["last_step"]
         assert last["bytes_uncompressed"] >= 16 * last["bytes_sent"], last
 
 
