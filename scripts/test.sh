@@ -33,7 +33,8 @@ echo "== pytest"
 # Tests run in several pytest processes (pytest-xdist), up to 4, one per core: many tests spend part of their
 # time waiting on their peers' messages or on a launcher, so a second process keeps a small machine's cores busy.
 # SYLVIE_COMM_TEST_WORKERS sets how many; 0 runs every test in this process (pytest's own -n, given after, wins).
-cores="$(nproc 2>/dev/null || echo 1)"
+# (nproc counts OMP_NUM_THREADS, set to 1 above, as the number of cores: read it without.)
+cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)"
 workers="${SYLVIE_COMM_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
 case "$workers" in
   ''|*[!0-9]*) echo "test: SYLVIE_COMM_TEST_WORKERS must be a whole number of processes, got '$workers'" >&2; exit 2 ;;
