@@ -17,9 +17,11 @@ The integration is one call after ``prepare``::
     state = sylvie_comm.accelerate.register(accelerator, model, "acpsgd", rank=4)
 
 which is ``sylvie_comm.ddp.register(model, ...)`` on the prepared DDP model plus
-``accelerator.register_for_checkpointing(sylvie_comm.accelerate.PerRankState(state))``: ``save_state`` writes
-custom objects from the main process only, and the hook's state is per rank, so ``PerRankState`` gathers every
-rank's into the one file and gives each rank its own back at ``load_state``. The data set is scikit-learn's
+``sylvie_comm.accelerate.checkpoint_with(accelerator, PerRankState(state))``: the hook's state is per rank, so
+``save_state`` gathers every rank's into one file of the checkpoint folder (``sylvie_comm_state.pt``) and
+``load_state`` gives each rank its own back, read with ``weights_only=True``. (This example's own ``Progress``
+counter goes through Accelerate's ``register_for_checkpointing``, which loads with ``weights_only=False``: a
+checkpoint folder is trusted input, see ``docs/integrations/accelerate.md``.) The data set is scikit-learn's
 handwritten digits; the last line reports test accuracy and the bytes this rank sent beside a plain fp32
 all-reduce's.
 """

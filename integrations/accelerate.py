@@ -7,8 +7,8 @@ Three lines, after ``prepare``::
     model, opt, loader = accelerator.prepare(model, opt, loader)
     state = sylvie_comm.accelerate.register(accelerator, model, "acpsgd", rank=4)
 
-which is ``sylvie_comm.ddp.register(model, ...)`` plus
-``accelerator.register_for_checkpointing(PerRankState(state))``, after checking that the accelerator does not
+which is ``sylvie_comm.ddp.register(model, ...)`` plus ``checkpoint_with(accelerator, PerRankState(state))``
+(every rank's state saved and loaded with the accelerator's), after checking that the accelerator does not
 register a hook of its own.
 
 Two traps of Accelerate 1.16 this module works around:
@@ -17,11 +17,19 @@ Two traps of Accelerate 1.16 this module works around:
   (``DDPCommunicationHookType``: fp16, bf16, PowerSGD) and registers nothing for any other value, a function or a
   string included, without a word; our hook is registered on the prepared model instead, and :func:`register`
   refuses a handler whose hook would be dropped or would take DDP's one hook slot.
-- ``save_state`` calls every registered object's ``state_dict()`` on every process but writes the result from
-  the main process only (``checkpointing.save_custom_state`` -> ``utils.save``), and ``load_state`` hands that one
-  file to every process. The hook's state is per rank (error-feedback residuals differ between ranks), so
+- ``save_state`` writes a checkpoint from the main process only, and ``load_state`` hands that one file to every
+  process. The hook's state is per rank (error-feedback residuals differ between ranks), so
   :class:`PerRankState` gathers every rank's state in its ``state_dict()`` (a collective: ``save_state`` runs on
   every process) and each rank restores its own in ``load_state_dict()``.
+
+And one hazard: ``load_state`` unpickles the file of every object registered with
+``accelerator.register_for_checkpointing`` (``custom_checkpoint_<i>.pkl``) with ``torch.load(weights_only=False)``
+(``checkpointing.load_custom_state``), before the object sees it, so a tampered file runs its code. The state is
+therefore not registered that way: :func:`checkpoint_with` saves it in its own file (:data:`STATE_FILE`) from a
+``register_save_state_pre_hook`` and loads it from a ``register_load_state_pre_hook`` with
+``torch.load(weights_only=True)`` (:func:`read_state_file`), which reads tensors and plain Python values only and
+refuses anything else, naming the file. What Accelerate loads itself is outside our reach (see
+``docs/integrations/accelerate.md``): a checkpoint folder stays trusted input.
 
 :class:`PerRankState` serves any per-rank state (``HookState``, ``FSDPState``) and any checkpointer that writes
 from one process; the Lightning strategies (:mod:`sylvie_comm.integrations.lightning`) use its format too.
@@ -30,9 +38,14 @@ Accelerate itself is never imported here: the accelerator is read through its at
 
 from __future__ import annotations
 
+import os
+import pickle
+import re
+import stat
 import warnings
 from collections.abc import Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -45,6 +58,14 @@ from sylvie_comm.integrations.ddp import register as ddp_register
 
 WHAT = "sylvie_comm.accelerate"
 FORMAT = "sylvie_comm.per_rank/1"  # every rank's state, by rank, in one object
+STATE_FILE = "sylvie_comm_state.pt"  # checkpoint_with's file in a save_state folder (the first; state_file(i))
+_COUNT = "_sylvie_comm_checkpoints"  # on the accelerator: how many states checkpoint_with registered there
+
+
+def state_file(index: int = 0) -> str:
+    """The file name of the ``index``-th state :func:`checkpoint_with` registered on one accelerator:
+    :data:`STATE_FILE`, then ``sylvie_comm_state_1.pt``, ... (numbered as Accelerate numbers its own files)."""
+    return STATE_FILE if index == 0 else f"sylvie_comm_state_{index}.pt"
 
 
 class RankState(Protocol):
@@ -130,12 +151,16 @@ class PerRankState:
             the rest of the checkpoint resumes).
 
     ``state_dict()`` and ``load_state_dict()`` are collectives over the default process group: call them on
-    every rank (``save_state`` and ``load_state`` do).
+    every rank (``save_state`` and ``load_state`` do). ``state_dict()`` holds tensors and plain Python values
+    only, so :func:`read_state_file` (``torch.load(weights_only=True)``) reads it back.
+
+    Hand it to :func:`checkpoint_with`, not to ``accelerator.register_for_checkpointing``: that works too, but
+    Accelerate then unpickles its file with ``weights_only=False``, which runs whatever code a tampered file holds.
 
     Example::
 
         state = sylvie_comm.ddp.register(model, "acpsgd", rank=4)
-        accelerator.register_for_checkpointing(sylvie_comm.accelerate.PerRankState(state))
+        sylvie_comm.accelerate.checkpoint_with(accelerator, sylvie_comm.accelerate.PerRankState(state))
     """
 
     def __init__(self, state: RankState, *, everywhere: bool = False, on_world_change: str = "error") -> None:
@@ -166,6 +191,117 @@ class PerRankState:
             )
             return
         self.state.load_state_dict(own_state(blob, rank, world, f"{WHAT}.PerRankState"))
+
+
+_STATE_EXPECTED = (
+    f"sylvie_comm's per-rank state (format {FORMAT!r}: tensors and plain Python values, as torch.save wrote "
+    "PerRankState.state_dict())"
+)
+
+
+def _refusal(exc: BaseException) -> str:
+    """The line of torch's weights-only refusal that says what it met (its message runs over a dozen lines)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    why = next((line for line in lines if "unsupported" in line.lower() or "GLOBAL" in line), lines[0] if lines else "")
+    return why[:300]
+
+
+def read_state_file(path: str | os.PathLike[str]) -> Any:
+    """Read a file :func:`checkpoint_with` wrote (or any ``torch.save`` of ``PerRankState.state_dict()``) with
+    ``torch.load(weights_only=True)``: tensors and plain Python values only.
+
+    Raises FileNotFoundError for a missing file and ValueError, naming the file, for anything but a regular file
+    (never opened: a FIFO would block) or for a file that holds more than tensors and plain values (refused
+    unread: unpickling it in full could run code).
+    """
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{WHAT}: {path} is missing; expected {_STATE_EXPECTED}") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{WHAT}: {path} is not a regular file ({stat.filemode(mode)}); expected {_STATE_EXPECTED}")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):  # swapped since the stat
+            raise ValueError(f"{WHAT}: {path} is not a regular file; expected {_STATE_EXPECTED}")
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise ValueError(
+                f"{WHAT}: {path} refused: torch.load(weights_only=True) cannot read it as tensors and plain "
+                f"Python values ({_refusal(exc)}); expected {_STATE_EXPECTED}. Do not unpickle it in full "
+                "(weights_only=False), which could run code: the checkpoint folder may have been tampered with"
+            ) from exc
+        except (RuntimeError, EOFError, OSError, ValueError) as exc:
+            raise ValueError(f"{WHAT}: {path} is not a torch.save file ({exc}); expected {_STATE_EXPECTED}") from exc
+
+
+def _earlier_layout(folder: Path, wanted: str) -> str:
+    """Where an earlier sylvie_comm left its state in ``folder`` (a custom object of Accelerate's), if it did."""
+    for name in sorted(os.listdir(folder)):
+        if re.fullmatch(r"custom_checkpoint_\d+\.pkl", name) is None:
+            continue
+        try:
+            blob = read_state_file(folder / name)  # weights_only=True: safe on any file
+        except (OSError, ValueError):
+            continue
+        if isinstance(blob, Mapping) and blob.get("format") == FORMAT:
+            return (
+                f"; {folder / name} holds it, registered with accelerator.register_for_checkpointing by an earlier "
+                f"sylvie_comm: rename it to {wanted} (and the custom_checkpoint files after it one number down), "
+                "or, if you trust the folder, register PerRankState that way again to load it as it was saved"
+            )
+    return ""
+
+
+def checkpoint_with(accelerator: Any, state: PerRankState) -> tuple[Any, Any]:
+    """Save ``state`` in ``accelerator.save_state`` and load it in ``load_state``, in its own file
+    (:data:`STATE_FILE`; the states registered after it on the same accelerator, one per prepared model, in
+    ``sylvie_comm_state_1.pt``, ... in registration order: :func:`state_file`) read back with
+    ``torch.load(weights_only=True)`` (:func:`read_state_file`).
+
+    Use it instead of ``accelerator.register_for_checkpointing(state)``, whose file Accelerate unpickles with
+    ``weights_only=False``. ``save_state`` calls the save hook on every process: every rank's state is gathered
+    (a collective) and written by the main process (each node's main process under
+    ``ProjectConfiguration(save_on_each_node=True)``, which needs ``PerRankState(..., everywhere=True)``).
+    ``load_state`` calls the load hook on every process before it loads anything else, so a missing, tampered
+    or mismatched state stops it before the model is touched.
+
+    Returns the two hooks' handles (``handle.remove()`` on both undoes this).
+    """
+    if not isinstance(state, PerRankState):
+        raise TypeError(f"{WHAT}.checkpoint_with: expected a PerRankState, got {type(state).__name__}")
+    each_node = bool(getattr(getattr(accelerator, "project_configuration", None), "save_on_each_node", False))
+    if each_node and not state.everywhere:
+        raise ValueError(
+            f"{WHAT}.checkpoint_with: ProjectConfiguration(save_on_each_node=True) writes the checkpoint on every "
+            "node's main process, which holds every rank's state only with PerRankState(..., everywhere=True)"
+        )
+
+    index = int(getattr(accelerator, _COUNT, 0))
+    name = state_file(index)
+
+    def save(models: Any, weights: Any, output_dir: str) -> None:
+        blob = state.state_dict()  # a collective: every process runs this hook
+        if accelerator.is_local_main_process if each_node else accelerator.is_main_process:
+            path = Path(output_dir) / name
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            torch.save(blob, tmp)
+            os.replace(tmp, path)
+
+    def load(models: Any, input_dir: str) -> None:
+        path = Path(input_dir) / name
+        if not os.path.lexists(path):
+            raise FileNotFoundError(
+                f"{WHAT}: {path} is missing; expected {_STATE_EXPECTED}, which save_state writes there once "
+                f"sylvie_comm.accelerate.register (or checkpoint_with) ran{_earlier_layout(Path(input_dir), name)}"
+            )
+        state.load_state_dict(read_state_file(path))
+
+    handles = accelerator.register_save_state_pre_hook(save), accelerator.register_load_state_pre_hook(load)
+    setattr(accelerator, _COUNT, index + 1)
+    return handles
 
 
 def _hook_types() -> Any:
@@ -220,7 +356,8 @@ def register(
         **options: hook options, as for ``sylvie_comm.ddp.register``.
 
     Returns the hook's ``HookState`` (``stats()``, ``close()``); ``accelerator.save_state`` saves every rank's
-    state in one file (:class:`PerRankState`) and ``load_state`` gives each rank its own back.
+    state in one file (:class:`PerRankState`, :data:`STATE_FILE`) and ``load_state`` gives each rank its own
+    back, read with ``torch.load(weights_only=True)`` (:func:`checkpoint_with`).
 
     Example::
 
@@ -244,11 +381,22 @@ def register(
     everywhere = bool(getattr(config_, "save_on_each_node", False))
     state = ddp_register(model, codec, config=config, timeout=timeout, **options)
     try:
-        accelerator.register_for_checkpointing(PerRankState(state, everywhere=everywhere))
+        checkpoint_with(accelerator, PerRankState(state, everywhere=everywhere))
     except BaseException:
         state.close()
         raise
     return state
 
 
-__all__ = ["FORMAT", "PerRankState", "check_accelerator", "gather_states", "own_state", "register"]
+__all__ = [
+    "FORMAT",
+    "STATE_FILE",
+    "PerRankState",
+    "check_accelerator",
+    "checkpoint_with",
+    "gather_states",
+    "own_state",
+    "read_state_file",
+    "register",
+    "state_file",
+]

@@ -23,6 +23,7 @@ every integration (:class:`~sylvie_comm.algorithms.session.Session`).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -35,9 +36,14 @@ from sylvie_comm.algorithms import Group, Member
 from sylvie_comm.algorithms.base import Segment, ShardLayout
 from sylvie_comm.algorithms.session import Session, merge_config
 from sylvie_comm.collectives import ProcessGroupTransport
+from sylvie_comm.collectives.local import LocalGroup
 from sylvie_comm.config import Config
 
 WHAT = "sylvie_comm.fsdp"
+
+# Each FSDP unit's open state: FSDP takes one reduce-scatter comm (or all-reduce hook) per unit, so a second
+# register() would silently take the units of the first. close() releases them.
+_REGISTERED: weakref.WeakKeyDictionary[nn.Module, FSDPState] = weakref.WeakKeyDictionary()
 
 
 def _fsdp() -> Any:
@@ -68,6 +74,7 @@ class _Unit:
         self.group = groups[0]
         self.key = fqn or "<root>"
         self.names = [names[id(p.sharded_param)] for p in self.group.fsdp_params]
+        self.world = dist.get_world_size(self.shard_group)  # what the flat buffer is laid out for
         self.step = 0
         self.layout: ShardLayout | None = None
 
@@ -128,7 +135,7 @@ class FSDPState:
     def _layout(self, unit: _Unit, numel: int) -> ShardLayout:
         layout = unit.layout
         if layout is None:
-            layout = unit.layout = unit.segments(self.session.transport.world_size, self.policy)
+            layout = unit.layout = unit.segments(unit.world, self.policy)
         full = sum(s.numel for s in layout.segments)
         if numel != full:
             raise ValueError(
@@ -207,17 +214,20 @@ class FSDPState:
 
     def _unit_layout(self, unit: _Unit) -> ShardLayout:
         if unit.layout is None:
-            unit.layout = unit.segments(self.session.transport.world_size, self.policy)
+            unit.layout = unit.segments(unit.world, self.policy)
         return unit.layout
 
     def close(self) -> None:
         """Stop the algorithm's thread and destroy its process group (idempotent); FSDP's own reduce-scatter
-        serves the units again."""
+        serves the units again, and :func:`register` takes the model again."""
         for u in self.units:
+            if _REGISTERED.get(u.module) is not self:
+                continue  # released already (a second close() leaves a later state's units alone)
             if self.replicas:
                 u.module.set_all_reduce_hook(None)  # type: ignore[operator]
             else:
                 u.group._reduce_scatter_comm = _default_comm()
+            del _REGISTERED[u.module]
         self.session.close()
 
 
@@ -239,6 +249,103 @@ def _op_scale(op: Any, world: int) -> float:
                      "(SUM); leave set_gradient_divide_factor unset")  # fmt: skip
 
 
+def _check_session(session: Session, replicas: bool) -> None:
+    """What :func:`register` refuses in a configuration, whatever the model: an algorithm without a reduce-scatter
+    form, and ``warmup: auto``, on the reduce-scatter (without ``replicas``)."""
+    alg = session.algorithm
+    if not replicas and not alg.shards:
+        alg.reduce_scatter(torch.zeros(0), torch.zeros(0), 0)  # raises the reason, naming the other path
+    if session.policy.warmup is not None and not replicas:
+        raise ValueError(f"{WHAT}: warmup 'auto' watches whole averaged gradients and each rank holds a shard "
+                         "of them; use warmup 'fixed' (warmup_steps)")  # fmt: skip
+
+
+def check_config(config: Config, *, replicas: bool = False) -> None:
+    """Raise what :func:`register` would raise of ``config`` alone (the algorithm's name, its options, the
+    per-name rules, a reduce-scatter form, the warm-up), here, without a process group: for a caller that
+    builds the configuration in one process before the others start (Lightning's strategy). ``replicas``: for
+    the HSDP replica all-reduce. The checks run on a session of one in-process rank, closed again."""
+    session = Session(WHAT, config, LocalGroup(1).transport(0))
+    try:
+        _check_session(session, replicas)
+    finally:
+        session.close()
+
+
+def _mesh_replicas(mesh: Any) -> tuple[list[int], str, str] | None:
+    """This rank's replicas in the 2-D device mesh that FSDP's 1-D shard ``mesh`` was sliced from (the ranks at
+    its shard coordinate along the other dimension), that dimension's name and the shard dimension's; None
+    where ``mesh`` is not such a slice."""
+    try:
+        root = mesh._get_root_mesh()
+        if root is mesh or root.ndim != 2 or mesh.ndim != 1:
+            return None
+        dim = mesh._get_root_mesh_dim()
+        coordinate = root.get_coordinate()
+        if dim is None or coordinate is None:
+            return None
+        ranks = [int(r) for r in root.mesh.select(dim, coordinate[dim]).tolist()]
+        names = root.mesh_dim_names or ("dimension 0", "dimension 1")
+        return ranks, names[1 - dim], names[dim]
+    except (AttributeError, IndexError, KeyError, RuntimeError, TypeError):  # a DeviceMesh without these internals
+        return None
+
+
+def _check_replicas(replicas: Any, mesh_info: Any) -> None:
+    """Fail where ``replicas`` is not this rank's replica group in the model's shard layout (local: a process
+    group has the same ranks on each of its members, so its members all fail, before any collective on it)."""
+    if not isinstance(replicas, dist.ProcessGroup):
+        outside = isinstance(replicas, int) and replicas == dist.GroupMember.NON_GROUP_MEMBER
+        got = "torch's NON_GROUP_MEMBER: this rank is not in that group" if outside else repr(replicas)
+        raise TypeError(f"{WHAT}.register: replicas must be a process group holding this rank, got {got}")
+    if getattr(mesh_info, "replicate_mesh_dim", None) is not None:
+        raise ValueError(
+            f"{WHAT}.register: replicas given, but the model's FSDP mesh replicates already (HSDP: a 2-D mesh in "
+            "fully_shard), so FSDP all-reduces each shard across its replicas itself and the codec would average "
+            "it a second time; give fully_shard the mesh's shard dimension (mesh=mesh['shard']) and pass "
+            "replicas=mesh['replicate'].get_group(), or leave replicas out to compress the reduce-scatter alone"
+        )
+    me = dist.get_rank()
+    shard_ranks = dist.get_process_group_ranks(mesh_info.shard_process_group)
+    given = dist.get_process_group_ranks(replicas)
+    index = shard_ranks.index(me)
+    found = _mesh_replicas(mesh_info.mesh)
+    if found is not None:
+        expected, dim, shard_dim = found
+        if sorted(given) == sorted(expected):
+            return
+        why = (f"expected the ranks {expected}: the '{dim}' dimension of the model's device mesh, whose "
+               f"'{shard_dim}' dimension fully_shard was given (replicas=mesh['{dim}'].get_group())")  # fmt: skip
+    else:
+        mixed = sorted(set(given) & set(shard_ranks) - {me})
+        if me in given and not mixed:
+            return  # the ranks' shard indices are compared when they agree (register's describe)
+        where = (f"it holds other ranks of this rank's own shard group {shard_ranks} ({mixed})" if mixed
+                 else "it does not hold this rank")  # fmt: skip
+        why = (f"{where}; expected this rank and, from each other shard group, its rank at shard index {index}: "
+               "the replicate dimension of a 2-D device mesh (mesh = init_device_mesh(device, (replicas, shards), "
+               "mesh_dim_names=('replicate', 'shard')), fully_shard(..., mesh=mesh['shard']), "
+               "replicas=mesh['replicate'].get_group())")  # fmt: skip
+    raise ValueError(
+        f"{WHAT}.register: replicas is a group of {len(given)} ranks {given} that does not match the model's shard "
+        f"layout: rank {me} shards over the FSDP group of ranks {shard_ranks} (shard index {index}), so its "
+        f"replicas are the ranks at shard index {index} of the other shard groups; {why}"
+    )
+
+
+def _check_unregistered(model: nn.Module, units: list[_Unit]) -> None:
+    for u in units:
+        other = _REGISTERED.get(u.module)
+        if other is not None:
+            how = f"codec {other.name!r}" + (", replicas" if other.replicas else "")
+            raise ValueError(
+                f"{WHAT}.register: this {type(model).__name__} is registered already: its FSDP unit '{u.key}' belongs "
+                f"to an open state ({how}), and FSDP takes one reduce-scatter comm (or all-reduce hook) per unit, as "
+                "DDP takes one communication hook per model, so a second register() would take the first one's "
+                "units; close() of that state releases it, then register again"
+            )
+
+
 def units_of(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The FSDP units of ``model`` (``fully_shard`` modules), root included, in module order."""
     fsdp = _fsdp()
@@ -257,15 +364,19 @@ def register(
             ``replicas`` any algorithm (``acpsgd``, ``powersgd`` too).
         config: a :class:`~sylvie_comm.config.Config` (e.g. from YAML) instead of keywords.
         replicas: HSDP: the process group of this rank's replicas (the other shard groups' ranks of the same
-            shard index); FSDP's reduce-scatter stays within the shard group and the codec averages each
-            rank's shard across ``replicas`` (``set_all_reduce_hook``).
+            shard index: ``mesh["replicate"].get_group()`` of a 2-D mesh whose ``mesh["shard"]`` went to
+            ``fully_shard``); FSDP's reduce-scatter stays within the shard group and the codec averages each
+            rank's shard across ``replicas`` (``set_all_reduce_hook``). Another group (the world's, the shard
+            group) is refused here, naming the group expected.
         timeout: seconds one collective may wait for the other ranks (default 600 s; with ``replicas`` the
             replicas' group keeps its own timeout, as its collectives run on it).
         **options: the algorithm's options (``bits``, ``error_feedback``, ``chunk_size``, ``rank``, ...) and
             ``warmup_steps``, ``min_compression_rate``, ``seed``.
 
     Ranks that disagree on the configuration, the units or their parameters fail on every rank naming the
-    first difference. Call ``state.close()`` on every rank after the last backward pass.
+    first difference. A model takes one state at a time (FSDP one comm per unit, as DDP one comm hook): a
+    second ``register`` of it, or of one of its units, is refused until ``close()`` of the first. Call
+    ``state.close()`` on every rank after the last backward pass.
     """
     units = units_of(model)
     if not units:
@@ -279,6 +390,7 @@ def register(
     first = units[0][1]._get_fsdp_state()._fsdp_param_groups[0]  # type: ignore[operator]
     shard_group = first.mesh_info.shard_process_group
     if replicas is not None:
+        _check_replicas(replicas, first.mesh_info)  # before any collective on it
         # The replicas' group itself (a DeviceMesh dimension FSDP does not use with a 1-D shard mesh): a dedicated
         # copy would be a subgroup that every rank of the world must create in one order.
         transport = ProcessGroupTransport(replicas, dedicated=False)
@@ -292,15 +404,11 @@ def register(
 
     def prepare(session: Session) -> None:
         built.extend(_Unit(i, fqn, m, names) for i, (fqn, m) in enumerate(units))
+        _check_unregistered(model, built)
         if any(u.shard_group is not shard_group for u in built):
             raise ValueError(f"{WHAT}.register: the model's FSDP units shard over different process groups; "
                              "register one state per group of units")  # fmt: skip
-        alg = session.algorithm
-        if replicas is None and not alg.shards:
-            alg.reduce_scatter(torch.zeros(0), torch.zeros(0), 0)  # raises the reason, naming the other path
-        if session.policy.warmup is not None and replicas is None:
-            raise ValueError(f"{WHAT}: warmup 'auto' watches whole averaged gradients and each rank holds a shard "
-                             "of them; use warmup 'fixed' (warmup_steps)")  # fmt: skip
+        _check_session(session, replicas is not None)
         params = [(n, p) for u in built for n, p in zip(u.names, (q.sharded_param for q in u.group.fsdp_params),
                                                          strict=True)]  # fmt: skip
         session.policy.check_parameters(params, WHAT)
@@ -308,8 +416,10 @@ def register(
     def describe(session: Session) -> dict[str, Any]:
         layout = [(u.key, [(n, tuple(p._orig_size)) for n, p in zip(u.names, u.group.fsdp_params, strict=True)])
                   for u in built]  # fmt: skip
-        return {"fsdp": {"units": repr(layout), "replicas": replicas is not None,
-                         "shard_world": dist.get_world_size(shard_group)}}  # fmt: skip
+        out = {"units": repr(layout), "replicas": replicas is not None, "shard_world": dist.get_world_size(shard_group)}
+        if replicas is not None:  # the replicas of a rank hold the same shard of each parameter
+            out["shard_index"] = dist.get_group_rank(shard_group, dist.get_rank())
+        return {"fsdp": out}
 
     session = Session.agreed(WHAT, transport, build, describe=describe, prepare=prepare)
     state = FSDPState(model, session, built, replicas is not None)
@@ -319,10 +429,11 @@ def register(
                 u.module.set_all_reduce_hook(state._replica_hook(u))  # type: ignore[operator]
             else:
                 u.module.set_custom_reduce_scatter(_ReduceScatter(state, u))  # type: ignore[operator]
+            _REGISTERED[u.module] = state
     except BaseException:
         state.close()
         raise
     return state
 
 
-__all__ = ["FSDPState", "register", "units_of"]
+__all__ = ["FSDPState", "check_config", "register", "units_of"]

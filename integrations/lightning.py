@@ -27,9 +27,9 @@ Why they exist (Lightning 2.6.6):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from sylvie_comm import _deps
 
@@ -40,8 +40,8 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # n
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
 
-from sylvie_comm.algorithms import algorithm_class  # noqa: E402
 from sylvie_comm.algorithms.session import merge_config  # noqa: E402
+from sylvie_comm.collectives.local import LocalGroup  # noqa: E402
 from sylvie_comm.config import Config  # noqa: E402
 from sylvie_comm.integrations import ddp, fsdp  # noqa: E402
 from sylvie_comm.integrations.accelerate import gather_states, own_state  # noqa: E402
@@ -67,13 +67,27 @@ _RESIZE_FIX = (
 )
 
 
+def _check_hook(config: Config) -> None:
+    """Raise what ``sylvie_comm.ddp.register`` would raise of ``config`` once the processes have joined: the
+    hook's own checks (``ddp.HookState``: the name, the options, error feedback's warm-up past DDP's bucket
+    rebuild, the per-name rules), run on one in-process rank (no collective, no process group), closed again."""
+    transport = LocalGroup(1).transport(0)  # the hook's checks need a transport only to build the algorithm
+    ddp.HookState(config, cast(Any, transport)).close()
+
+
 def _config(what: str, codec: str | None, config: Config | None, options: Mapping[str, Any] | None,
-            default: str) -> Config:  # fmt: skip
-    """The configuration, checked where the strategy is built (before Lightning starts the other processes)."""
+            default: str, check: Callable[[Config], None]) -> Config:  # fmt: skip
+    """The configuration, checked where the strategy is built (before Lightning starts the other processes) by
+    ``check``: the checks the hook (or the reduce-scatter) makes when it is registered."""
     if options is not None and not isinstance(options, Mapping):
         raise TypeError(f"{what}: options must be a mapping of the codec's options, got {type(options).__name__}")
-    cfg = merge_config(what, codec, config, options or {}, default=default)
-    algorithm_class(cfg.codec, "hook").validate_options(cfg.options)
+    try:
+        cfg = merge_config(what, codec, config, options or {}, default=default)
+        check(cfg)
+    except (ValueError, TypeError) as exc:
+        if str(exc).startswith(what):
+            raise
+        raise (TypeError if isinstance(exc, TypeError) else ValueError)(f"{what}: {exc}") from None
     return cfg
 
 
@@ -171,6 +185,10 @@ class CompressedDDPStrategy(_CompressionCheckpoint, DDPStrategy):
             (``find_unused_parameters``, ``bucket_cap_mb``, ``static_graph``); not ``ddp_comm_hook``,
             ``ddp_comm_state``, ``ddp_comm_wrapper`` or ``model_averaging_period`` (a second hook).
 
+    The codec, its options and ``config`` are checked here, in the process that builds the strategy, as the hook
+    checks them when it is registered (the name, the options, the per-name rules, ``warmup_steps >= 2`` with
+    error feedback): a ValueError now rather than once Lightning has started the other processes.
+
     The hook is registered when the model is wrapped (fitting only) and closed when the fit ends;
     :attr:`compression_state` holds it (``stats()``). A checkpoint holds every rank's state under
     ``checkpoint["sylvie_comm"]``; resuming needs the same number of processes (a ValueError otherwise).
@@ -196,7 +214,7 @@ class CompressedDDPStrategy(_CompressionCheckpoint, DDPStrategy):
         refused = [k for k in _REFUSED if kwargs.get(k) is not None]
         if refused:
             raise ValueError(f"{what}: {refused[0]} is not taken: " + _REFUSED[refused[0]])
-        self._sylvie_config = _config(what, codec, config, options, "acpsgd")
+        self._sylvie_config = _config(what, codec, config, options, "acpsgd", _check_hook)
         self._sylvie_timeout = hook_timeout
         self._sylvie_init()
         super().__init__(**kwargs)
@@ -228,6 +246,9 @@ class CompressedModelParallelStrategy(_CompressionCheckpoint, ModelParallelStrat
         **kwargs: ``ModelParallelStrategy``'s (``save_distributed_checkpoint``, ``process_group_backend``,
             ``timeout``).
 
+    The codec, its options and ``config`` are checked here as ``sylvie_comm.fsdp.register`` checks them (a
+    reduce-scatter form, no ``warmup: auto``; ``sylvie_comm.fsdp.check_config``).
+
     ``configure_model`` must apply ``fully_shard(..., mesh=self.device_mesh["data_parallel"])`` to the blocks and
     to the root. Tensor parallelism is refused: ``sylvie_comm.fsdp`` lays out FSDP2's flat reduce-scatter buffer
     for parameters sharded on dim 0 over one data-parallel mesh dimension, and a tensor-parallel DTensor
@@ -251,7 +272,7 @@ class CompressedModelParallelStrategy(_CompressionCheckpoint, ModelParallelStrat
                 f"{what}: tensor_parallel_size must be 1, got {tensor_parallel_size!r}: the compressed reduce-scatter "
                 "(sylvie_comm.fsdp) serves FSDP2 over one data-parallel mesh dimension, parameters sharded on dim 0"
             )
-        self._sylvie_config = _config(what, codec, config, options, "qsgd")
+        self._sylvie_config = _config(what, codec, config, options, "qsgd", fsdp.check_config)
         self._sylvie_timeout = hook_timeout
         self._sylvie_init()
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1, **kwargs)

@@ -1,6 +1,23 @@
 """``sylvie_comm.accelerate``: a sylvie_comm hook on the model ``accelerator.prepare`` returns, every rank's state
-in ``accelerator.save_state`` (see :mod:`sylvie_comm.integrations.accelerate`)."""
+in ``accelerator.save_state`` (its own file, read back with ``weights_only=True``; see
+:mod:`sylvie_comm.integrations.accelerate`)."""
 
-from sylvie_comm.integrations.accelerate import PerRankState, check_accelerator, register
+from sylvie_comm.integrations.accelerate import (
+    STATE_FILE,
+    PerRankState,
+    check_accelerator,
+    checkpoint_with,
+    read_state_file,
+    register,
+    state_file,
+)
 
-__all__ = ["PerRankState", "check_accelerator", "register"]
+__all__ = [
+    "STATE_FILE",
+    "PerRankState",
+    "check_accelerator",
+    "checkpoint_with",
+    "read_state_file",
+    "register",
+    "state_file",
+]

@@ -46,6 +46,7 @@ def test_bad_arguments_exit_with_usage(argv: list[str], capsys: pytest.CaptureFi
     assert "error:" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 def test_bench_kernels_prints_only_the_report(tmp_path: Path) -> None:
     """Two sizes, one thread: stdout is the table and the path, stderr one progress line per size.
 
@@ -70,6 +71,7 @@ def test_bench_kernels_prints_only_the_report(tmp_path: Path) -> None:
         assert all(peaks[op] == 0 for op in peaks if op.endswith("decode")), peaks
 
 
+@pytest.mark.multiprocess
 def test_ddp_example_runs_in_one_process(tmp_path: Path) -> None:
     out = tmp_path / "ddp.json"
     cmd = [sys.executable, str(ROOT / "examples" / "ddp_train.py"), "--codec", "acpsgd", "--rank", "4", "--steps",
@@ -96,6 +98,7 @@ def test_fsdp_example_runs_under_torchrun(tmp_path: Path) -> None:
     assert proc.stdout.startswith("fp16: accuracy ")
 
 
+@pytest.mark.multiprocess
 def test_gnn_example_runs_in_one_process(tmp_path: Path) -> None:
     out = tmp_path / "gnn.json"
     cmd = [sys.executable, str(ROOT / "examples" / "gnn_full_graph.py"), "--nodes", "400", "--epochs", "2",

@@ -48,6 +48,7 @@ def test_every_op_has_a_cuda_kernel():
         assert re.search(rf"cudaError_t {name}\(", header), name
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 @pytest.mark.parametrize("source", CUDA_SOURCES, ids=lambda p: p.name)
 def test_cuda_source_compiles(source, tmp_path):

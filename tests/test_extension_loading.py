@@ -31,6 +31,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.multiprocess
 def test_fallback_without_extension(tmp_path):
     out = tmp_path / "payload.pt"
     env = dict(os.environ, SYLVIE_COMM_DISABLE_EXTENSION="1")

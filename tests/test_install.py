@@ -45,7 +45,7 @@ from sylvie_comm.demo import (
     lab_table,
 )
 
-pytestmark = pytest.mark.slow  # builds the extension (about a minute), then trains on several processes
+pytestmark = pytest.mark.multiprocess  # builds the extension (about a minute), then trains on several processes
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "csrc", "sylvie_comm", "integrations")

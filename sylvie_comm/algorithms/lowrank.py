@@ -134,18 +134,25 @@ class LowRankAlgorithm(Algorithm):
     def _defer_update(self, name: str, p: torch.Tensor, q: torch.Tensor, keep_owed: bool = False) -> None:
         """Owe ``E <- E - p q^T`` on ``name``'s residual (copies of p and q): the next consumer applies it.
 
-        If the step is skipped, what is owed goes back to what it was (``keep_owed``: the saved residual
-        still owes the previous update) or to nothing (zero factors: the saved residual owes nothing).
+        If the step is skipped, what is owed goes back to what it was: the update owed before this step where
+        there is one (``keep_owed``: the saved residual still owes it), else nothing, both copies set to zero
+        (zeroing one is not enough: ``0 q^T`` is NaN where this step's ``q`` holds the NaN or Inf that got the
+        step skipped, as in ACP-SGD's Q steps and PowerSGD's first step). Copies left from before a
+        :meth:`load_state_dict` are not owed: the loaded residual has their update applied.
         """
         bufs = self._pending_bufs.get(name)
-        reuse = bufs is not None and bufs[0].shape == p.shape and bufs[1].shape == q.shape
-        if reuse and keep_owed and bufs is not None:
+        owed = self._pending.get(name) if keep_owed else None
+        if bufs is None or bufs[0].shape != p.shape or bufs[1].shape != q.shape:
+            bufs = self._pending_bufs[name] = (torch.empty_like(p), torch.empty_like(q))
+            if owed is not None:  # the owed copies are not reused: a skipped step applies them to the saved E
+                self._reapply_if_skipped(name, owed)
+                owed = None
+        if owed is not None:
             self.guard.save((id(self), "pending_p", name), bufs[0])
             self.guard.save((id(self), "pending_q", name), bufs[1])
-        if bufs is None or not reuse:
-            bufs = self._pending_bufs[name] = (torch.empty_like(p), torch.empty_like(q))
-        if not (reuse and keep_owed):
+        else:
             self.guard.zero_on_skip(bufs[0])
+            self.guard.zero_on_skip(bufs[1])
         bufs[0].copy_(p)
         bufs[1].copy_(q)
         self._pending[name] = bufs

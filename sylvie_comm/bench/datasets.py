@@ -16,8 +16,11 @@ one folder per data set under :func:`data_root` (``$SYLVIE_COMM_DATA``, else
   (Debian's ``python3.11-doc``; 497 files, 11 MB), read as bytes for a byte-level language model; every
   tenth file (in sorted order) is held out for validation, so no document is split across the two.
 
-Every reader checks what it reads (IDX magic numbers, shapes and sizes, label range) and raises a
-``ValueError`` naming the file and what was expected.
+Every reader checks what it reads (IDX magic numbers, shapes and sizes, label range, the manifest's JSON) and
+raises a ``ValueError`` naming the file and what was expected. Every file a reader opens (the IDX files,
+``MANIFEST.json``, the files it names) goes through one check, ``_inside``: its path, symlinks resolved, must
+stay inside the data set's folder; and only regular files are opened (``_read_regular``: a FIFO, device,
+socket or directory is refused by its ``stat`` before any open, so a reader never waits on a pipe).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tarfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -64,16 +68,87 @@ def missing(name: str, root: Path | None = None) -> str | None:
         need = [folder / "MANIFEST.json"]
     else:
         raise ValueError(f"unknown data set {name!r}; expected one of {', '.join(IMAGE_SETS + TEXT_SETS)}")
-    absent = [str(p) for p in need if not p.is_file()]
+    # exists(), not is_file(): a FIFO or a folder in a file's place is not missing, its reader refuses it by name.
+    absent = [str(p) for p in need if not p.exists()]
     return f"{name}: {absent[0]} is missing (run scripts/data.sh)" if absent else None
+
+
+# ---------------------------------------------------------------------------------------------- opening files
+
+
+def _inside(folder: Path, name: str, named_in: Path | None = None) -> Path:
+    """``folder / name`` with its symlinks resolved, refused (a ValueError naming the file, and ``named_in``, the
+    manifest that names it, if any) unless it stays inside ``folder``: the one check of every file the readers
+    open, the IDX files, ``MANIFEST.json`` and the manifest's entries alike."""
+    what = f"{named_in}: {name!r}" if named_in is not None else str(folder / name)
+    if "\x00" in name:
+        raise ValueError(f"{what} holds a NUL byte; expected a relative path inside {folder}")
+    try:
+        root = folder.resolve()
+        path = (folder / name).resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop (Python 3.11)
+        raise ValueError(f"{what} cannot be resolved ({exc}); expected a file inside {folder}") from exc
+    if path == root:
+        raise ValueError(f"{what} names the data folder itself; expected a file inside {folder}")
+    if root not in path.parents:
+        raise ValueError(f"{what} points outside the data folder (to {path}); expected a file inside {folder}")
+    return path
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _not_regular(shown: Path, mode: int, expected: str) -> ValueError:
+    kind = next((what for test, what in _KINDS if test(mode)), f"not a file (mode {stat.filemode(mode)})")
+    return ValueError(f"{shown} is {kind}, not a regular file; expected a regular file: {expected}")
+
+
+def _read_regular(path: Path, shown: Path, expected: str) -> bytes:
+    """The bytes of ``path`` (resolved by ``_inside``; ``shown`` is the name errors give), a regular file.
+
+    Anything else is refused by ``os.stat`` before it is opened, and again on the open descriptor (opened with
+    ``O_NONBLOCK``, which leaves a regular file's reads as they are and never waits for a FIFO's writer), in case
+    the file was swapped in between. ``expected`` says what the file should hold.
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{shown} is missing; expected {expected} (run scripts/data.sh)") from None
+    except OSError as exc:
+        raise OSError(exc.errno, f"{exc.strerror}; expected {expected}", str(shown)) from exc
+    if not stat.S_ISREG(mode):
+        raise _not_regular(shown, mode, expected)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{exc.strerror}; expected {expected}", str(shown)) from exc
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(f.fileno()).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(shown, mode, expected)
+        return f.read()
+
+
+def _read_inside(folder: Path, name: str, named_in: Path | None, expected: str) -> bytes:
+    """The regular file ``name`` inside ``folder`` (``_inside``, then ``_read_regular``)."""
+    return _read_regular(_inside(folder, name, named_in), folder / name, expected)
 
 
 # ---------------------------------------------------------------------------------------------- IDX files
 
 
-def _read_idx(path: Path, dims: int) -> torch.Tensor:
-    """One IDX file of unsigned bytes with ``dims`` dimensions, checked against its header."""
-    raw = path.read_bytes()
+def _read_idx(folder: Path, name: str, dims: int) -> torch.Tensor:
+    """The IDX file ``name`` in ``folder``: unsigned bytes with ``dims`` dimensions, none empty, checked against
+    its header."""
+    path = folder / name
+    raw = _read_inside(folder, name, None, f"an IDX file of unsigned bytes with {dims} dimensions")
     if len(raw) < 4 + 4 * dims:
         raise ValueError(f"{path}: {len(raw)} bytes is shorter than an IDX header of {dims} dimensions")
     if raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08 or raw[3] != dims:
@@ -81,6 +156,9 @@ def _read_idx(path: Path, dims: int) -> torch.Tensor:
             f"{path}: IDX magic {raw[:4].hex()} is not 000008{dims:02x} (unsigned bytes, {dims} dimensions)"
         )
     shape = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(dims)]
+    if 0 in shape:
+        raise ValueError(f"{path}: header says shape {tuple(shape)}, an empty dimension; expected at least one "
+                         "item along every dimension (an empty split is a damaged data set)")  # fmt: skip
     body = len(raw) - 4 - 4 * dims
     expected = 1
     for n in shape:
@@ -107,9 +185,19 @@ class ImageSet:
         return int(self.labels.numel())
 
     def floats(self) -> torch.Tensor:
-        """The images as ``(n, 1, 28, 28)`` floats, normalized to mean 0 and unit variance over the set."""
+        """The images as ``(n, 1, 28, 28)`` floats, normalized to mean 0 and unit variance over the set.
+
+        The normalization is over the whole set (one mean, one standard deviation), so only a set whose every
+        pixel is equal has nothing to divide by: such a set is refused with a ValueError rather than turned into
+        NaN. :func:`read_image_folder` refuses it already, naming the file; this guards a set built by hand.
+        """
         x = self.images.float().div_(255.0).unsqueeze(1)
-        return (x - x.mean()) / x.std()
+        std = x.std() if x.numel() > 1 else x.new_zeros(())
+        if not float(std) > 0:
+            value = int(self.images.flatten()[0]) if self.images.numel() else None
+            raise ValueError(f"the {len(self)} images are constant (every pixel {value}); expected images that "
+                             "vary, which a unit-variance normalization needs")  # fmt: skip
+        return (x - x.mean()) / std
 
 
 def load_images(name: str, split: str, root: Path | None = None) -> ImageSet:
@@ -125,14 +213,25 @@ def load_images(name: str, split: str, root: Path | None = None) -> ImageSet:
 
 
 def read_image_folder(folder: Path, split: str) -> ImageSet:
-    """The ``split`` of the IDX files in ``folder`` (MNIST's layout), checked."""
+    """The ``split`` of the IDX files in ``folder`` (MNIST's layout), checked.
+
+    The files must be regular files inside ``folder`` (symlinks inside it are followed, out of it refused, as
+    for the text manifest's entries). A split whose every pixel is equal is refused naming its image file:
+    no real image set is constant, and the benchmarks' normalization to unit variance would divide by zero.
+    """
     if split not in IDX_FILES:
         raise ValueError(f"split must be one of {', '.join(IDX_FILES)}, got {split!r}")
     image_file, label_file = (folder / f for f in IDX_FILES[split])
-    images = _read_idx(image_file, 3)
-    labels = _read_idx(label_file, 1).long()
+    images = _read_idx(folder, image_file.name, 3)
+    labels = _read_idx(folder, label_file.name, 1).long()
     if images.shape[1:] != (28, 28):
         raise ValueError(f"{image_file}: images are {tuple(images.shape[1:])}, expected 28x28")
+    lo, hi = int(images.min()), int(images.max())
+    if lo == hi:
+        raise ValueError(
+            f"{image_file}: every pixel of its {images.shape[0]} images is {lo}; expected images that vary "
+            "(a constant set is damaged, and normalizing it to unit variance divides by zero)"
+        )
     if images.shape[0] != labels.shape[0]:
         raise ValueError(f"{folder}: {images.shape[0]} images but {labels.shape[0]} labels in the {split} split")
     if labels.numel() and int(labels.max()) > 9:
@@ -165,16 +264,25 @@ def load_text(name: str = "pydocs", root: Path | None = None) -> TextSet:
     if why is not None:
         raise FileNotFoundError(why)
     folder = (root or data_root()) / name
-    manifest = json.loads((folder / "MANIFEST.json").read_text())
+    manifest_file = folder / "MANIFEST.json"
+    shape = 'a JSON object {"files": [names]} (what prepare_pydocs writes)'
+    raw = _read_inside(folder, manifest_file.name, None, shape)
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{manifest_file}: is not UTF-8 ({exc.reason} at byte {exc.start}); expected {shape}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{manifest_file}: is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+                         f"expected {shape}") from exc  # fmt: skip
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{manifest_file}: holds a JSON {type(manifest).__name__}; expected {shape}")
     files = manifest.get("files")
     if not isinstance(files, list) or not files or not all(isinstance(f, str) for f in files):
-        raise ValueError(f"{folder / 'MANIFEST.json'}: 'files' must be a non-empty list of names")
+        raise ValueError(f"{manifest_file}: 'files' must be a non-empty list of names")
     train, val = bytearray(), bytearray()
     for i, rel in enumerate(files):
-        path = (folder / rel).resolve()
-        if folder.resolve() not in path.parents:
-            raise ValueError(f"{folder / 'MANIFEST.json'}: {rel!r} points outside {folder}")
-        (val if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else train).extend(path.read_bytes() + b"\n")
+        data = _read_inside(folder, rel, manifest_file, f"a text file of the corpus, named in {manifest_file}")
+        (val if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else train).extend(data + b"\n")
     if len(val) == 0 or len(train) == 0:
         raise ValueError(f"{folder}: {len(files)} file(s) leave no training or no validation bytes")
     return TextSet(torch.frombuffer(train, dtype=torch.uint8), torch.frombuffer(val, dtype=torch.uint8))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from sylvie_comm import _ops, kernels
-from sylvie_comm.bench.timing import peak_numpy_bytes, peak_torch_bytes, seconds_per_call, threads
+from sylvie_comm.bench.timing import cpu_model, peak_numpy_bytes, peak_torch_bytes, seconds_per_call, threads
 from sylvie_comm.kernels import reference as ref
 
 DEFAULT_SIZES = (1 << 20, 16 << 20, 64 << 20)
@@ -102,14 +101,8 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        "cpu": cpu_model() or "",
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "numpy": np.__version__,

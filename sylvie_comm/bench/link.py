@@ -58,6 +58,7 @@ import torch
 
 from sylvie_comm.bench.choices import unique_choices
 from sylvie_comm.bench.lab import Lab, LabError, ProgressBar, check_link, leave_worker, start_worker
+from sylvie_comm.bench.timing import cpu_model
 from sylvie_comm.bench.workloads import WORKLOADS, check_workload
 
 TORCH_CODECS: dict[str, str] = {
@@ -287,17 +288,9 @@ def worker_main(config_path: str) -> NoReturn:
 def machine() -> dict[str, Any]:
     import sylvie_comm
 
-    cpu_model = platform.processor() or None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
         "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model,
+        "cpu_model": cpu_model(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,

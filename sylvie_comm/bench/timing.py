@@ -13,6 +13,21 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name from ``/proc/cpuinfo``; else ``platform.processor()`` (which runs ``uname -p`` in a
+    process of its own on Linux, so it is asked only where the file cannot tell); None when neither knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or None
+
+
 def seconds_per_call(fn: Callable[[], Any], min_time: float = 0.2, max_calls: int = 50) -> float:
     """Median wall time of ``fn`` over repeated calls after one warm-up call.
 

@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import stat
 import tempfile
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
@@ -59,7 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sync-every", type=int, default=0, help="every K-th epoch synchronous (0: only the first)")
     p.add_argument("--partition", default="bfs", choices=list(METHODS),
                    help="bfs (default: plain torch, seeded), metis (needs pymetis) or random")  # fmt: skip
-    p.add_argument("--parts-dir", default=None, help="where rank 0 writes the partitions (default: a temp dir)")
+    p.add_argument("--parts-dir", default=None,
+                   help="where rank 0 writes the partitions (default: a private folder in this user's cache, "
+                   "$XDG_CACHE_HOME or ~/.cache: sylvie_comm/gnn-parts/<key>)")  # fmt: skip
     p.add_argument("--backend", default="auto", choices=["auto", "dgl", "torch"])
     p.add_argument("--grad-hook", default=None, help="a sylvie_comm.ddp hook for the weight gradients")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (the halo exchanges stay eager)")
@@ -74,12 +78,70 @@ def precision(bits: str) -> str:
     return {"32": "fp32", "16": "bf16", "fp16": "fp16"}.get(bits, f"q{bits}")
 
 
+def _private_base() -> tuple[Path, Path]:
+    """``(base, ours)``: this user's cache folder (``$XDG_CACHE_HOME``, else ``~/.cache``) and the demo's folder
+    in it; without a home folder the temp folder and ``sylvie_comm-<uid>`` in it. Only ``ours`` and the folders
+    below it are the demo's: :func:`private_folder` makes them private and refuses them when they are not."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    if os.path.isabs(xdg):  # a relative one is invalid (XDG Base Directory): ignored
+        return Path(xdg), Path(xdg) / "sylvie_comm"
+    home = os.path.expanduser("~")
+    if os.path.isabs(home):
+        return Path(home) / ".cache", Path(home) / ".cache" / "sylvie_comm"
+    tmp = Path(tempfile.gettempdir())
+    return tmp, tmp / f"sylvie_comm-{os.geteuid()}"
+
+
 def parts_folder(args: argparse.Namespace, world: int) -> str:
-    """``--parts-dir``, or a temp folder named after everything that decides the partitions."""
+    """``--parts-dir``, or a folder in this user's cache named after everything that decides the partitions
+    (``<cache>/sylvie_comm/gnn-parts/<key>``, see :func:`private_folder`), reused by a run with the same."""
     if args.parts_dir:
         return str(args.parts_dir)
     key = f"{args.dataset}/{args.nodes}/{args.features}/{args.seed}/{args.partition}/{world}"
-    return os.path.join(tempfile.gettempdir(), f"sylvie-comm-parts-{hashlib.sha1(key.encode()).hexdigest()[:12]}")
+    return str(_private_base()[1] / "gnn-parts" / hashlib.sha1(key.encode()).hexdigest()[:12])
+
+
+def private_folder(folder: str | Path) -> Path:
+    """The default partition folder ``folder``, made private (mode 0o700) where missing, else checked.
+
+    Its name is predictable, so each folder from the demo's own (``<cache>/sylvie_comm``) down to ``folder``
+    must be a folder (not a symbolic link) owned by this user that neither its group nor others may write to;
+    else PermissionError names it and what is wrong, and nothing in it is read or written (another user could
+    have planted parts there that pass every check, or made it unwritable).
+    """
+    folder = Path(folder)
+    base, ours = _private_base()
+    if folder != ours and ours not in folder.parents:
+        raise ValueError(f"gnn_full_graph: {folder} is not in the demo's private folder {ours}")
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)  # the user's own cache folder: made as XDG says
+    uid = os.geteuid()
+    current = base
+    for name in folder.relative_to(base).parts:
+        current = current / name
+        try:
+            os.mkdir(current, 0o700)
+            os.chmod(current, 0o700)  # whatever the umask
+        except FileExistsError:
+            pass
+        st = os.lstat(current)
+        mode = stat.S_IMODE(st.st_mode)
+        if stat.S_ISLNK(st.st_mode):
+            problem = f"is a symbolic link (to {os.readlink(current)})"
+        elif not stat.S_ISDIR(st.st_mode):
+            problem = "is not a folder"
+        elif st.st_uid != uid:
+            problem = f"is owned by uid {st.st_uid}, not by this user (uid {uid})"
+        elif mode & 0o022:
+            problem = f"is writable by its group or others (mode {mode:#o})"
+        else:
+            continue
+        where = "the default partition folder" if current == folder else f"on the way to the partition folder {folder}"
+        raise PermissionError(
+            f"gnn_full_graph: {current} {problem}; it is {where} (no --parts-dir), so expected a folder of this "
+            "user's that only this user may write to (mode 0o700, as the demo makes it): another user could "
+            "have planted parts there. Remove it (or chown it and chmod 700 it), or give --parts-dir"
+        )
+    return folder
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -88,12 +150,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     rank, world = rank_and_size()
     transport = horovod_transport()  # None under torchrun: the trainer uses the process group
 
+    folder = parts_folder(args, world)
+
     def make_graph() -> gdata.GraphData:
+        if not args.parts_dir:  # rank 0, before shared_partition reads the folder: a refusal reaches every rank
+            private_folder(folder)
         if args.dataset == "csbm":
             return gdata.csbm(num_nodes=args.nodes, feat_dim=args.features, seed=args.seed)
         return gdata.load_dataset(args.dataset, root=args.root)
 
-    part = shared_partition(make_graph, rank, world, parts_folder(args, world), args.partition, args.seed, transport)
+    part = shared_partition(make_graph, rank, world, folder, args.partition, args.seed, transport)
     config = TrainConfig(
         model=args.model, hidden=args.hidden, layers=args.layers, dropout=args.dropout, lr=args.lr,
         forward=precision(args.bits_fwd), backward=precision(args.bits_bwd), meta_dtype=args.meta_dtype,

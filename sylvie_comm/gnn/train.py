@@ -166,6 +166,13 @@ class Trainer:
             building one (called under the seeded lock, as our layers are made): see
             :mod:`sylvie_comm.integrations.pyg`. ``config.model``, ``hidden``, ``layers``, ``dropout`` and
             ``backend`` then do not apply; ``precompute_first`` exchanges the input's halo rows once.
+
+    Every training label must be a class index of the model: node data ``label`` of an integer dtype, each
+    training node's in ``[0, classes)``, where ``classes`` is 1 + the largest label of any node for our layers
+    (checked when the trainer is built) and a PyG model's logits' width (checked at its first forward, in
+    :meth:`train_epoch` or :meth:`evaluate`, against the label ranges the ranks exchanged when it was built).
+    Otherwise every rank raises the same ValueError, naming the label, its node and its partition. Labels of
+    nodes outside the training mask are not checked (unlabelled nodes may hold -1).
     """
 
     def __init__(
@@ -209,6 +216,14 @@ class Trainer:
                 raise ValueError("gnn: the partition needs node data 'feat', 'label' and 'train_mask'")
             if part.num_parts != self.world:
                 raise ValueError(f"gnn: {part.num_parts} partitions for {self.world} ranks; they must match")
+            label = part.ndata["label"]
+            if label.dim() != 1 or label.dtype.is_floating_point or label.dtype.is_complex or label.dtype == torch.bool:
+                raise ValueError(f"gnn: node data 'label' must hold integer class indices (a 1-D integer tensor, "
+                                 f"one per inner node), got a {label.dtype} tensor of shape {tuple(label.shape)} on "
+                                 f"partition {part.rank}; convert it with label.long()")  # fmt: skip
+            if part.ndata["train_mask"].shape != label.shape:
+                raise ValueError(f"gnn: node data 'train_mask' of shape {tuple(part.ndata['train_mask'].shape)} on "
+                                 f"partition {part.rank}; expected the labels' shape {tuple(label.shape)}")  # fmt: skip
             return config.validated()
 
         def describe(cfg: TrainConfig) -> dict[str, Any]:
@@ -221,6 +236,15 @@ class Trainer:
         else:
             self.config = build()
         cfg = self.config
+        # Every rank learns every rank's training-label range (the one collective of the label check): a label the
+        # model cannot take fails on every rank, not as an IndexError in one rank's loss while the others wait.
+        self.train_labels = self._gather_label_ranges(part)
+        # Our layers: one output per class up to the largest label of any node. A PyG model's width is its
+        # logits', checked at its first forward (_check_width) against the ranges agreed on here.
+        num_classes = max(r["classes"] for r in self.train_labels)
+        self.classes: int | None = None
+        if model is None:
+            self._check_width(num_classes)
         self.pipeline: HaloPipeline | None = None
         self.halo_transport: Transport | None = None
         if self.transport is not None and self.world > 1:
@@ -239,7 +263,6 @@ class Trainer:
             halo_x = self.pipeline.exchange_once(self.x) if self.pipeline is not None else self.x[:0]
             x_full = torch.cat([self.x, halo_x])  # a PyG model's convs take these rows themselves
             self.first_aggregate = x_full if model is not None else self.graph.first_aggregate(cfg.model, x_full)
-        num_classes = self._all_reduce_max(int(labels.max()) + 1 if labels.numel() else 0)  # host labels
         if model is not None:  # a PyG model: built (a factory, under the lock), checked and agreed on there
             from sylvie_comm.integrations.pyg import bind
 
@@ -289,10 +312,38 @@ class Trainer:
             self.transport.all_reduce(t).wait()
         return t
 
-    def _all_reduce_max(self, v: int) -> int:
+    def _gather_label_ranges(self, part: Partition) -> list[dict[str, Any]]:
+        """Each rank's ``classes`` (1 + its largest label of any node, 0 without nodes) and the smallest and
+        largest label of its training nodes, ``(label, global node id)`` each (None without training nodes)."""
+        labels, rows = part.ndata["label"], torch.nonzero(part.ndata["train_mask"]).view(-1)  # host tensors
+        mine: dict[str, Any] = {"classes": int(labels.max()) + 1 if labels.numel() else 0, "low": None, "high": None}
+        if rows.numel():
+            train = labels[rows].to("cpu", torch.int64)
+            inner = part.inner.to("cpu")
+            for key, at in (("low", torch.argmin(train)), ("high", torch.argmax(train))):  # their first rows
+                mine[key] = (int(train[at]), int(inner[rows[at]]))
         if self.transport is not None and self.world > 1:
-            return max(int(x) for x in self.transport.all_gather_object(v))
-        return v
+            return list(self.transport.all_gather_object(mine))
+        return [mine]
+
+    def _check_width(self, classes: int) -> None:
+        """ValueError unless every rank's training labels are in ``[0, classes)``: the same on every rank, which
+        all hold every rank's ranges (no collective). Once; ``self.classes`` records it."""
+        for rank, ranges in enumerate(self.train_labels):
+            for found in (ranges["low"], ranges["high"]):
+                if found is not None and not 0 <= found[0] < classes:
+                    label, node = found
+                    raise ValueError(f"gnn: node {node} (partition {rank}) has the training label {label}; expected "
+                                     f"a class index in [0, {classes}) for the model's {classes} outputs (every "
+                                     "training label must be one of the model's classes)")  # fmt: skip
+        self.classes = classes
+
+    def _checked(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits``, once their width is known to fit every rank's training labels (a PyG model's first
+        forward: the same on every rank, whose models the ranks agreed on)."""
+        if self.classes is None and logits.dim() == 2:
+            self._check_width(int(logits.shape[1]))
+        return logits
 
     def forward(self) -> torch.Tensor:
         """Logits of this rank's inner nodes."""
@@ -302,7 +353,7 @@ class Trainer:
         """Sum of cross-entropy over local training nodes / global training count (times the world size,
         because DDP averages gradients over ranks)."""
         m = self.train_idx
-        local = F.cross_entropy(logits[m], self.y[m], reduction="sum") / self.train_count
+        local = F.cross_entropy(self._checked(logits)[m], self.y[m], reduction="sum") / self.train_count
         return local * self.world
 
     def train_epoch(self) -> dict[str, Any]:
@@ -395,7 +446,7 @@ class Trainer:
         with torch.no_grad(), self._synchronous():
             logits = self.model(self.graph, self.x, self.first_aggregate)
             m = self.train_idx
-            loss = F.cross_entropy(logits[m], self.y[m], reduction="sum") / self.train_count
+            loss = F.cross_entropy(self._checked(logits)[m], self.y[m], reduction="sum") / self.train_count
             return self._accuracies(logits, loss)
 
     def settings(self) -> dict[str, Any]:

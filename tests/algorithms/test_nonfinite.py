@@ -4,11 +4,15 @@ Each algorithm runs in one process, ranks as threads of the in-process transport
 included) as the integrations drive it. One NaN (or Inf) in one element of one tensor on one rank at one step:
 every rank gets a non-finite average back, every rank's state (residuals, factors, owed updates) is bit for bit
 what it was before the step, the step is counted in ``skipped_nonfinite``, and the following steps are those of
-a run whose state went through that step untouched.
+a run whose state went through that step untouched (a run in which that step never happened), bit for bit.
+The bad step is an even and an odd one: ACP-SGD alternates P and Q steps, and a Q step owes its residual
+update to the next P step.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Collection
 from typing import Any
 
 import pytest
@@ -23,9 +27,24 @@ from sylvie_comm.config import Config
 SHAPES = {"a.weight": (12, 10), "a.bias": (12,), "b.weight": (6, 12), "b.bias": (6,)}
 # Two groups per step (as DDP's buckets): a NaN in one must restore the state of both.
 GROUPS = [["b.weight", "b.bias"], ["a.weight", "a.bias"]]
-STEPS = 11
-BAD_STEP = 8  # counted from 0, warm-up (2 steps) included; auto runs its candidates a second time from step 6
+STEPS = 12
+# Counted from 0, warm-up (2 steps) included, so compressed steps 6 and 7: ACP-SGD's P step and its Q step (whose
+# residual update is owed to the P step after it), each followed by a P and a Q step. auto runs its candidates a
+# second time from step 6 (none, fp16, acpsgd, onebit: step 8 is acpsgd's, 9 onebit's) and chooses by measured
+# time from step 10 (AUTO_CHOOSES): its later steps are compared only before then.
+BAD_STEPS = (8, 9)
+AUTO_CHOOSES = 10
 ALL = sorted(ALGORITHMS)
+# PowerSGD at its default rank ("auto") would send these small matrices raw (they would not shrink 2x), which
+# tests a plain average: rank 2 compresses both weights (test_the_weights_compress_here).
+OPTIONS: dict[str, dict[str, Any]] = {
+    "auto": {"candidates": ["none", "fp16", "acpsgd", "onebit"]},
+    "powersgd": {"rank": 2},
+}
+
+
+def config(name: str) -> Config:
+    return Config(codec=name, options=OPTIONS.get(name, {}))
 
 
 def grads(rank: int, step: int) -> dict[str, torch.Tensor]:
@@ -70,15 +89,27 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
     assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-def run(name: str, world: int, poison_at: dict[tuple[int, int], tuple[str, float]]) -> list[dict[str, Any]]:
-    """Per rank: outputs and state after every step; ``poison_at[(rank, step)] = (tensor, value)``."""
-    config = Config(codec=name, options={"candidates": ["none", "fp16", "acpsgd", "onebit"]} if name == "auto" else {})
+def run(
+    name: str, world: int, poison_at: dict[tuple[int, int], tuple[str, float]], steps: int = STEPS,
+    omit: Collection[int] = (), reload_at: int | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Per rank: outputs and state after every step; ``poison_at[(rank, step)] = (tensor, value)``; the steps
+    in ``omit`` are not run at all (their outputs and states are None); before step ``reload_at`` the
+    algorithm loads its own state (as a resume into a running process)."""
+    cfg = config(name)
 
     def body(tr: Any) -> dict[str, Any]:
-        alg = make_algorithm(name, tr, config.options, seed=3)
-        policy = Policy(alg, config)
-        outs, states = [], []
-        for step in range(STEPS):
+        alg = make_algorithm(name, tr, cfg.options, seed=3)
+        policy = Policy(alg, cfg)
+        outs: list[dict[str, torch.Tensor] | None] = []
+        states: list[Any] = []
+        for step in range(steps):
+            if step == reload_at:
+                alg.load_state_dict(alg.state_dict())
+            if step in omit:
+                outs.append(None)
+                states.append(None)
+                continue
             values = grads(tr.rank, step)
             hit = poison_at.get((tr.rank, step))
             if hit is not None:
@@ -97,24 +128,66 @@ def run(name: str, world: int, poison_at: dict[tuple[int, int], tuple[str, float
     return run_local(world, body)
 
 
+@functools.cache
+def untouched(
+    name: str, world: int, omit: tuple[int, ...], steps: int = STEPS, reload_at: int | None = None
+) -> list[dict[str, Any]]:
+    """A run with no bad input in which the steps ``omit`` never happen: what a skipped step must leave."""
+    return run(name, world, {}, steps, omit, reload_at)
+
+
+def assert_as_if_untouched(
+    name: str, ranks: list[dict[str, Any]], omit: tuple[int, ...], steps: int = STEPS, reload_at: int | None = None
+) -> None:
+    """The steps after the skipped ones are those of a run in which they never happened, bit for bit."""
+    ref = untouched(name, len(ranks), omit, steps, reload_at)
+    last = min(steps, AUTO_CHOOSES) if name == "auto" else steps
+    for rank, (r, e) in enumerate(zip(ranks, ref, strict=True)):
+        for s in (s for s in range(min(omit) + 1, last) if s not in omit):
+            assert_same(r["outs"][s], e["outs"][s], f"{name} rank {rank} step {s} output")
+            assert_same(fresh_as_absent(r["states"][s], e["states"][s]), e["states"][s], f"{name} rank {rank} step {s}")
+
+
+def fresh_as_absent(state: Any, ref: Any) -> Any:
+    """``state`` without the entries that ``ref`` lacks, each of which must be fresh (all zeros): the state a
+    skipped step created where there was none (auto's candidate whose first step was skipped)."""
+    if not isinstance(state, dict) or not isinstance(ref, dict):
+        return state
+    for k in set(state) - set(ref):
+        tensors = [t for t in tensors_in(state[k]) if t.any()]
+        assert not tensors, f"{k}: state made by a skipped step is not fresh"
+    return {k: fresh_as_absent(v, ref[k]) for k, v in state.items() if k in ref}
+
+
+def tensors_in(state: Any) -> list[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in tensors_in(v)]
+    return []
+
+
 def finite(outs: dict[str, torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in outs.values())
 
 
+@pytest.mark.parametrize("bad_step", BAD_STEPS)
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("name", ALL)
-def test_a_nonfinite_step_is_skipped_on_every_rank(name: str, world: int, value: float) -> None:
+def test_a_nonfinite_step_is_skipped_on_every_rank(name: str, world: int, value: float, bad_step: int) -> None:
     bad_rank = world - 1
     where = "a.weight" if name not in ("none",) else "a.bias"
-    ranks = run(name, world, {(bad_rank, BAD_STEP): (where, value)})
+    ranks = run(name, world, {(bad_rank, bad_step): (where, value)})
     for rank, r in enumerate(ranks):
         # the average handed back is not finite (so a GradScaler skips the step), on every rank
-        assert not finite(r["outs"][BAD_STEP]), f"rank {rank}: step {BAD_STEP} came back finite"
-        assert all(finite(o) for s, o in enumerate(r["outs"]) if s != BAD_STEP), f"rank {rank}: not recovered"
+        assert not finite(r["outs"][bad_step]), f"rank {rank}: step {bad_step} came back finite"
+        bad = [s for s, o in enumerate(r["outs"]) if s != bad_step and not finite(o)]
+        assert not bad, f"{name} rank {rank}: not recovered, steps {bad} not finite"
         # the state after the skipped step is the state before it, bit for bit
-        assert_same(r["states"][BAD_STEP], r["states"][BAD_STEP - 1], f"{name} rank {rank}")
+        assert_same(r["states"][bad_step], r["states"][bad_step - 1], f"{name} rank {rank}")
         assert r["skipped"] == 1
+    assert_as_if_untouched(name, ranks, (bad_step,))
     for s in range(STEPS):  # replicas agree
         for rank in range(1, world):
             for n in SHAPES:
@@ -122,14 +195,15 @@ def test_a_nonfinite_step_is_skipped_on_every_rank(name: str, world: int, value:
                 assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)), (s, n, rank)
 
 
+@pytest.mark.parametrize("bad_step", BAD_STEPS)
 @pytest.mark.parametrize("name", ALL)
-def test_the_steps_after_a_skip_do_not_depend_on_where_the_nonfinite_value_was(name: str) -> None:
+def test_the_steps_after_a_skip_do_not_depend_on_where_the_nonfinite_value_was(name: str, bad_step: int) -> None:
     """A NaN on rank 0 or an Inf on rank 1, in either group: the same decision, the same later steps."""
-    a = run(name, 2, {(0, BAD_STEP): ("a.weight", float("nan"))})
-    b = run(name, 2, {(1, BAD_STEP): ("b.weight", float("inf"))})
+    a = run(name, 2, {(0, bad_step): ("a.weight", float("nan"))})
+    b = run(name, 2, {(1, bad_step): ("b.weight", float("inf"))})
     # auto chooses by measured time after its probes (steps 2-9): compare its probe steps only
-    last = 10 if name == "auto" else STEPS
-    for s in range(BAD_STEP + 1, last):
+    last = AUTO_CHOOSES if name == "auto" else STEPS
+    for s in range(bad_step + 1, last):
         for n in SHAPES:
             assert torch.equal(a[0]["outs"][s][n], b[0]["outs"][s][n]), (name, s, n)
         assert_same(a[0]["states"][s], b[0]["states"][s], f"{name} step {s}")
@@ -150,6 +224,47 @@ def test_a_skipped_first_compressed_step_leaves_residuals_at_zero(name: str) -> 
 
         for t in residuals(r["states"][2]):
             assert not t.any()
+    assert_as_if_untouched(name, ranks, (2,))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", ALL)
+def test_overflows_as_a_grad_scaler_meets_them_cost_one_step_each(name: str, value: float) -> None:
+    """What a GradScaler run on 2 ranks sees: rank 1's gradient overflows at steps 3 and 5 (compressed steps
+    1 and 3: ACP-SGD's Q steps), then 10 finite steps. Each overflow is one skipped step; every later average
+    is finite on every rank, and as if the two steps never happened."""
+    steps = 16
+    ranks = run(name, 2, {(1, 3): ("a.weight", value), (1, 5): ("a.weight", value)}, steps)
+    for rank, r in enumerate(ranks):
+        assert [s for s, o in enumerate(r["outs"]) if not finite(o)] == [3, 5], f"{name} rank {rank}"
+        assert r["skipped"] == 2
+    assert_as_if_untouched(name, ranks, (3, 5), steps)
+
+
+@pytest.mark.parametrize("bad_step", BAD_STEPS)
+@pytest.mark.parametrize("name", ALL)
+def test_a_skipped_step_right_after_a_resume_owes_nothing(name: str, bad_step: int) -> None:
+    """State loaded into a running algorithm, then a skipped step: the copies of an update owed before the
+    load (the loaded residual has it applied) must not come back as owed."""
+    ranks = run(name, 2, {(1, bad_step): ("a.weight", float("nan"))}, reload_at=bad_step)
+    for r in ranks:
+        assert [s for s, o in enumerate(r["outs"]) if not finite(o)] == [bad_step]
+        assert r["skipped"] == 1
+    assert_as_if_untouched(name, ranks, (bad_step,), reload_at=bad_step)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_the_weights_compress_here(name: str) -> None:
+    """Else the tests above would test a plain average of the matrices (as they did PowerSGD's)."""
+
+    def body(tr: Any) -> list[bool]:
+        alg = make_algorithm(name, tr, config(name).options, seed=3)
+        policy = Policy(alg, config(name))
+        compress = [policy.member_options(n, SHAPES[n])[0] for n in ("a.weight", "b.weight")]
+        alg.close()
+        return compress
+
+    assert run_local(1, body) == [[True, True]]
 
 
 @pytest.mark.parametrize("name", ALL)

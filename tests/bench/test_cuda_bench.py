@@ -11,6 +11,7 @@ from sylvie_comm.bench import cuda
 from tests.gpu_marks import HAS_CUDA_KERNELS, needs_cuda
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(HAS_CUDA_KERNELS, reason="this machine has what the bench needs")
 def test_without_a_gpu_it_says_so_and_fails(tmp_path) -> None:
     proc = subprocess.run([sys.executable, "-m", "sylvie_comm.bench.cuda", "--out", str(tmp_path)],
@@ -29,6 +30,7 @@ def test_on_a_gpu_every_op_is_measured_against_the_copy(tmp_path) -> None:
     assert all(f"| {name} |" in table for name in result["ops"])
 
 
+@pytest.mark.multiprocess
 def test_the_hook_host_time_bench_runs_every_hook_next_to_pytorchs(tmp_path) -> None:
     out = tmp_path / "hooks.json"
     proc = subprocess.run([sys.executable, "-m", "sylvie_comm.bench.hooks", "--layers", "3", "--steps", "2",

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import tarfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,142 @@ def test_the_installed_fashion_mnist_and_text() -> None:
     text = ds.load_text("pydocs")
     assert text.train.numel() > 5_000_000 and text.val.numel() > 500_000
     assert b"Python" in bytes(text.val[:200_000].tolist())
+
+
+# ---------------------------------------------------------------------------------------------- what gets opened
+
+WAIT_S = 5.0  # a reader that has not returned by then is blocked (each case takes milliseconds)
+
+
+def _returns_in_time(fn, fifo: Path) -> BaseException | None:
+    """Run ``fn`` on a thread; fail if it is still running after WAIT_S (blocked opening ``fifo``: unblocked here
+    by opening the FIFO's other end, so the thread ends and the suite goes on). Returns what ``fn`` raised."""
+    raised: list[BaseException | None] = [None]
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            raised[0] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(WAIT_S)
+    if t.is_alive():
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # the reader is waiting: this open succeeds, EOF follows
+        os.close(fd)
+        t.join(WAIT_S)
+        pytest.fail(f"blocked for {WAIT_S:.0f} s opening the FIFO {fifo}")
+    return raised[0]
+
+
+def text_folder(tmp_path: Path, n: int = 20) -> Path:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(max(n, 100)):
+        (docs / f"f{i:03d}.rst.txt").write_text(f"file {i}\n")
+    ds.prepare_pydocs(docs, tmp_path / "root", "test")
+    return tmp_path / "root" / "pydocs"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_is_refused_naming_it_never_opened_blocking(tmp_path: Path) -> None:
+    """A FIFO named in the manifest, as the manifest, or as an IDX file: refused before it is opened."""
+    folder = text_folder(tmp_path)
+    entry = folder / "f003.rst.txt"
+    entry.unlink()
+    os.mkfifo(entry)
+    err = _returns_in_time(lambda: ds.load_text("pydocs", tmp_path / "root"), entry)
+    assert isinstance(err, ValueError) and f"{entry} is a FIFO" in str(err), err
+    assert "expected a regular file" in str(err)
+
+    manifest = folder / "MANIFEST.json"
+    manifest.unlink()
+    os.mkfifo(manifest)
+    err = _returns_in_time(lambda: ds.load_text("pydocs", tmp_path / "root"), manifest)
+    assert isinstance(err, ValueError) and f"{manifest} is a FIFO" in str(err), err
+
+    images = image_folder(tmp_path) / ds.IDX_FILES["train"][0]
+    images.unlink()
+    os.mkfifo(images)
+    err = _returns_in_time(lambda: ds.load_images("mnist", "train", root=tmp_path), images)
+    assert isinstance(err, ValueError) and f"{images} is a FIFO" in str(err), err
+
+
+def test_a_directory_where_a_file_is_expected_is_refused_naming_it(tmp_path: Path) -> None:
+    folder = text_folder(tmp_path)
+    (folder / "sub").mkdir()
+    (folder / "MANIFEST.json").write_text(json.dumps({"files": [f"f{i:03d}.rst.txt" for i in range(9)] + ["sub"]}))
+    with pytest.raises(ValueError, match=rf"{folder / 'sub'} is a directory, not a regular file; expected"):
+        ds.load_text("pydocs", tmp_path / "root")
+
+
+def test_an_idx_header_with_an_empty_dimension_is_refused_naming_the_file(tmp_path: Path) -> None:
+    folder = image_folder(tmp_path)
+    path = folder / ds.IDX_FILES["train"][0]
+    path.write_bytes(bytes([0, 0, 8, 3]) + b"".join(n.to_bytes(4, "big") for n in (0, 28, 28)))
+    with pytest.raises(ValueError, match="empty dimension") as err:
+        ds.load_images("mnist", "train", root=tmp_path)
+    assert str(path) in str(err.value) and "shape (0, 28, 28)" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"files": [', r"is not valid JSON \(line 1, column 12"),
+        (b"\xff\xfe{}", "is not UTF-8"),
+        (b'["f000.rst.txt"]', r"holds a JSON list; expected a JSON object \{\"files\": \[names\]\}"),
+        (json.dumps({"files": ["f000.rst.txt", "a\x00b"]}).encode(), r"'a\\x00b' holds a NUL byte"),
+        (json.dumps({"files": [""]}).encode(), "'' names the data folder itself"),
+    ],
+)
+def test_a_bad_manifest_is_refused_naming_it(tmp_path: Path, content: bytes, message: str) -> None:
+    folder = text_folder(tmp_path)
+    manifest = folder / "MANIFEST.json"
+    manifest.write_bytes(content)
+    with pytest.raises(ValueError, match=message) as err:
+        ds.load_text("pydocs", tmp_path / "root")
+    assert str(manifest) in str(err.value)
+
+
+def test_idx_files_and_manifest_entries_stay_inside_the_data_folder_alike(tmp_path: Path) -> None:
+    """A symlink out of the data folder is refused for an IDX file as for a manifest entry; one inside is read."""
+    folder = image_folder(tmp_path)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    name = ds.IDX_FILES["train"][0]
+    (folder / name).rename(outside / name)
+    (folder / name).symlink_to(outside / name)
+    with pytest.raises(ValueError, match="outside") as err:
+        ds.load_images("mnist", "train", root=tmp_path)
+    assert str(folder / name) in str(err.value) and f"expected a file inside {folder}" in str(err.value)
+    (folder / name).unlink()
+    (folder / "real").mkdir()
+    (outside / name).rename(folder / "real" / name)
+    (folder / name).symlink_to(Path("real") / name)  # inside: fine
+    assert len(ds.load_images("mnist", "train", root=tmp_path)) == 5
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "mnist").symlink_to(folder)  # the whole folder linked: its files are inside it
+    assert len(ds.load_images("mnist", "train", root=tmp_path / "linked")) == 5
+
+    texts = text_folder(tmp_path)
+    (outside / "secret.txt").write_text("secret\n")
+    (texts / "f005.rst.txt").unlink()
+    (texts / "f005.rst.txt").symlink_to(outside / "secret.txt")
+    with pytest.raises(ValueError, match="outside") as err:
+        ds.load_text("pydocs", tmp_path / "root")
+    assert str(texts / "MANIFEST.json") in str(err.value) and "'f005.rst.txt'" in str(err.value)
+
+
+def test_constant_images_are_refused_naming_the_file_never_nan(tmp_path: Path) -> None:
+    """Every pixel equal: a corrupt set (normalizing it would divide by a zero std); an ImageSet built by hand
+    refuses floats() instead of returning NaN."""
+    folder = tmp_path / "mnist"
+    for split in ds.IDX_FILES:
+        write_split(folder, split, torch.full((4, 28, 28), 7, dtype=torch.uint8), torch.arange(4, dtype=torch.uint8))
+    path = folder / ds.IDX_FILES["train"][0]
+    with pytest.raises(ValueError, match="every pixel of its 4 images is 7") as err:
+        ds.load_images("mnist", "train", root=tmp_path)
+    assert str(path) in str(err.value)
+    with pytest.raises(ValueError, match="constant"):
+        ds.ImageSet(torch.zeros(3, 28, 28, dtype=torch.uint8), torch.zeros(3, dtype=torch.int64)).floats()

@@ -186,6 +186,7 @@ def test_a_row_whose_register_raises_is_skipped_with_its_error(monkeypatch):
     assert len(ticks) == 5  # its steps still move the progress bar
 
 
+@pytest.mark.multiprocess
 def test_the_command_line_needs_a_link_and_known_rows():
     proc = subprocess.run([sys.executable, "-m", "sylvie_comm.cli", "bench", "fsdp"], capture_output=True, text=True,
                           timeout=60)  # fmt: skip
@@ -196,7 +197,6 @@ def test_the_command_line_needs_a_link_and_known_rows():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow
 def test_a_small_real_run_on_plain_gloo_without_the_lab():
     rows = ["fsdp2", "fsdp2-bf16", "none", "no-comm"]
     rec = bf.run("none", 2, rows, model="small", shaped=False, timeout=300, echo=None, progress=False)

@@ -12,6 +12,7 @@ import torch
 from sylvie_comm.bench import gnn as bg
 from sylvie_comm.bench import gnn_link as gl
 from sylvie_comm.bench import lab as bl
+from tests.lab_marks import needs_lab
 
 TINY = {"workers": 2, "epochs": 2, "settings": ["vanilla", "sylvie"], "nodes": 2000, "hidden": 32, "timeout": 120}
 
@@ -45,6 +46,7 @@ def _check_record(rec: dict, links: list[str]) -> None:
     assert rec["results"]["none"]["settings"]["sylvie"]["vs_unshaped"] == 1.0
 
 
+@pytest.mark.multiprocess
 def test_tiny_run_on_loopback_is_consistent_and_says_so():
     banners: list[str] = []
     rec = gl.run(["none", "100mbit"], shaped=False, echo=banners.append, progress=False, **TINY)
@@ -58,7 +60,7 @@ def test_tiny_run_on_loopback_is_consistent_and_says_so():
     assert rec["goal"]["met"] is None
 
 
-@pytest.mark.skipif(bl.unavailable_reason() is not None, reason=f"no network lab here: {bl.unavailable_reason()}")
+@needs_lab
 @pytest.mark.multiprocess
 def test_tiny_run_on_shaped_links_from_the_command_line(tmp_path):
     out = tmp_path / "gnn-link.json"

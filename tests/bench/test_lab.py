@@ -14,10 +14,10 @@ import pytest
 from sylvie_comm.bench import lab as bl
 from sylvie_comm.bench import labnet
 from sylvie_comm.bench.lab import LAB_PREFIX, Lab, LabError
+from tests.lab_marks import needs_lab
 
 pytestmark = pytest.mark.multiprocess
 
-needs_netns = pytest.mark.skipif(bl.unavailable_reason() is not None, reason=f"no lab here: {bl.unavailable_reason()}")
 
 # Rank 1 receives NBYTES from rank 0 and prints the rate it saw, from its first byte to its last.
 THROUGHPUT = r"""
@@ -66,7 +66,7 @@ def _tc(ns: str, dev: str) -> str:
     return subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
 
 
-@needs_netns
+@needs_lab
 @pytest.mark.parametrize(("link", "nbytes"), [("100mbit", 8 << 20), ("1gbit", 30 << 20)])
 def test_shaped_link_carries_the_rate_asked_for(link, nbytes):
     lines: list[str] = []
@@ -90,7 +90,7 @@ def test_shaped_link_carries_the_rate_asked_for(link, nbytes):
     assert not [n for n in bl.namespaces() if n.startswith(lab.prefix)]
 
 
-@needs_netns
+@needs_lab
 def test_workers_use_the_distributed_environment_in_their_namespaces():
     with Lab(2, "none", echo=None) as lab:
         results = lab.run([sys.executable, "-c", RENDEZVOUS], timeout=30)
@@ -98,7 +98,7 @@ def test_workers_use_the_distributed_environment_in_their_namespaces():
     assert f"ENV {lab.addresses[0]} 2 1 eth0" in results[1].output
 
 
-@needs_netns
+@needs_lab
 def test_killed_worker_fails_the_run_and_the_lab_still_cleans_up(monkeypatch):
     monkeypatch.setattr(bl, "GRACE_SECONDS", 0.5)
     with pytest.raises(LabError, match=r"rank 0 failed \(exit -9\)") as info, Lab(2, "100mbit", echo=None) as lab:
@@ -113,7 +113,7 @@ def test_killed_worker_fails_the_run_and_the_lab_still_cleans_up(monkeypatch):
     assert all(p.poll() is not None for p in procs)
 
 
-@needs_netns
+@needs_lab
 def test_run_past_its_time_is_killed_with_the_output_tail():
     t0 = time.monotonic()
     with pytest.raises(LabError, match="ran past the 1 s limit") as info, Lab(2, "none", echo=None) as lab:
@@ -122,7 +122,7 @@ def test_run_past_its_time_is_killed_with_the_output_tail():
     assert bl.namespaces(lab.prefix) == []
 
 
-@needs_netns
+@needs_lab
 def test_cleanup_removes_the_leftovers_of_a_killed_owner():
     owner = subprocess.Popen(
         [sys.executable, "-c",
@@ -148,7 +148,7 @@ def test_cleanup_removes_the_leftovers_of_a_killed_owner():
     assert _gone(int(worker))  # the worker in the namespace went with it
 
 
-@needs_netns
+@needs_lab
 def test_cleanup_removes_hosts_files_whose_namespace_is_gone():
     dead = labnet.NETNS_ETC / f"{LAB_PREFIX}999999999-dead-0"  # no such owner pid
     dead.mkdir(parents=True)
@@ -166,7 +166,7 @@ OWNER = (
 )
 
 
-@needs_netns
+@needs_lab
 @pytest.mark.parametrize("head", ["mine", "999999999", "1"])
 def test_cleanup_keeps_a_live_lab_with_its_own_run_id_and_removes_it_once_the_owner_is_gone(head, capsys):
     """However a lab is named: no pid in its name, a pid that does not run, a pid that runs (1) but is not its owner."""
@@ -195,7 +195,7 @@ def test_cleanup_keeps_a_live_lab_with_its_own_run_id_and_removes_it_once_the_ow
     assert _gone(int(worker))
 
 
-@needs_netns
+@needs_lab
 def test_a_second_lab_with_a_run_id_in_use_leaves_the_first_alone():
     runid = f"twice-{secrets.token_hex(3)}"
     with Lab(1, "none", runid=runid, echo=None) as first:
@@ -214,7 +214,7 @@ def test_a_second_lab_with_a_run_id_in_use_leaves_the_first_alone():
     assert bl.namespaces(first.prefix) == [] and not (labnet.OWNERS_DIR / runid).exists()
 
 
-@needs_netns
+@needs_lab
 def test_closing_a_lab_leaves_a_lab_whose_run_id_extends_its_own():
     base = f"nest-{secrets.token_hex(3)}"
     with Lab(1, "none", runid=f"{base}-x", echo=None) as inner:
@@ -225,7 +225,7 @@ def test_closing_a_lab_leaves_a_lab_whose_run_id_extends_its_own():
     assert bl.namespaces(outer.prefix) == []
 
 
-@needs_netns
+@needs_lab
 def test_a_run_id_left_by_a_killed_owner_is_taken_over():
     runid = f"again-{secrets.token_hex(3)}"
     owner = subprocess.Popen([sys.executable, "-c", OWNER, runid], stdout=subprocess.PIPE, text=True)
@@ -305,7 +305,7 @@ def test_bad_values_are_named():
         bl.cleanup("other-")
 
 
-@needs_netns
+@needs_lab
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_the_owner_removes_the_lab_then_ends_it(sig):
     owner = subprocess.Popen(

@@ -13,10 +13,10 @@ from sylvie_comm.bench import horovod as bh
 from sylvie_comm.bench import lab as bl
 from sylvie_comm.bench import labnet
 from sylvie_comm.bench.lab import Lab, LabError
+from tests.lab_marks import lab_skip, needs_lab
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.lab]  # the lab's launchers, shaped where root
 
-needs_netns = pytest.mark.skipif(bl.unavailable_reason() is not None, reason=f"no lab here: {bl.unavailable_reason()}")
 needs_horovod = pytest.mark.skipif(bh.available() is not None, reason=f"no Horovod here: {bh.available()}")
 
 # What a rank sees: the rank its launcher gave it, the address of its eth0, its network namespace and environment.
@@ -51,7 +51,7 @@ def _netns_inode(name: str) -> int:
     return os.stat(f"/run/netns/{name}").st_ino
 
 
-@needs_netns
+@needs_lab
 def test_torchrun_starts_rank_i_in_namespace_i_with_its_address(tmp_path):
     script = tmp_path / "who.py"
     script.write_text(WHOAMI)
@@ -81,7 +81,7 @@ def test_torchrun_on_the_loopback_fallback(tmp_path):
         assert (rank, world, master, iface, omp, launcher) == (str(i), "2", "127.0.0.1", "lo", "1", "torchrun")
 
 
-@needs_netns
+@needs_lab
 @needs_horovod
 def test_horovodrun_from_worker_0_runs_an_allreduce_with_each_rank_in_its_namespace(tmp_path):
     script = tmp_path / "hvd.py"
@@ -113,7 +113,7 @@ def test_horovodrun_on_the_loopback_fallback(tmp_path):
     assert totals == [3.0, 3.0]
 
 
-@needs_netns
+@needs_lab
 def test_ssh_shim_runs_the_command_in_the_hosts_namespace_and_refuses_other_hosts():
     with Lab(2, "none", echo=None) as lab:
         shim = str(lab.ssh_shim())
@@ -148,7 +148,7 @@ time.sleep(120)
 
 @pytest.mark.parametrize(
     ("launcher", "shaped"),
-    [pytest.param("torchrun", True, marks=needs_netns), ("torchrun", False),
+    [pytest.param("torchrun", True, marks=lab_skip), ("torchrun", False),
      pytest.param("horovodrun", False, marks=needs_horovod)],
 )  # fmt: skip
 def test_launched_workers_are_killed_with_the_run_and_nothing_is_left(tmp_path, launcher, shaped):

@@ -12,7 +12,8 @@ from sylvie_comm.bench import horovod as bh
 from sylvie_comm.bench import lab as bl
 from sylvie_comm.bench import link
 
-pytestmark = pytest.mark.multiprocess
+# The DDP lab benchmark: a lab with namespaces where root, the loopback fallback elsewhere (both checked).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.lab]
 
 
 def test_two_workers_two_codecs_two_rounds_on_a_shaped_link(tmp_path):

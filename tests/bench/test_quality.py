@@ -64,7 +64,7 @@ def test_summary_gives_points_for_accuracy_and_percent_for_loss() -> None:
     assert "| x | 88.50 | -1.50 |" in quality.format_table(res("cnn", 90.0, 88.5))
 
 
-@pytest.mark.slow
+@pytest.mark.quality
 def test_a_short_run_on_fashion_mnist_trains_and_diagnoses() -> None:
     """Two gloo ranks, 30 steps: plain DDP and one-bit from the same seed; replicas equal, bytes counted, the
     diagnosis filled for every kind of layer the CNN has (plain DDP's sent gradient is the true one)."""
@@ -83,7 +83,7 @@ def test_a_short_run_on_fashion_mnist_trains_and_diagnoses() -> None:
     assert all(0.2 < row["one_shot_removed"] < 0.9 for row in onebit["diagnosis"].values())
 
 
-@pytest.mark.slow
+@pytest.mark.quality
 def test_fashion_mnist_cnn_under_sgd_momentum_seed_0() -> None:
     """200 steps of the CNN at SGD momentum 0.9 on 2 ranks: PowerSGD and q-bit stay with plain DDP, and
     one-bit's RMS scale (the default) keeps far more than the mean scale.

@@ -86,6 +86,7 @@ def same_graph(a, b):
 needs_ogb = pytest.mark.skipif(not _deps.WITH_OGB, reason="ogb not installed")
 
 
+@pytest.mark.multiprocess
 @needs_ogb
 def test_ogb_loader_handles_ogb_traps(tmp_path):
     src, dst = write_tiny_arxiv(tmp_path)

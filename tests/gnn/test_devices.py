@@ -121,9 +121,12 @@ def test_the_exchanger_encodes_exchanges_and_decodes_on_meta(world: int, precisi
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
-# Every precision; error feedback with two of the q-bit ones (the exchanger test covers the rest).
-@pytest.mark.parametrize("precision,feedback", [(p, p in ("q1", "q4")) for p in FORMS])
-@pytest.mark.parametrize("world", [1, 2, 4])
+# Every precision at two ranks, error feedback with two of the q-bit ones (the exchanger test covers the rest at
+# every world size); one rank (no halo) and four with one-bit and fp32.
+@pytest.mark.parametrize(
+    "world,precision,feedback",
+    [(2, p, p in ("q1", "q4")) for p in FORMS] + [(1, "q1", True), (4, "q1", True), (4, "fp32", False)],
+)
 def test_the_pipeline_runs_forward_and_backward_on_meta(world: int, precision: str, feedback: bool,
                                                         staleness: int) -> None:  # fmt: skip
     """Epochs of two exchanging layers through the autograd op, stale epochs included; state and a restore."""

@@ -43,6 +43,7 @@ def test_row_format_round_trip(precision, meta):
         assert fmt.row_bytes == 5 + (8 if meta == "fp32" else 4)
 
 
+@pytest.mark.multiprocess
 def test_dgl_compat_import_warns_once_in_a_fresh_process():
     if not _deps.graphbolt_library_missing():
         pytest.skip("this DGL has graphbolt for the running torch, or DGL is absent")

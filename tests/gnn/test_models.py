@@ -98,7 +98,7 @@ def final_accuracy(backend: str) -> dict[str, float]:
     return {"loss": last["loss"], **{k: v for k, v in tr.evaluate().items() if k.endswith("acc")}}
 
 
-@pytest.mark.slow
+@pytest.mark.quality
 def test_default_backend_is_as_accurate_as_torch():
     """The backend "auto" picks (DGL when it imports) reaches the torch backend's loss and accuracy
     (3-layer SAGE, 30 Adam epochs on a generated graph): it trains the same model."""

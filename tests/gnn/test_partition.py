@@ -145,6 +145,7 @@ def partition_digest_in_fresh_process(method, seed):
     return out.stdout.strip()
 
 
+@pytest.mark.multiprocess
 def test_metis_gives_the_same_partition_in_every_process():
     """Two fresh processes and this one partition the same graph with the same seed identically."""
     digests = [partition_digest_in_fresh_process("metis", 0) for _ in range(2)]

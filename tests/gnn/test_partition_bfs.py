@@ -96,6 +96,7 @@ print(h.hexdigest())
 """
 
 
+@pytest.mark.multiprocess
 def test_the_same_parts_in_every_process_whatever_the_threads():
     digests = set()
     for threads in (1, 4):

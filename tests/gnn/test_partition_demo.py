@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import sylvie_comm.demo as demo
 from sylvie_comm.gnn.partition import METHODS
 
@@ -27,6 +29,7 @@ _CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.multiprocess
 def test_the_gnn_module_partitions_without_pymetis_by_default(tmp_path):
     out = tmp_path / "gnn.json"
     args = ["--nodes", "300", "--epochs", "1", "--backend", "torch", "--parts-dir", str(tmp_path / "parts"),

@@ -116,7 +116,7 @@ def _accuracy_worker(rank: int, world: int, config: dict[str, Any], epochs: int,
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.quality
 def test_one_bit_with_staleness_one_keeps_accuracy(tmp_path):
     """On the embedded data set: 1-bit halos + S = 1 within 1 point of fp32 synchronous training.
 

@@ -172,6 +172,7 @@ def _ogb_processed(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.multiprocess
 def test_ogbs_own_pickles_are_read_without_running_code(tmp_path):
     """Without raw files, the data_processed that ogb itself writes (protocol 4) and a split_dict.pt of numpy
     arrays are read by the numpy-only unpickler and give the same graph as the raw files."""

@@ -200,3 +200,98 @@ def rules(rank: int, world: int) -> dict[str, Any]:
     out = {"layouts": layouts, "names": sorted(state.state_dict()["params"]), "stats": state.stats()}
     state.close()
     return out
+
+
+def tiny_mlp(mesh: Any = None, seed: int = 0) -> nn.Module:
+    """8-16-4, ``fully_shard`` on each Linear and on the root: for the tests of register's checks."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    kw: dict[str, Any] = {"mesh": mesh} if mesh is not None else {}
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def _tiny_steps(model: nn.Module, rank: int, steps: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(6, 8, generator=g)).square().mean().backward()
+        opt.step()
+
+
+def _attempt(fn: Any) -> str:
+    """The error of ``fn()`` as ``Type: message``, or ``no error`` (a state it returned is closed)."""
+    try:
+        state = fn()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    state.close()
+    return "no error"
+
+
+def register_twice(rank: int, world: int) -> dict[str, Any]:
+    """A model registered twice: refused while the first state is open; after its close() a new one serves."""
+    model = tiny_mlp()
+    first = sylvie_comm.fsdp.register(model, "qsgd")
+    out: dict[str, Any] = {
+        "again": _attempt(lambda: sylvie_comm.fsdp.register(model, "fp16")),
+        "unit": _attempt(lambda: sylvie_comm.fsdp.register(model[0], "fp16")),  # one of its units
+    }
+    _tiny_steps(model, rank, 2)
+    out["first_bytes"] = first.stats()["bytes_sent"]
+    first.close()
+    second = sylvie_comm.fsdp.register(model, "fp16")
+    first.close()  # idempotent: a closed state leaves the units of a later one alone
+    _tiny_steps(model, rank, 2)
+    out["second_bytes"] = second.stats()["bytes_sent"]
+    out["first_bytes_after"] = first.stats()["bytes_sent"]
+    second.close()
+    return out
+
+
+def replica_groups(rank: int, world: int) -> dict[str, Any]:
+    """HSDP (4 ranks, 2 replicas of 2 shards): ``replicas`` groups that are not the replica dimension of the
+    model's mesh, refused at register; the right one trains and refuses a second register; a replica group of
+    another size than the shard group (a 1x4 mesh) lays the shards out by the shard group's size."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    full = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    shard, good = full["shard"], full["replicate"].get_group()
+    reg = sylvie_comm.fsdp.register
+    out: dict[str, Any] = {
+        "world": _attempt(lambda: reg(tiny_mlp(shard), "acpsgd", replicas=dist.group.WORLD)),
+        "shard_group": _attempt(lambda: reg(tiny_mlp(shard), "acpsgd", replicas=shard.get_group())),
+        "native_hsdp": _attempt(lambda: reg(tiny_mlp(full), "acpsgd", replicas=good)),
+        "one_d": _attempt(lambda: reg(tiny_mlp(), "acpsgd", replicas=dist.group.WORLD)),  # default 1-D mesh
+    }
+    model = tiny_mlp(shard)
+    state = reg(model, "acpsgd", replicas=good)
+    out["twice"] = _attempt(lambda: reg(model, "acpsgd", replicas=good))
+    _tiny_steps(model, rank, 2)
+    out["good_bytes"] = state.stats()["bytes_sent"]
+    state.close()
+    # One replica of four shards: the replica group has 1 rank, the shard group 4.
+    wide = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    params = {}
+    for codec in (None, "none"):
+        model = tiny_mlp(wide["shard"])
+        state = reg(model, codec, replicas=wide["replicate"].get_group()) if codec else None
+        try:
+            _tiny_steps(model, rank, 2)
+        except ValueError as exc:
+            out["wide"] = f"ValueError: {exc}"
+            return out
+        finally:
+            if state is not None:
+                state.close()
+        params[codec or "fsdp"] = _params(model)
+    same = all(torch.equal(params["fsdp"][n], params["none"][n]) for n in params["fsdp"])
+    out["wide"] = "bitwise" if same else "differs"
+    return out

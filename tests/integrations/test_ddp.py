@@ -263,7 +263,7 @@ def _convergence_worker(rank: int, world: int, optimizer: str) -> dict[str, Any]
             for name in ("none", *FEEDBACK_HOOKS)}  # fmt: skip
 
 
-@pytest.mark.slow
+@pytest.mark.quality
 @pytest.mark.parametrize("optimizer", CONVERGENCE_OPTIMIZERS)
 def test_error_feedback_hooks_train_as_well_as_plain_ddp(optimizer: str) -> None:
     """Digits, MLP 64-256-256-10, 300 steps, default hook options, at SGD momentum 0.9 and at Adam.

@@ -53,7 +53,7 @@ def _convergence(rank: int, world: int, optimizer: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.quality
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)  # one test each, so that a parallel run can spread them
 def test_every_codec_trains_digits_within_a_point_of_plain_fsdp(optimizer: str) -> None:
     res = run_distributed(_convergence, 2, optimizer, timeout=1200)[0]
@@ -87,7 +87,7 @@ def _hsdp(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.quality
 def test_hsdp_low_rank_replica_all_reduce_trains_within_a_point() -> None:
     """4 ranks, 2 replicas of 2 shards: FSDP's own HSDP against fully_shard on the shard dimension with
     ACP-SGD / PowerSGD averaging each rank's shard (a block of rows of each weight) across the replicas; a

@@ -186,7 +186,7 @@ def test_horovod_optimizer_matches_ddp_hook(checks):
 # ---------------------------------------------------------------- convergence
 
 
-@pytest.mark.slow
+@pytest.mark.quality
 def test_every_algorithm_trains_digits_like_horovod(tmp_path):
     """digits MLP, SGD momentum 0.9, 300 steps on 2 ranks: every codec's mean test accuracy over two seeds
     within 1 point of Horovod's without compression (default options)."""

@@ -12,7 +12,6 @@ from sylvie_comm.collectives import wire_bytes
 
 pytestmark = [
     pytest.mark.multiprocess,
-    pytest.mark.slow,
     pytest.mark.skipif(shutil.which("horovodrun") is None, reason="Horovod is not installed (scripts/horovod.sh)"),
 ]
 

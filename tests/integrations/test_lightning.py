@@ -133,6 +133,7 @@ def test_arguments_we_cannot_honour_are_refused_with_the_reason(run: dict[str, A
     assert "tensor_parallel_size must be 1, got 2" in refused["tensor_parallel_size"]
 
 
+@pytest.mark.multiprocess  # a fresh interpreter: a subprocess
 def test_import_sylvie_comm_imports_neither_framework() -> None:
     frameworks = "{'lightning', 'pytorch_lightning', 'accelerate'}"
     code = ("import sys, sylvie_comm, sylvie_comm.accelerate, sylvie_comm.ddp, sylvie_comm.fsdp; "

@@ -192,7 +192,7 @@ class Sage2(nn.Module):
         return self.conv2(x, edge_index)  # type: ignore[no-any-return]
 
 
-@pytest.mark.slow
+@pytest.mark.quality
 def test_one_bit_halos_with_staleness_one_keep_accuracy():
     """1-bit halos (both directions) with staleness 1: test accuracy within 1 point of fp32 synchronous training,
     averaged over three seeds (one seed's accuracy moves by about a point with the seed alone: 85.5-87.3 in fp32

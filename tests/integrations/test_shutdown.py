@@ -154,7 +154,7 @@ def test_a_state_released_on_its_groups_thread_after_destroy_exits_cleanly():
     assert not _runs("late", 1)
 
 
-@pytest.mark.slow
+@pytest.mark.quality
 def test_every_process_exits_cleanly_after_training_with_every_hook():
     """15 runs of two processes, each training every hook: all 30 processes of every hook exit with 0."""
     assert not _runs("ends", RUNS)

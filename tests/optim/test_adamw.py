@@ -330,6 +330,8 @@ def test_a_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(
     for r in results:
         before, after = r["before"], r["after"]
         after["opt"]["sylvie_comm"]["step"] -= 1  # the step was taken (and skipped) by every rank
+        if bad_step < 3:  # a skipped warm-up step does not count towards the warm-up
+            after["opt"]["sylvie_comm"]["warmup_skipped"] -= 1
         after["opt"]["sylvie_comm"]["phase"] = before["opt"]["sylvie_comm"]["phase"]
         assert_same(before, after)
         assert r["stats"]["skipped_nonfinite"] == 1
@@ -508,3 +510,273 @@ def test_a_copy_of_the_optimizer_is_not_needed_for_its_state() -> None:
         return same
 
     assert all(run_local(2, body))
+
+
+# ---------------------------------------------------------------- skipped steps and the warm-up
+
+
+class _SkippedByTheScaler(CompressedAdamW):
+    """Without ``_step_supports_amp_scaling`` GradScaler unscales itself and does not call step() at all on a
+    step whose gradients overflowed (every rank overflows here, so every rank skips the call)."""
+
+    _step_supports_amp_scaling = False
+
+
+def run_skipping(tr: Any, steps: int, skipped: tuple[int, ...], route: str, **kw: Any) -> dict[str, Any]:
+    """``steps`` steps whose ``skipped`` ones are not finite: NaN in one rank's gradient (``nonfinite``), or an
+    overflow on every rank under GradScaler, which calls step() (``scaler``) or not (``not_called``)."""
+    params = params_of(initial())
+    cls = _SkippedByTheScaler if route == "not_called" else CompressedAdamW
+    opt = cls(list(params.items()), **{**HYPER, **kw}, transport=tr)
+    scaler = None if route == "nonfinite" else torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1000)
+    for step in range(steps):
+        set_grads(params, tr.rank, step)
+        if scaler is not None:
+            scaler.scale(torch.ones(()))  # sets the scaler up as a scaled loss would
+            for p in params.values():
+                p.grad.mul_(scaler.get_scale())  # type: ignore[union-attr]
+        if step in skipped:
+            if route == "nonfinite":
+                if tr.rank == tr.world_size - 1:
+                    params["w1"].grad[2, 3] = float("nan")  # type: ignore[index]
+            else:  # a scale too large for the gradients: they overflow on every rank
+                params["w2"].grad[0, 0] = float("inf")  # type: ignore[index]
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+    out = {"params": {n: p.detach().clone() for n, p in params.items()}, "stats": opt.stats(),
+           "v": {n: opt.state[p]["exp_avg_sq"].clone() for n, p in params.items()}}  # fmt: skip
+    opt.close()
+    return out
+
+
+def run_without(tr: Any, steps: int, skipped: tuple[int, ...], **kw: Any) -> dict[str, Any]:
+    """The same run with the ``skipped`` steps left out."""
+    params = params_of(initial())
+    opt = make(tr, params, **kw)
+    for step in range(steps):
+        if step not in skipped:
+            set_grads(params, tr.rank, step)
+            opt.step()
+    out = {"params": {n: p.detach().clone() for n, p in params.items()}, "stats": opt.stats(),
+           "v": {n: opt.state[p]["exp_avg_sq"].clone() for n, p in params.items()}}  # fmt: skip
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("route", ["nonfinite", "scaler", "not_called"])
+@pytest.mark.parametrize("codec", ["onebit", "qsgd"])
+@pytest.mark.parametrize("skipped", [(0, 1, 2), (1,), (2, 3)], ids=["all-warmup", "one", "at-the-freeze"])
+def test_skipped_steps_do_not_count_towards_the_warmup(skipped: tuple[int, ...], codec: str, route: str) -> None:
+    """The variance freezes after ``warmup`` steps *taken*: a run whose warm-up steps are skipped (GradScaler's
+    first steps with a large initial scale) is, bit for bit, the run without those steps, and finite."""
+    steps, kw = 8, {"codec": codec, "warmup": 3}
+    got = run_local(2, lambda tr: run_skipping(tr, steps, skipped, route, **kw))
+    want = run_local(2, lambda tr: run_without(tr, steps, skipped, **kw))
+    for g, w in zip(got, want, strict=True):
+        for n in SHAPES:
+            assert torch.isfinite(g["params"][n]).all(), n
+            assert torch.equal(g["params"][n], w["params"][n]), n
+            assert torch.equal(g["v"][n], w["v"][n]), n  # the variance of three taken steps, frozen
+        assert g["stats"]["phase"] == "compressed"
+        assert g["stats"]["skipped_nonfinite"] == (0 if route == "not_called" else len(skipped))
+
+
+def test_a_parameter_whose_only_warmup_gradient_was_skipped_is_not_frozen() -> None:
+    """'b2' has a gradient only in a skipped warm-up step: its variance was never estimated (step 0), so it is not
+    frozen with bias corrections of 0 (NaN): it takes AdamW steps, as a parameter first stepped after the freeze."""
+
+    def body(tr: Any, skip_first: bool) -> dict[str, torch.Tensor]:
+        params = params_of(initial())
+        opt = make(tr, params, codec="onebit", warmup=2)
+        for step in range(6):
+            if step == 0 and not skip_first:
+                continue
+            set_grads(params, tr.rank, step, skip=("b2",) if step in (1, 2) else ())
+            if step == 0 and tr.rank == 0:
+                params["w1"].grad[0, 0] = float("nan")  # type: ignore[index]
+            opt.step()
+        opt.close()
+        return {n: p.detach().clone() for n, p in params.items()}
+
+    got = run_local(2, lambda tr: body(tr, True))
+    want = run_local(2, lambda tr: body(tr, False))
+    for g, w in zip(got, want, strict=True):
+        for n in SHAPES:
+            assert torch.isfinite(g[n]).all(), n
+            assert torch.equal(g[n], w[n]), n
+
+
+@pytest.mark.parametrize("at", [2, 6], ids=["in-warmup", "compressed"])
+@pytest.mark.parametrize("skipped", [(1,), (0, 1, 2)], ids=["one", "all-warmup"])
+def test_a_run_with_skipped_warmup_steps_resumes_bit_identical(skipped: tuple[int, ...], at: int) -> None:
+    steps = 9
+
+    def body(tr: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], str]:
+        params = params_of(initial())
+        opt = make(tr, params, codec="qsgd", warmup=3)
+        ckpt = None
+        for step in range(steps):
+            if step == at:
+                ckpt = snapshot({"params": {n: p.detach() for n, p in params.items()}, "opt": opt.state_dict()})
+            set_grads(params, tr.rank, step)
+            if step in skipped and tr.rank == 0:
+                params["b1"].grad[0] = float("nan")  # type: ignore[index]
+            opt.step()
+        opt.close()
+        whole = {n: p.detach().clone() for n, p in params.items()}
+        assert ckpt is not None
+        resumed = params_of(ckpt["params"])
+        opt2 = make(tr, resumed, codec="qsgd", warmup=3)
+        opt2.load_state_dict(ckpt["opt"])
+        for step in range(at, steps):
+            set_grads(resumed, tr.rank, step)
+            if step in skipped and tr.rank == 0:
+                resumed["b1"].grad[0] = float("nan")  # type: ignore[index]
+            opt2.step()
+        opt2.close()
+        return whole, {n: p.detach().clone() for n, p in resumed.items()}, ckpt["opt"]["sylvie_comm"]["phase"]
+
+    for whole, resumed, phase in run_local(2, body):
+        assert phase == ("warmup" if at - len([s for s in skipped if s < at]) < 3 else "compressed")
+        for n in SHAPES:
+            assert torch.isfinite(whole[n]).all(), n
+            assert torch.equal(whole[n], resumed[n]), n
+
+
+def test_checkpoints_without_the_count_of_skipped_warmup_steps_load_and_bad_counts_are_refused() -> None:
+    def body(tr: Any) -> str:
+        _, opt = stepped(tr, 5, codec="onebit", warmup=2)
+        ckpt = snapshot(opt.state_dict())
+        assert ckpt["sylvie_comm"]["warmup_skipped"] == 0
+        old = snapshot(ckpt)
+        del old["sylvie_comm"]["warmup_skipped"]  # written before skipped steps were counted: none were
+        other = make(tr, params_of(initial()), codec="onebit", warmup=2)
+        other.load_state_dict(old)
+        assert other.phase == "compressed"
+        bad = snapshot(ckpt)
+        bad["sylvie_comm"]["warmup_skipped"] = 7
+        with pytest.raises(ValueError, match=r"warmup_skipped must be an integer in \[0, 5\] \(the checkpoint's "
+                                             r"step\), got 7"):  # fmt: skip
+            other.load_state_dict(bad)
+        zero = snapshot(ckpt)
+        first = next(iter(zero["state"]))
+        zero["state"][first]["freeze_step"] = torch.tensor(0.0)  # a variance frozen before any step was taken
+        with pytest.raises(ValueError, match=r"freeze_step 0\.0 of parameter 'w1' must be at least 1"):
+            other.load_state_dict(zero)
+        opt.close()
+        other.close()
+        return "ok"
+
+    assert run_local(2, body) == ["ok", "ok"]
+
+
+def test_ranks_resuming_from_different_steps_name_load_state_dict_once() -> None:
+    def body(tr: Any) -> str:
+        params, opt = stepped(tr, 3, codec="onebit", warmup=2)
+        ckpt = snapshot(opt.state_dict())
+        set_grads(params, tr.rank, 3)
+        opt.step()
+        if tr.rank == 1:
+            ckpt = snapshot(opt.state_dict())  # one step later than rank 0's
+        other = make(tr, params_of(initial()), codec="onebit", warmup=2)
+        try:
+            other.load_state_dict(ckpt)
+        except ValueError as exc:
+            return str(exc)
+        finally:
+            opt.close()
+            other.close()
+        return "loaded"
+
+    for msg in run_local(2, body):
+        assert "ranks disagree on the checkpoint: 'step' is 3 on rank 0 but 4 on rank 1" in msg, msg
+        assert msg.count("load_state_dict") == 1, msg
+
+
+# ---------------------------------------------------------------- which parameters have a gradient
+
+
+def run_missing(world: int, missing: str, rank: int, at: int, steps: int = 6, **kw: Any) -> list[Any]:
+    """Rank ``rank`` has no gradient for ``missing`` from step ``at`` on; the others have every gradient. Per rank:
+    the error (or None), the parameters before step ``at`` and after the error."""
+
+    def body(tr: Any) -> dict[str, Any]:
+        params = params_of(initial())
+        opt = make(tr, params, **kw)
+        before, error = None, None
+        try:
+            for step in range(steps):
+                if step == at:
+                    before = {n: p.detach().clone() for n, p in params.items()}
+                set_grads(params, tr.rank, step, skip=(missing,) if tr.rank == rank and step >= at else ())
+                opt.step()
+        except ValueError as exc:
+            error = str(exc)
+        after = {n: p.detach().clone() for n, p in params.items()}
+        opt.close()
+        return {"error": error, "before": before, "after": after}
+
+    return run_local(world, body)
+
+
+@pytest.mark.parametrize("codec", ["onebit", "topk", "fp16"])
+@pytest.mark.parametrize(("at", "warmup"), [(0, 2), (1, 4), (3, 2)], ids=["first-step", "warmup", "compressed"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_gradient_missing_on_one_rank_is_a_value_error_on_every_rank(
+    world: int, at: int, warmup: int, codec: str
+) -> None:
+    """Ranks that would send payloads of different sizes (gloo aborts the process) agree first: a ValueError on every
+    rank names the parameter and the ranks with and without its gradient; no rank stepped with the others' data."""
+    for r in run_missing(world, "w2", world - 1, at, codec=codec, warmup=warmup):
+        msg = r["error"]
+        assert msg is not None
+        assert "parameter 'w2' has a gradient on rank" in msg and f"but none (grad None) on rank {world - 1}" in msg
+        assert "every rank must hold gradients for the same parameters" in msg
+        for n in SHAPES:  # the step the ranks disagreed in changed nothing
+            assert torch.equal(r["after"][n], r["before"][n]), n
+
+
+def test_a_parameter_without_gradients_on_every_rank_at_once_is_agreed_without_a_skipped_step() -> None:
+    """Every rank loses, then regains, the same gradients: the ranks agree on the new set and step with it."""
+
+    def body(tr: Any) -> dict[str, Any]:
+        params = params_of(initial())
+        opt = make(tr, params, codec="onebit", warmup=2)
+        for step in range(7):
+            set_grads(params, tr.rank, step, skip=("b2", "w1") if step in (1, 4) else ())
+            opt.step()
+        out = {"stats": opt.stats(), "b2": opt.state[params["b2"]]["step"].item()}
+        opt.close()
+        return out
+
+    for r in run_local(2, body):
+        assert r["stats"]["skipped_nonfinite"] == 0
+        assert r["b2"] == 5  # seven steps, two without its gradient
+
+
+def test_a_rank_without_any_gradient_is_a_value_error_and_a_step_without_any_on_every_rank_does_nothing() -> None:
+    every = tuple(SHAPES)
+
+    def body(tr: Any) -> dict[str, Any]:
+        params = params_of(initial())
+        opt = make(tr, params, codec="onebit", warmup=2)
+        for step in range(4):
+            set_grads(params, tr.rank, step, skip=every if step == 1 else ())  # no gradient anywhere: no step
+            opt.step()
+        steps, error = opt.stats()["step"], None
+        for step in (4, 5):  # the rank whose gradients did not change learns of the others' at its next step
+            set_grads(params, tr.rank, step, skip=every if tr.rank == 1 else ())
+            try:
+                opt.step()
+            except ValueError as exc:
+                error = str(exc)
+                break
+        opt.close()
+        return {"steps": steps, "error": error}
+
+    for r in run_local(2, body):
+        assert r["steps"] == 3
+        assert "parameter 'w1' has a gradient on rank 0 but none (grad None) on rank 1" in r["error"], r["error"]

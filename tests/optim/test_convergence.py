@@ -71,6 +71,7 @@ def plain_adamw(seed: int) -> float:
     return accuracy(model, shards[0][2], shards[0][3])
 
 
+@pytest.mark.quality
 def test_onebit_momentum_ends_within_a_point_of_adamw_at_six_times_fewer_bytes(capsys: Any) -> None:
     plain = [plain_adamw(s) for s in SEEDS]
     runs = [compressed(s) for s in SEEDS]
@@ -87,7 +88,7 @@ def test_onebit_momentum_ends_within_a_point_of_adamw_at_six_times_fewer_bytes(c
     assert stats["skipped_nonfinite"] == 0
 
 
-@pytest.mark.slow
+@pytest.mark.quality
 @pytest.mark.parametrize("codec", ["sign", "topk", "qsgd", "none"])
 def test_the_other_momentum_codecs_end_within_a_point_of_adamw(codec: str, capsys: Any) -> None:
     plain = [plain_adamw(s) for s in SEEDS]
