@@ -61,9 +61,12 @@ if ! "$PY" -c "from sylvie_comm import _ops; import sys; sys.exit(0 if _ops.WITH
   echo "gpu-check: the extension has no CUDA kernels after the build (see $OUT/build.log)" >&2
   exit 1
 fi
-step kernels "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_cuda_fused.py tests/kernels/test_kernels.py \
+# One pytest process (the GPU machine may have no pytest-xdist or pytest-timeout: the project's addopts ask for
+# the first; tests/conftest.py sets time limits only where the second is installed).
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o "addopts=-ra --strict-markers")
+step kernels "${PYTEST[@]}" tests/kernels/test_cuda_fused.py tests/kernels/test_kernels.py \
   tests/kernels/test_fakes.py tests/kernels/test_fused.py
-step paths "$PY" -m pytest -q -p no:cacheprovider tests/gpu tests/algorithms/test_devices.py \
+step paths "${PYTEST[@]}" tests/gpu tests/algorithms/test_devices.py \
   tests/algorithms/test_nonfinite.py
 step gnn "$PY" -m sylvie_comm.gnn.train --gpu-check "$OUT"
 step bench "$PY" -m sylvie_comm.bench.cuda --out "$OUT"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The test suite: the data sets, lint, types, the docs, CUDA sources compile (where nvcc exists), pytest.
-# Usage: scripts/test.sh [pytest options]
+# The test suite: the data sets, lint, types, the docs, CUDA sources compile (where nvcc exists), pytest over
+# every tier (unit, integration, quality, lab, gpu: tests/conftest.py; a tier without its machine skips, saying why).
+# Usage: scripts/test.sh [pytest options]   (e.g. --tier unit for the unit tier alone; a later --tier adds one)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 cd "$ROOT"
@@ -39,4 +40,8 @@ workers="${SYLVIE_COMM_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
 case "$workers" in
   ''|*[!0-9]*) echo "test: SYLVIE_COMM_TEST_WORKERS must be a whole number of processes, got '$workers'" >&2; exit 2 ;;
 esac
-exec python -m pytest -n "$workers" --dist worksteal "$@"
+tiers=(--tier all)
+for arg in "$@"; do
+  case "$arg" in --tier|--tier=*) tiers=() ;; esac
+done
+exec python -m pytest -n "$workers" --dist worksteal "${tiers[@]}" "$@"

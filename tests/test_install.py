@@ -27,6 +27,7 @@ import shutil
 import site
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import zipfile
 from collections.abc import Iterator
@@ -91,16 +92,43 @@ def _unpack_sdist(sdist: Path, dest: Path) -> Path:
     return tree
 
 
+def _build_inputs(root: Path) -> dict[str, bytes]:
+    """What compiling the extension reads: setup.py, pyproject.toml and every file under csrc/, by path."""
+    files = [root / "setup.py", root / "pyproject.toml", *(p for p in (root / "csrc").rglob("*") if p.is_file())]
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in files}
+
+
+def _assert_carries_the_build_inputs(tree: Path) -> None:
+    """The sdist (unpacked at ``tree``) holds every file the extension's build reads, with the checkout's bytes."""
+    ours, theirs = _build_inputs(ROOT), _build_inputs(tree)
+    missing = sorted(set(ours) - set(theirs))
+    assert not missing, f"the sdist lacks {missing} (MANIFEST.in)"
+    assert all(theirs[k] == v for k, v in ours.items()), [k for k, v in ours.items() if theirs[k] != v]
+
+
+def _checkout_extension() -> Path | None:
+    """The checkout's compiled extension if it is newer than setup.py and every file under csrc/ (what
+    scripts/setup.sh rebuilds it for), else None: the wheel's build then compiles the extension itself."""
+    built = sorted((ROOT / "sylvie_comm").glob("_C.*.so"))
+    if len(built) != 1:
+        return None
+    newest_input = max((ROOT / name).stat().st_mtime for name in _build_inputs(ROOT) if name != "pyproject.toml")
+    return built[0] if built[0].stat().st_mtime > newest_input else None
+
+
 @pytest.fixture(scope="module")
 def wheel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A wheel built by pip from an sdist of a copy of the sources.
 
-    The sdist is new every time. Compiling the extension takes minutes on a
-    small machine, so the build tree lives in pytest's cache under a digest of
-    the extension's inputs (C++ sources and headers, setup.py, pyproject.toml,
-    torch and Python versions): with the same digest ninja finds the objects
-    up to date, and the wheel packs the fresh Python sources around the
-    extension; any change to those inputs starts a new tree and a full compile.
+    The sdist is new every time, and must carry every file the extension's
+    build reads (checked byte for byte). Compiling the extension takes minutes
+    on a small machine and ``scripts/setup.sh`` has compiled it from the same
+    bytes already: where the checkout's extension is newer than every build
+    input, the wheel packs it (setuptools finds it up to date). Otherwise the
+    build compiles, in a tree kept in pytest's cache under a digest of the
+    extension's inputs (C++ sources and headers, setup.py, pyproject.toml,
+    torch and Python versions), where ninja finds the objects of an earlier run
+    up to date; any change to those inputs starts a new tree.
     """
     tmp = tmp_path_factory.mktemp("build")
     src = tmp / "src"
@@ -140,9 +168,21 @@ def wheel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         unpacked = _unpack_sdist(sdist, tmp / "unpacked")
         for entry in unpacked.iterdir():
             shutil.move(entry, tree / entry.name)
+        _assert_carries_the_build_inputs(tree)
+        built = _checkout_extension()
+        env = {"MAX_JOBS": os.environ.get("MAX_JOBS", "2")}
+        if built is not None:
+            # The extension scripts/setup.sh compiled from these very sources (the same bytes, checked above):
+            # setuptools finds it newer than its sources and packs it without compiling them again. (torch's
+            # BuildExtension forces a rebuild where it builds with ninja, which then decides what is up to date;
+            # without ninja on PATH it keeps setuptools' own check.)
+            lib = tree / "build" / f"lib.{sysconfig.get_platform()}-{sys.implementation.cache_tag}" / "sylvie_comm"
+            lib.mkdir(parents=True, exist_ok=True)
+            shutil.copy(built, lib / built.name)
+            path = os.environ.get("PATH", "").split(os.pathsep)
+            env["PATH"] = os.pathsep.join(d for d in path if d and not (Path(d) / "ninja").exists())
         pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index"]
-        _run([*pip_wheel, "-w", str(tmp / "dist"), str(tree)], cwd=tmp, timeout=900,
-             MAX_JOBS=os.environ.get("MAX_JOBS", "2"))  # fmt: skip
+        _run([*pip_wheel, "-w", str(tmp / "dist"), str(tree)], cwd=tmp, timeout=900, **env)
     (whl,) = (tmp / "dist").glob("*.whl")
     return whl
 

@@ -15,7 +15,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.gnn import workloads as gw
-from tests.gnn.test_training import gather_logits
+from tests.gnn.workloads import gather_logits
 
 pytestmark = [
     pytest.mark.multiprocess,

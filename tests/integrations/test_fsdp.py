@@ -1,7 +1,7 @@
 """FSDP2 (``fully_shard``) with our reduce-scatter, and HSDP with our replica all-reduce, on gloo.
 
 2 ranks for the reduce-scatter, 4 (2 replicas of 2 shards) for HSDP: plain averaging bit-identical to
-FSDP's own, digits within one point of plain FSDP2 at SGD momentum 0.9 and Adam for every codec, one-bit
+FSDP's own, digits within one point of plain FSDP2 at SGD momentum 0.9 and Adam for every lossy codec, one-bit
 at least 16x under the fp32 reduce-scatter, a resumed run bit-identical, and the errors users meet.
 """
 
@@ -21,6 +21,11 @@ from tests.integrations import fsdp_worker as fw
 pytestmark = pytest.mark.multiprocess
 
 SHARDED = [n for n, cls in ALGORITHMS.items() if cls.shards]  # the codecs with a reduce-scatter form
+# Those whose reduce-scatter is the fp32 average itself (none: bit-identical to FSDP's own, tested below) or that
+# average rounded to 16 bits (tests/algorithms/test_reduce_scatter.py): no training run can tell them from plain
+# FSDP2 on digits. The others lose information each step and are trained to an accuracy here.
+ROUNDING = ("none", "fp16", "bf16")
+LOSSY = [n for n in SHARDED if n not in ROUNDING]
 OPTIMIZERS = ("sgd_momentum", "adam")
 
 
@@ -46,7 +51,7 @@ def test_plain_averaging_is_bit_identical_to_fsdp_own(hsdp: bool, force_sum: boo
 
 def _convergence(rank: int, world: int, optimizer: str) -> dict[str, Any]:
     out: dict[str, Any] = {"fsdp": fw.train(rank, world, None, {}, optimizer)}
-    for codec in SHARDED:
+    for codec in LOSSY:
         out[codec] = fw.train(rank, world, codec, {}, optimizer)
     if optimizer == "adam":
         out["onebit-mean"] = fw.train(rank, world, "onebit", {"scale": "mean"}, "adam")
@@ -55,13 +60,14 @@ def _convergence(rank: int, world: int, optimizer: str) -> dict[str, Any]:
 
 @pytest.mark.quality
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)  # one test each, so that a parallel run can spread them
-def test_every_codec_trains_digits_within_a_point_of_plain_fsdp(optimizer: str) -> None:
+def test_every_lossy_codec_trains_digits_within_a_point_of_plain_fsdp(optimizer: str) -> None:
+    assert set(ROUNDING) <= set(SHARDED) and LOSSY, (SHARDED, LOSSY)  # a new reduce-scatter form is trained here
     res = run_distributed(_convergence, 2, optimizer, timeout=1200)[0]
     base = res["fsdp"]["accuracy"]
-    row = {c: round(res[c]["accuracy"] - base, 2) for c in SHARDED}
+    row = {c: round(res[c]["accuracy"] - base, 2) for c in LOSSY}
     print(f"\n{optimizer}: plain FSDP2 {base:.2f}%, gaps {row}")
     assert base > 96, (optimizer, base)
-    for codec in SHARDED:
+    for codec in LOSSY:
         # One-bit's RMS scale (its default) costs Adam on digits 7 of the 397 test digits here (95.47 against
         # plain FSDP2's 97.23; under DDP 95.47 against 96.98); its mean scale keeps Adam's accuracy (below).
         bound = -2.0 if (optimizer, codec) == ("adam", "onebit") else -1.0
@@ -71,7 +77,7 @@ def test_every_codec_trains_digits_within_a_point_of_plain_fsdp(optimizer: str) 
         print(f"adam/onebit with scale 'mean': {mean_scale:.2f}%")
         assert mean_scale >= base - 1.0
         return
-    for codec in SHARDED:
+    for codec in LOSSY:
         stats = res[codec]["stats"]["last_step"]
         assert stats["bytes_sent"] <= stats["bytes_uncompressed"], codec
     if "onebit" in SHARDED:

@@ -174,33 +174,18 @@ def _ddp_equal_worker(rank: int, world: int) -> dict[str, list[torch.Tensor]]:
 
 
 def test_horovod_optimizer_matches_ddp_hook(checks):
-    """Same seed, data and algorithm: DDP with our hook (gloo) and Horovod with our optimizer end equal."""
+    """One function, one answer: same seed, data and algorithm, DDP with our hook (gloo, torchrun's route) and
+    Horovod with our optimizer (horovodrun's) end with the same weights, bit for bit, for every algorithm (auto
+    aside: its choice follows its timings). The gradients are the same bits in both (the same eager backward),
+    the state is per parameter name and two ranks' sums do not depend on their order, so every bit must match;
+    the algorithms' training quality is then that of the DDP convergence tests."""
     ddp = run_distributed(_ddp_equal_worker, 2)
     for rank in range(2):
         for codec in hw.EQUAL_CODECS:
             ours, theirs = checks["equal"][rank][codec], ddp[rank][codec]
+            same = all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
             diff = max((a - b).abs().max().item() for a, b in zip(ours, theirs, strict=True))
-            assert diff <= 1e-6, (codec, rank, diff)
-
-
-# ---------------------------------------------------------------- convergence
-
-
-@pytest.mark.quality
-def test_every_algorithm_trains_digits_like_horovod(tmp_path):
-    """digits MLP, SGD momentum 0.9, 300 steps on 2 ranks: every codec's mean test accuracy over two seeds
-    within 1 point of Horovod's without compression (default options)."""
-    res = horovodrun(tmp_path, "digits", timeout=400.0)["digits"][0]
-
-    def mean(runs: list[float]) -> float:
-        return sum(runs) / len(runs)
-
-    reference = mean(res["horovod"])
-    print(f"\ntest accuracy % (mean of seeds {hw.DIGITS_SEEDS}): horovod {reference:.2f}; "
-          + ", ".join(f"{c} {mean(res[c]):.2f}" for c in hw.DIGITS_CODECS))  # fmt: skip
-    assert reference > 96.0, res
-    gaps = {codec: round(mean(res[codec]) - reference, 2) for codec in hw.DIGITS_CODECS}
-    assert all(gap >= -1.0 for gap in gaps.values()), gaps
+            assert same, (codec, rank, diff)
 
 
 def test_import_sylvie_comm_does_not_import_horovod():

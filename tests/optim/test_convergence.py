@@ -8,6 +8,7 @@ the default warm-up (0.1 of ``total_steps``) and options; plain AdamW trains on 
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import pytest
@@ -57,6 +58,7 @@ def compressed(seed: int, **options: Any) -> tuple[float, dict[str, Any]]:
     return results[0]
 
 
+@functools.cache  # the baseline of every test of this file (and of a pytest process that runs several)
 def plain_adamw(seed: int) -> float:
     model = mlp(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

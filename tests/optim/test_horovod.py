@@ -60,5 +60,8 @@ def test_horovod_trains_as_the_in_process_run(tmp_path: Path) -> None:
         assert got["phase"] == "compressed"
         assert got["stats"]["last_step"]["compression_ratio"] > 10
         assert sum(got["losses"][-3:]) < 0.8 * sum(got["losses"][:3]), got["losses"]
+        # One algorithm, whatever the transport: the same gradient bits in (the same eager backward), two ranks'
+        # sums independent of their order, so the same bits out, though the codec is discontinuous (a tolerance
+        # would hold only as long as no sign or rounding decision flipped).
         for a, b in zip(got["params"], want["params"], strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # one algorithm, whatever the transport
+            assert torch.equal(a, b), (a - b).abs().max().item()
