@@ -31,6 +31,7 @@ if [ "$(cat "$VENV/.deps-stamp" 2>/dev/null)" != "$deps_stamp" ]; then
   python -m pip install --quiet "lightning==2.6.6" "accelerate==1.16.0" "torch_geometric==2.8.1" \
     "mkdocs==1.6.1" "mkdocs-material==9.8.2" "mkdocstrings==1.0.8" "mkdocstrings-python==2.0.11"
   echo "$deps_stamp" > "$VENV/.deps-stamp"
+  echo "setup: dependencies installed (${SECONDS}s so far)"
 fi
 
 # Horovod 0.28.1 (PyTorch + gloo, CPU only): built from source once per torch
@@ -49,4 +50,5 @@ if [ "$(cat "$VENV/.build-stamp" 2>/dev/null)" != "$build_stamp" ] || ! python -
   fi
   grep "sylvie_comm: building CUDA kernels" "$log" || true
   echo "$build_stamp" > "$VENV/.build-stamp"
+  echo "setup: kernels built (${SECONDS}s so far)"
 fi

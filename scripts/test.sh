@@ -17,7 +17,7 @@ if ! bash "$ROOT/scripts/data.sh"; then
 fi
 # One thread per process: multi-process tests share the machine's cores.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-echo "== ruff"
+echo "== ruff (${SECONDS}s so far)"
 ruff check .
 ruff format --check .
 echo "== mypy"
@@ -30,7 +30,7 @@ if ! NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$docs_site"
   exit 1
 fi
 rm -rf "$docs_site"
-echo "== pytest"
+echo "== pytest (${SECONDS}s so far)"
 # Tests run in several pytest processes (pytest-xdist), up to 4, one per core: many tests spend part of their
 # time waiting on their peers' messages or on a launcher, so a second process keeps a small machine's cores busy.
 # SYLVIE_COMM_TEST_WORKERS sets how many; 0 runs every test in this process (pytest's own -n, given after, wins).

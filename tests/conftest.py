@@ -13,7 +13,7 @@ Every test belongs to one tier, read from its markers (the first that applies):
 tiers, ``--tier all`` runs every one (``scripts/test.sh`` and CI do). Naming test files or ids, or a marker
 expression (``-m``), on the command line runs every tier of what is named. Each tier has its own per-test time
 limit (pytest-timeout), so a test that hangs fails with its stack instead of stopping the run;
-``@pytest.mark.timeout(N)`` on a test overrides it.
+``@pytest.mark.timeout(N)`` on a test, or ``--timeout N`` on the command line, overrides it.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ TIERS: dict[str, tuple[str | None, float]] = {
 _PROCESSOR = platform.uname().processor
 
 
+_ORDER = ("quality", "lab", "integration", "gpu", "unit")
+
+
 def tier_of(item: pytest.Item) -> str:
     for tier, (marker, _) in TIERS.items():
         if marker is None or item.get_closest_marker(marker) is not None:
@@ -71,7 +74,8 @@ def _chosen(config: pytest.Config) -> set[str]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     chosen = _chosen(config)
-    timeouts = config.pluginmanager.hasplugin("timeout")  # pytest-timeout (scripts/setup.sh installs it)
+    # pytest-timeout (scripts/setup.sh installs it); a --timeout on the command line is the caller's, for every test
+    timeouts = config.pluginmanager.hasplugin("timeout") and config.getoption("timeout", None) is None
     kept, dropped = [], []
     for item in items:
         tier = tier_of(item)
@@ -83,7 +87,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             dropped.append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = kept
+    # The long tiers first, each in collection order: pytest-xdist deals the list out in contiguous slices and a
+    # worker that runs dry steals from the end of another's, so the runs end on short unit tests instead of one
+    # worker finishing a long quality run alone.
+    kept.sort(key=lambda item: _ORDER.index(tier_of(item)))
+    items[:] = kept
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import queue as queue_mod
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -350,9 +351,21 @@ def run(
         p.start()
     results: dict[str, dict[int, Any]] = {}
     done = 0
+    limit = 3600.0 * max(1, len(specs) * len(seeds))  # an hour per run of a variant and a seed
+    deadline = time.monotonic() + limit
     try:
         while done < world:
-            label, seed, res = queue.get(timeout=3600)
+            try:
+                label, seed, res = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                # A rank that died without a word (killed, or it could not start) fails the run, not a long wait.
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"quality {workload}: rank(s) died without reporting (rank, exit code): "
+                                       f"{dead}") from None  # fmt: skip
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"quality {workload}: the ranks did not finish within {limit:.0f} s") from None
+                continue
             if label == "error":
                 raise RuntimeError(f"quality {workload}: rank {seed} failed: {res}")
             if label == "done":

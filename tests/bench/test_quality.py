@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import pytest
 import torch
 
@@ -101,3 +104,14 @@ def test_fashion_mnist_cnn_under_sgd_momentum_seed_0() -> None:
     assert rows["onebit"]["gap"] >= -10.0, rows["onebit"]
     assert rows["onebit"]["metric"] - rows["onebit:scale=mean"]["metric"] >= 4.0, rows
     assert rows["onebit"]["compression_ratio_last"] > 25 and rows["powersgd"]["compression_ratio_last"] > 15
+
+
+def _die(*args: Any) -> None:
+    os._exit(3)  # as a rank killed, or one that cannot start: no word on the queue
+
+
+@pytest.mark.multiprocess
+def test_a_rank_that_dies_without_a_word_fails_the_run_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(quality, "_worker", _die)  # spawned ranks unpickle the target by its name: this module's
+    with pytest.raises(RuntimeError, match=r"died without reporting \(rank, exit code\): \[\([01], 3\)"):
+        quality.run("cnn", quality.variants(["plain"]), steps=1)
