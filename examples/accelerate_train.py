@@ -90,6 +90,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if args.resume:
         accelerator.load_state(args.resume)  # model, optimizer, RNG, every rank's own hook state, progress
 
+    logged: dict[str, float] = {}
     for epoch in range(progress.epoch, args.epochs):
         model.train()
         for xb, yb in loader:
@@ -97,6 +98,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             accelerator.backward(F.cross_entropy(model(xb), yb))
             opt.step()
         progress.epoch = epoch + 1
+        # The compression's figures (ratio, the monitor's per-tensor error) to the accelerator's trackers.
+        logged = sylvie_comm.accelerate.log(accelerator, state, step=epoch + 1)
         if args.save_dir:
             accelerator.save_state(os.path.join(args.save_dir, f"epoch{epoch + 1}"))
 
@@ -109,7 +112,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "codec": args.codec, "epochs": args.epochs, "world_size": accelerator.num_processes,
         "rank": accelerator.process_index, "accuracy": accuracy, "bytes_sent": stats["bytes_sent"],
-        "bytes_uncompressed": stats["bytes_uncompressed"], "steps": stats["steps"],
+        "bytes_uncompressed": stats["bytes_uncompressed"], "steps": stats["steps"], "logged": logged,
+        "monitor": stats.get("monitor"),
         "weights": {n: p.detach().cpu().clone() for n, p in net.named_parameters()},
     }  # fmt: skip
 

@@ -5,7 +5,7 @@ This folder installs as ``sylvie_comm.integrations`` (``pip install .`` and
 hooks, also ``sylvie_comm.ddp``), ``fsdp`` (FSDP2 reduce-scatter comms and HSDP hooks,
 also ``sylvie_comm.fsdp``), ``horovod`` and ``horovod_compression`` (also
 ``sylvie_comm.horovod``), ``average`` (the gradient average over any transport), ``optim``
-(the compressed AdamW under DDP and Horovod), ``lightning`` and ``accelerate`` (also
+(the compressed AdamW and SGD under DDP and Horovod), ``lightning`` and ``accelerate`` (also
 ``sylvie_comm.lightning`` and ``sylvie_comm.accelerate``), ``pyg`` (PyG models in the
 partitioned GNN trainer) and ``dgl`` (DGL message passing for the GNN layers, partitions
 from ``dgl.distributed.partition_graph``).

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sylvie_comm.algorithms.monitor import metrics
 from sylvie_comm.config import Config
 from sylvie_comm.integrations.ddp import HookState
 from sylvie_comm.integrations.ddp import register as ddp_register
@@ -388,6 +389,21 @@ def register(
     return state
 
 
+def log(accelerator: Any, state: Any, step: int | None = None) -> dict[str, float]:
+    """Log the hook's figures through ``accelerator.log`` (its trackers: TensorBoard, W&B, ...): the compression
+    ratio, the bytes sent and the monitor's per-tensor figures (see
+    :func:`sylvie_comm.algorithms.monitor.metrics`); returns them. Call it on every process (Accelerate logs on
+    the main one), e.g. every 50 steps::
+
+        if step % 50 == 0:
+            sylvie_comm.accelerate.log(accelerator, state, step)
+    """
+    check_accelerator(accelerator)
+    values = metrics(state.stats())
+    accelerator.log(values, step=step)
+    return values
+
+
 __all__ = [
     "FORMAT",
     "STATE_FILE",
@@ -395,6 +411,7 @@ __all__ = [
     "check_accelerator",
     "checkpoint_with",
     "gather_states",
+    "log",
     "own_state",
     "read_state_file",
     "register",

@@ -40,6 +40,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # n
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
 
+from sylvie_comm.algorithms.monitor import metrics  # noqa: E402
 from sylvie_comm.algorithms.session import merge_config  # noqa: E402
 from sylvie_comm.collectives.local import LocalGroup  # noqa: E402
 from sylvie_comm.config import Config  # noqa: E402
@@ -316,4 +317,31 @@ class CommHookCheck(pl.Callback):
             )
 
 
-__all__ = ["KEY", "CommHookCheck", "CompressedDDPStrategy", "CompressedModelParallelStrategy"]
+class CompressionLog(pl.Callback):
+    """Log the compression's figures every ``every_n_steps`` optimizer steps through ``pl_module.log_dict``: the
+    compression ratio, the bytes sent and the monitor's per-tensor figures (``sylvie_comm/monitor/<tensor>/lag``,
+    ``exact_cos``, ...; see :func:`sylvie_comm.algorithms.monitor.metrics`), rank 0's (every rank reads the same
+    monitor figures). Needs a :class:`CompressedDDPStrategy` or :class:`CompressedModelParallelStrategy`.
+    """
+
+    def __init__(self, every_n_steps: int = 50) -> None:
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"{WHAT}: CompressionLog every_n_steps must be an integer >= 1, got {every_n_steps!r}")
+        self.every_n_steps = every_n_steps
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not isinstance(trainer.strategy, _CompressionCheckpoint):
+            raise RuntimeError(
+                f"{WHAT}: CompressionLog logs the compression of a sylvie_comm strategy, and this trainer's is "
+                f"{type(trainer.strategy).__name__}: use CompressedDDPStrategy or CompressedModelParallelStrategy"
+            )
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:  # fmt: skip
+        state = trainer.strategy.compression_state  # type: ignore[attr-defined]
+        if state is None or trainer.global_step % self.every_n_steps:
+            return
+        pl_module.log_dict(metrics(state.stats()), rank_zero_only=True)
+
+
+__all__ = ["KEY", "CommHookCheck", "CompressedDDPStrategy", "CompressedModelParallelStrategy", "CompressionLog"]

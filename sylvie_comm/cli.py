@@ -1,4 +1,4 @@
-"""Command line: ``sylvie-comm demo | bench kernels | bench ddp | bench fsdp | bench gnn | info``."""
+"""Command line: ``sylvie-comm demo | bench kernels | bench ddp | bench fsdp | bench gnn | bench tta | info``."""
 
 from __future__ import annotations
 
@@ -123,6 +123,38 @@ def _bench_fsdp(args: argparse.Namespace) -> int:
     print(bf.format_table(rec))
     print(f"\nwrote {bk.save(rec, out)}")
     return 0
+
+
+def _bench_tta(args: argparse.Namespace) -> int:
+    """``bench tta``: time to plain DDP's final accuracy on a shaped link, every method (sylvie_comm.bench.tta)."""
+    from sylvie_comm.bench import lab as bl
+    from sylvie_comm.bench import tta
+
+    if args.cleanup:
+        removed = bl.cleanup()
+        print(f"removed {len(removed)} leftover lab namespace(s)", file=sys.stderr)
+    try:
+        rec = tta.run(args.link, args.workload, optimizer=args.optimizer, steps=args.steps, eval_every=args.eval_every,
+                      seed=args.seed, methods=args.methods, eval_size=args.eval_size,
+                      timeout=args.timeout)  # fmt: skip
+    except (ValueError, bl.LabError) as exc:
+        print(f"sylvie-comm bench tta: {exc}", file=sys.stderr)
+        return 1
+    print(tta.format_table(rec))
+    if args.out:
+        path, message = tta.save(rec, args.out)
+        print(f"\nwrote {path}")
+        print(message)
+    return 1 if rec["failed"] else 0
+
+
+def _tta_methods(text: str) -> list[str]:
+    from sylvie_comm.bench import choices, tta
+
+    try:
+        return choices.unique_choices([c.strip() for c in text.split(",") if c.strip()], tta.known_methods(), "method")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _fsdp_rows(text: str) -> list[str]:
@@ -435,6 +467,27 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where to write the JSON results (default bench-results/gnn.json; with --link "
                     "bench-results/gnn-link.json, and .md and .png beside it)")  # fmt: skip
     gn.set_defaults(func=_bench_gnn)
+
+    tt = bench_sub.add_parser("tta", help="time to plain DDP's final accuracy on a shaped link, every method")
+    tt.add_argument("--link", choices=tuple(LINKS), required=True,
+                    help="the lab's link (see sylvie_comm.bench.tta; loopback without root)")  # fmt: skip
+    tt.add_argument("--workload", choices=("cnn", "lm"), default="cnn",
+                    help="cnn: the CNN on Fashion-MNIST; lm: the byte LM (bench quality's; default cnn)")  # fmt: skip
+    tt.add_argument("--optimizer", choices=("sgd", "adamw"), default=None,
+                    help="cnn: sgd (default) or adamw; lm trains with adamw")  # fmt: skip
+    tt.add_argument("--steps", type=_positive, default=None, help="training steps per method (default cnn 600, lm 300)")
+    tt.add_argument("--eval-every", type=_positive, default=None,
+                    help="evaluate every this many steps, the clock stopped (default cnn 50, lm 25)")  # fmt: skip
+    tt.add_argument("--eval-size", type=_positive, default=None,
+                    help="cnn: test on this many of the 10,000 test images (evenly spaced; default all)")  # fmt: skip
+    tt.add_argument("--seed", type=int, default=0, help="initial weights and data order of every method (default 0)")
+    tt.add_argument("--methods", type=_tta_methods, default=None,
+                    help="comma-separated methods (default: all for the optimizer: plain, bf16_hook, "
+                    "fp16_hook, powersgd_hook, every sylvie algorithm, cadamw (adamw) or csgd (sgd)); "
+                    "plain always runs")  # fmt: skip
+    tt.add_argument("--timeout", type=float, default=7200.0, help="seconds for the whole run (default 7200)")
+    tt.add_argument("--out", default=None, help="write OUT.json (the record) and OUT.png (metric against wall time)")
+    tt.set_defaults(func=_bench_tta)
 
     info = sub.add_parser("info", help="what this installation built and can use")
     info.set_defaults(func=_info)

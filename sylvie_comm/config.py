@@ -10,6 +10,9 @@ Example ``acpsgd.yaml``::
     total_steps: null        # the run's length, if known: no tensor waits past a tenth of it
     min_compression_rate: 2  # low-rank hooks: send a matrix raw below this rate
     seed: 0                  # initial low-rank factors, agreed by every rank
+    monitor:                 # the compression's measured error (see sylvie_comm.algorithms.monitor)
+      period: 50             # an exact check every 50 compressed steps; 0 turns the monitor off
+      adapt: false           # true: ranks, bits and raw fallback follow the measured error
     rules:                   # per-parameter-name rules, first match wins
       - match: "*.bias"
         codec: uncompressed
@@ -30,7 +33,23 @@ from typing import Any
 
 UNCOMPRESSED = "uncompressed"
 # Config fields a user may set as keywords (the hooks' **options) or in YAML, besides codec, options and rules.
-FIELDS = ("codec", "warmup_steps", "min_compression_rate", "seed", "warmup", "total_steps")
+FIELDS = ("codec", "warmup_steps", "min_compression_rate", "seed", "warmup", "total_steps", "monitor")
+# The compression-error monitor's settings (sylvie_comm.algorithms.monitor): an exact check every ``period``
+# compressed steps (0: no monitor) on ``sample`` tensors per group, the per-step figures over the ``window`` steps
+# before each check; a tensor is over its bound where the
+# residual exceeds ``max_lag`` gradients (error feedback) or, without error feedback, the exact relative error
+# exceeds ``max_error``, at ``patience`` checks in a row; ``adapt`` lets that change its settings within
+# ``budget`` times the starting bytes, or send it raw.
+MONITOR_DEFAULTS: dict[str, Any] = {
+    "period": 50,
+    "window": 5,
+    "sample": 1,
+    "max_lag": 0.5,
+    "max_error": 1.0,
+    "patience": 2,
+    "adapt": False,
+    "budget": 2.0,
+}
 
 # Bounds on a YAML config (Config.from_yaml). A real one is a few hundred bytes and a few dozen nodes;
 # thousands of per-layer rules fit in both. Aliases count as copies: a "billion laughs" document of a
@@ -58,6 +77,30 @@ class Rule:
         return out
 
 
+def check_monitor(monitor: Any) -> dict[str, Any]:
+    """The monitor's settings with the defaults filled in; a ValueError naming the first bad one."""
+    if not isinstance(monitor, Mapping):
+        raise ValueError(f"config: monitor must be a mapping of settings, got {type(monitor).__name__}")
+    unknown = sorted(set(monitor) - set(MONITOR_DEFAULTS))
+    if unknown:
+        raise ValueError(f"config: monitor has unknown setting(s) {', '.join(map(str, unknown))}; known: "
+                         f"{', '.join(MONITOR_DEFAULTS)}")  # fmt: skip
+    out = {**MONITOR_DEFAULTS, **monitor}
+    for key, low in (("period", 0), ("window", 1), ("sample", 1), ("patience", 1)):
+        v = out[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"config: monitor {key} must be an integer >= {low}, got {v!r}")
+    for key, rule in (("max_lag", "> 0"), ("max_error", "> 0"), ("budget", ">= 1")):
+        v = out[key]
+        number = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+        if not number or not (v >= 1 if key == "budget" else v > 0):
+            raise ValueError(f"config: monitor {key} must be a finite number {rule}, got {v!r}")
+        out[key] = float(v)
+    if not isinstance(out["adapt"], bool):
+        raise ValueError(f"config: monitor adapt must be true or false, got {out['adapt']!r}")
+    return out
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything that defines a hook; ranks must agree on all of it."""
@@ -70,6 +113,7 @@ class Config:
     rules: tuple[Rule, ...] = ()  # per-name rules, first match wins
     warmup: str = "fixed"  # fixed: everything compresses from warmup_steps; auto: each tensor once its gradient settled
     total_steps: int | None = None  # the run's length, if known: bounds the auto warm-up at a tenth of it
+    monitor: Mapping[str, Any] = field(default_factory=dict)  # MONITOR_DEFAULTS' keys; the defaults fill the rest
 
     def __post_init__(self) -> None:
         if not isinstance(self.codec, str):
@@ -88,6 +132,7 @@ class Config:
         total = self.total_steps
         if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 1):
             raise ValueError(f"config: total_steps must be an integer >= 1 or None, got {total!r}")
+        object.__setattr__(self, "monitor", check_monitor(self.monitor))
         for rule in self.rules:
             if not isinstance(rule, Rule):
                 raise ValueError(f"config: rules must be Rule objects, got {rule!r}")
@@ -103,7 +148,7 @@ class Config:
     def from_dict(cls, data: Mapping[str, Any]) -> Config:
         if not isinstance(data, Mapping):
             raise ValueError(f"config: expected a mapping at the top level, got {type(data).__name__}")
-        known = {"codec", "options", "warmup_steps", "min_compression_rate", "seed", "rules", "warmup", "total_steps"}
+        known = {"codec", "options", "rules", *FIELDS}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
@@ -134,7 +179,7 @@ class Config:
     def with_options(self, **options: Any) -> Config:
         """A copy with ``options`` merged over this config's."""
         return Config(self.codec, {**self.options, **options}, self.warmup_steps, self.min_compression_rate,
-                      self.seed, self.rules, self.warmup, self.total_steps)  # fmt: skip
+                      self.seed, self.rules, self.warmup, self.total_steps, self.monitor)  # fmt: skip
 
     # ------------------------------------------------------------------ use
 
@@ -155,6 +200,7 @@ class Config:
             "rules": [r.to_dict() for r in self.rules],
             "warmup": self.warmup,
             "total_steps": self.total_steps,
+            "monitor": dict(sorted(self.monitor.items())),
         }
 
     def digest(self) -> str:

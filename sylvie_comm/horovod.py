@@ -9,6 +9,7 @@ from sylvie_comm.integrations.horovod import (
     NoneCompressor,
 )
 from sylvie_comm.integrations.optim import horovod_compressed_adamw as compressed_adamw
+from sylvie_comm.integrations.optim import horovod_compressed_sgd as compressed_sgd
 
 __all__ = [
     "ACPSGDCompressor",
@@ -18,4 +19,4 @@ __all__ = [
     "FP16Compressor",
     "NoneCompressor",
 ]
-__all__ += ["compressed_adamw"]
+__all__ += ["compressed_adamw", "compressed_sgd"]

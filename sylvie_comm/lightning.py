@@ -6,6 +6,7 @@ from sylvie_comm.integrations.lightning import (
     CommHookCheck,
     CompressedDDPStrategy,
     CompressedModelParallelStrategy,
+    CompressionLog,
 )
 
-__all__ = ["KEY", "CommHookCheck", "CompressedDDPStrategy", "CompressedModelParallelStrategy"]
+__all__ = ["KEY", "CommHookCheck", "CompressedDDPStrategy", "CompressedModelParallelStrategy", "CompressionLog"]

@@ -47,10 +47,12 @@ class AutoAlgorithm(Algorithm):
     """Measure each candidate on each group for ``probe_steps`` steps, then keep the fastest per group.
 
     Args (options):
-        candidates: algorithm names to choose among (default ``none, fp16, qsgd``: the ones that keep plain
-            averaging's model quality on the real workloads of ``sylvie-comm bench quality``, see
-            ``docs/benchmarks/quality.md``; pass ``acpsgd``, ``powersgd`` or ``onebit`` to let it pick those);
-            ``none`` is added when missing.
+        candidates: algorithm names to choose among (default ``none, fp16, qsgd, acpsgd, onebit``); ``none`` is
+            added when missing. Those that lost accuracy at their defaults on the real workloads of ``sylvie-comm
+            bench quality`` (``needs_monitor``: acpsgd, powersgd, onebit, sign, topk) are taken only with the
+            compression monitor on (:mod:`sylvie_comm.algorithms.monitor`, the default): a bucket whose measured
+            error stays over the monitor's bound moves to its next-fastest candidate (:meth:`demote`), ``none``
+            last of all. With the monitor off (``period: 0``) they are left out.
         probe_steps: steps each candidate runs per group before the choice (default 2; the minimum of
             its timings counts).
         rank: the low-rank candidates' rank (default ``"auto"``: from each matrix's shape).
@@ -62,7 +64,7 @@ class AutoAlgorithm(Algorithm):
     codec_name = None
     error_feedback = True  # candidates may keep residuals: the policy's warm-up must cover DDP's bucket rebuild
     option_defaults: ClassVar[dict[str, Any]] = {
-        "candidates": ("none", "fp16", "qsgd"),
+        "candidates": ("none", "fp16", "qsgd", "acpsgd", "onebit"),
         "probe_steps": 2,
         "rank": "auto",
         "min_compression_rate": 2.0,
@@ -110,6 +112,14 @@ class AutoAlgorithm(Algorithm):
         self._choice: dict[int, str] = {}
         # (candidate, group key) -> the group's signature and, per member, (compress, options) for that candidate
         self._plans: dict[tuple[str, int], tuple[Any, list[tuple[bool, dict[str, Any]]]]] = {}
+        self._ran: dict[str, str] = {}  # tensor name -> the candidate that last averaged it
+        self._totals: dict[int, dict[str, float]] = {}  # group key -> candidate -> agreed probe seconds
+        self._rejected: dict[int, list[str]] = {}  # group key -> candidates the monitor found over its bound
+
+    def unmonitored(self) -> None:
+        """No monitor watches this run (``period: 0``): leave out the candidates that need one (a collective's
+        worth of agreement is not needed: every rank has the same config)."""
+        self.names = tuple(n for n in self.names if not self.candidates[n].needs_monitor)
 
     def compresses_dtype(self, dtype: torch.dtype) -> bool:
         """Every candidate must take the gradients it may be chosen for."""
@@ -149,6 +159,8 @@ class AutoAlgorithm(Algorithm):
                 plan.append((compress, opts))
             cached = self._plans[(name, group.key)] = (group.signature, plan)
         members = [Member(m.name, m.tensor, c, o) for m, (c, o) in zip(group.members, cached[1], strict=True)]
+        for m in members:
+            self._ran[m.name] = name
         return alg(Group(group.key, members, group.flat), step, meter)
 
     def _decide(self, key: int) -> str:
@@ -160,6 +172,7 @@ class AutoAlgorithm(Algorithm):
             raise RuntimeError(f"auto: group {key} was not probed with every candidate ({mine})")
         everyone = self.transport.all_gather_object(best)
         total = [math.fsum(rank[i] for rank in everyone) for i in range(len(self.names))]
+        self._totals[key] = dict(zip(self.names, total, strict=True))
         choice = pick(self.names, total)
         self._choice[key] = choice
         if self.transport.rank == 0:
@@ -167,6 +180,53 @@ class AutoAlgorithm(Algorithm):
             per = ", ".join(f"{n} {s / self.world_size * 1e3:.2f} ms" for n, s in means)
             LOG.info("sylvie_comm auto: group %d uses %s (mean over ranks of the fastest probe: %s)", key, choice, per)
         return choice
+
+    # ------------------------------------------------------------------ the monitor's view: the candidate that ran
+
+    def _of(self, name: str) -> Algorithm | None:
+        ran = self._ran.get(name)
+        return None if ran is None else self.candidates[ran]
+
+    def residual_inner(self, name: str, other: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        alg = self._of(name)
+        return None if alg is None else alg.residual_inner(name, other)
+
+    def forget(self, name: str) -> torch.Tensor | None:
+        owed = [r for alg in self.candidates.values() if (r := alg.forget(name)) is not None]
+        return None if not owed else torch.stack([r.reshape(-1) for r in owed]).sum(0)
+
+    def relayout(self) -> None:
+        super().relayout()
+        self._plans.clear()
+        for alg in self.candidates.values():
+            alg.relayout()
+
+    def adapt(self, shape: tuple[int, ...], options: Mapping[str, Any], up: bool,
+              floor: Mapping[str, Any] | None = None) -> dict[str, Any] | None:  # fmt: skip
+        return None  # auto changes candidate, not level: a tensor that stays over its bound goes raw
+
+    def bytes_per_element(self, shape: tuple[int, ...], options: Mapping[str, Any]) -> float:
+        return min(alg.bytes_per_element(shape, options) for alg in self.candidates.values())
+
+    def variant(self, name: str) -> str:
+        return self._ran.get(name, "")
+
+    def demote(self, key: int) -> tuple[str, str] | None:
+        """The group's next-fastest candidate (by the probe's agreed times) not yet found over the monitor's
+        bound; ``none`` last of all. Every rank computes the same from the same figures."""
+        current = self._choice.get(key)
+        if current is None or current == "none":
+            return None
+        rejected = self._rejected.setdefault(key, [])
+        rejected.append(current)
+        totals = self._totals.get(key, {})
+        left = [n for n in self.names if n not in rejected]
+        new = min(left, key=lambda n: (totals.get(n, math.inf), self.names.index(n)))
+        self._choice[key] = new
+        if self.transport.rank == 0:
+            LOG.info("sylvie_comm auto: group %d moves from %s to %s (the monitor found %s over its bound)",
+                     key, current, new, current)  # fmt: skip
+        return current, new
 
     # ------------------------------------------------------------------ reports and state
 
@@ -185,7 +245,9 @@ class AutoAlgorithm(Algorithm):
     def state_dict(self) -> dict[str, Any]:
         return {
             "auto": {"choices": dict(self._choice),
-                     "timings": {k: {n: list(v) for n, v in t.items()} for k, t in self._timings.items()}},
+                     "timings": {k: {n: list(v) for n, v in t.items()} for k, t in self._timings.items()},
+                     "totals": {k: dict(t) for k, t in self._totals.items()},
+                     "rejected": {k: list(v) for k, v in self._rejected.items()}},
             "candidates": {n: alg.state_dict() for n, alg in self.candidates.items()},
         }  # fmt: skip
 
@@ -202,8 +264,18 @@ class AutoAlgorithm(Algorithm):
             keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(f"auto: expected a state with 'auto' and 'candidates', got {keys}")
         meta, cands = state["auto"], state["candidates"]
-        if not isinstance(meta, Mapping) or set(meta) != {"choices", "timings"}:
-            raise ValueError("auto: checkpoint field 'auto' must hold 'choices' and 'timings'")
+        # 'totals' and 'rejected' (the monitor's demotions) are absent from checkpoints of earlier releases.
+        if not isinstance(meta, Mapping) or not {"choices", "timings"} <= set(meta) <= _META:
+            raise ValueError("auto: checkpoint field 'auto' must hold 'choices' and 'timings' (and 'totals', "
+                             "'rejected')")  # fmt: skip
+        for key, names in dict(meta.get("rejected", {})).items():
+            if not _int_like(key) or not isinstance(names, (list, tuple)) or not set(names) <= set(self.candidates):
+                raise ValueError(f"auto: checkpoint's rejected candidates of group {key!r} must be a list of this "
+                                 f"run's candidates ({', '.join(self.names)}), got {names!r}")  # fmt: skip
+        for key, per in dict(meta.get("totals", {})).items():
+            ok = _int_like(key) and isinstance(per, Mapping) and set(per) <= set(self.candidates)
+            if not ok or not all(_seconds(x) for x in per.values()):
+                raise ValueError(f"auto: checkpoint totals of group {key!r} must map candidates to seconds")
         if not isinstance(cands, Mapping):
             raise ValueError(f"auto: checkpoint field 'candidates' must be a mapping, got {type(cands).__name__}")
         unknown = sorted(set(cands) - set(self.candidates))
@@ -247,6 +319,8 @@ class AutoAlgorithm(Algorithm):
         self._choice = {int(k): str(v) for k, v in state["auto"]["choices"].items()}
         self._timings = {int(k): {n: [float(x) for x in v] for n, v in t.items()}
                          for k, t in state["auto"]["timings"].items()}  # fmt: skip
+        self._totals = {int(k): {n: float(x) for n, x in t.items()} for k, t in state["auto"].get("totals", {}).items()}
+        self._rejected = {int(k): [str(n) for n in v] for k, v in state["auto"].get("rejected", {}).items()}
 
     def close(self) -> None:
         for alg in self.candidates.values():
@@ -255,6 +329,9 @@ class AutoAlgorithm(Algorithm):
             if close is not None:
                 close()
         super().close()
+
+
+_META = {"choices", "timings", "totals", "rejected"}
 
 
 def _int_like(key: Any) -> bool:

@@ -202,6 +202,10 @@ class Algorithm:
     gradient_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
     # Whether it has a reduce-scatter form (:meth:`reduce_scatter`: each rank ends with its shard's average).
     shards: ClassVar[bool] = False
+    # Whether it lost accuracy against plain averaging at its defaults on the real workloads of ``sylvie-comm bench
+    # quality`` (docs/benchmarks/quality.md): ``auto`` then takes it only with the compression monitor on, which
+    # moves a bucket off it when its measured error stays over the bound.
+    needs_monitor: ClassVar[bool] = False
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         self.options = self.validate_options(dict(options or {}))
@@ -367,6 +371,44 @@ class Algorithm:
             fusion.unpack(flat, raw)
 
         return then(self._all_reduce(flat, meter), unpack)
+
+    # ------------------------------------------------------------------ what the monitor reads and changes
+
+    def residual_inner(self, name: str, other: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(||r||^2, <r, other>)`` for ``name``'s error-feedback residual ``r`` as it stands (with any update
+        owed to it applied), device scalars (``<r, other>`` is 0 without ``other``); None where the algorithm
+        keeps no residual for ``name``. Read by the monitor, never changed."""
+        return None
+
+    def forget(self, name: str) -> torch.Tensor | None:
+        """Drop ``name``'s per-name state (it goes raw); return what its residual still owes (None: nothing),
+        for the caller to send with its next gradient."""
+        return None
+
+    def relayout(self) -> None:
+        """Rebuild every group's layout at its next step (per-name options changed)."""
+        self._layouts.clear()
+
+    def adapt(self, shape: tuple[int, ...], options: Mapping[str, Any], up: bool,
+              floor: Mapping[str, Any] | None = None) -> dict[str, Any] | None:  # fmt: skip
+        """The per-name options one level safer (``up``: more bytes, less error) or lighter (never below half
+        of ``floor``'s setting) than ``options`` for a tensor of ``shape``; None where there is no such level
+        (then the monitor sends a tensor that stays over its bound raw)."""
+        return None
+
+    def bytes_per_element(self, shape: tuple[int, ...], options: Mapping[str, Any]) -> float:
+        """Wire bytes per element of a tensor of ``shape`` with ``options`` (for the monitor's budget)."""
+        return 4.0 / min(self.compression_rate(shape, options), 32.0)
+
+    def variant(self, name: str) -> str:
+        """What averages ``name`` now, where that can change under one algorithm (``auto``: its candidate); the
+        monitor starts a tensor's figures afresh when it changes."""
+        return ""
+
+    def demote(self, key: int) -> tuple[str, str] | None:
+        """Move group ``key`` to a safer way of averaging it as a whole (``auto``: its next-fastest candidate);
+        ``(from, to)``, or None where the algorithm cannot (then the monitor adapts tensor by tensor)."""
+        return None
 
     def report(self) -> dict[str, Any]:
         """What the integrations' ``stats()`` add beyond bytes and seconds: ``skipped_nonfinite``, the steps

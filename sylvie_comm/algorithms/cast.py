@@ -21,6 +21,9 @@ class CastAlgorithm(Algorithm):
     gradient_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     shards = True
 
+    def bytes_per_element(self, shape: tuple[int, ...], options: Mapping[str, Any]) -> float:
+        return 2.0  # a 16-bit float per element
+
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         super().__init__(transport, options, seed=seed)
         self.codec = self.codec_cls(divide_by=float(self.world_size))

@@ -19,12 +19,12 @@ def check_checkpoint(
 ) -> int:  # fmt: skip
     """The checkpoint's step, after checking its fields against this run; a ValueError naming the first that
     does not fit. ``state`` holds ``name_key`` (the algorithm), ``config``, ``world_size``, ``rank``,
-    ``step_key`` (an int >= 0) and ``params``, and ``warmup`` (the adaptive warm-up's state, checked by the
-    policy) where the run has it."""
+    ``step_key`` (an int >= 0) and ``params``, and ``warmup`` (the adaptive warm-up's state) and ``monitor``
+    (the compression monitor's) where the run has them, checked by the policy."""
     expected = {name_key, "config", "world_size", "rank", step_key, "params"}
     if not isinstance(state, Mapping):
         raise ValueError(f"{what}: a checkpoint must be a dict from state_dict(), got {type(state).__name__}")
-    missing, extra = sorted(expected - set(state)), sorted(set(state) - expected - {"warmup"})
+    missing, extra = sorted(expected - set(state)), sorted(set(state) - expected - {"warmup", "monitor"})
     if missing or extra:
         raise ValueError(
             f"{what}: checkpoint fields {sorted(state)} are not those of state_dict() ({sorted(expected)})"
@@ -37,7 +37,10 @@ def check_checkpoint(
     if not isinstance(state["config"], Mapping):
         raise ValueError(f"{what}: checkpoint field 'config' must be a dict, got {type(state['config']).__name__}")
     # Written before the adaptive warm-up: those runs started every tensor at warmup_steps.
+    # Written before the monitor: its defaults, as this release reads a config without one.
     theirs = {"warmup": "fixed", "total_steps": None, **state["config"]}
+    if "monitor" not in theirs:
+        theirs["monitor"] = Config().to_dict()["monitor"]
     diff = differences(config.to_dict(), theirs)
     if diff:
         field, mine, theirs = diff[0]

@@ -44,6 +44,21 @@ class FeedbackAlgorithm(Algorithm):
         self._guard_created(self.feedback, name, before)
         return enc
 
+    def residual_inner(self, name: str, other: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        res = self.feedback.residual(name, None if other is None else other.device) if self.error_feedback else None
+        if res is None:
+            return None
+        r = res.reshape(-1)
+        same = other is not None and other.numel() == r.numel()
+        dot = torch.dot(r, other.reshape(-1).float()) if same else torch.zeros((), device=r.device)  # type: ignore[union-attr]
+        return torch.dot(r, r), dot
+
+    def forget(self, name: str) -> torch.Tensor | None:
+        self.guard.settle()
+        res = self.feedback.residual(name)
+        self.feedback.reset(name)
+        return res
+
     def persistent_tensors(self) -> list[torch.Tensor]:
         return [r for r in (self.feedback.residual(n) for n in self.feedback) if r is not None]
 

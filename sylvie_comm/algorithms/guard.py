@@ -93,6 +93,7 @@ class StepGuard:
         self._saved: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (state, copy; None: zeros)
         self._keys: set[Hashable] = set()
         self._actions: list[Callable[[torch.Tensor], None]] = []
+        self._settled: list[Callable[[torch.Tensor | None], None]] = []
         self._bad: torch.Tensor | None = None
         self._device: torch.device | None = None
         self._begun = 0  # groups of this step
@@ -162,6 +163,13 @@ class StepGuard:
         with self._lock:
             self._actions.append(action)
 
+    def on_settle(self, action: Callable[[torch.Tensor | None], None]) -> None:
+        """Run ``action(bad)`` when the step settles, skipped or not (``bad``: the step's 0-dim bool flag, None
+        where no group reported one); it must read no value on the host (the monitor adds a step's figures
+        where the step was taken)."""
+        with self._lock:
+            self._settled.append(action)
+
     def report(self, bad: torch.Tensor | None) -> None:
         """Or a group's flag (from what every rank received) into the step's."""
         if bad is None:
@@ -176,22 +184,22 @@ class StepGuard:
         """Decide the last step: put its saved state back if its flag is set (or a group failed); count it."""
         with self._lock:
             saved, actions, bad, device = self._saved, self._actions, self._bad, self._device
+            settled = self._settled
             failed = self._done < self._begun
-            self._saved, self._actions, self._keys, self._bad = [], [], set(), None
+            self._saved, self._actions, self._keys, self._bad, self._settled = [], [], set(), None, []
             self._begun = self._done = 0
             self._step = None
-        if device is None:
-            return
-        if failed:  # a collective failed mid-step: whatever it changed goes back
+        if device is not None and failed:  # a collective failed mid-step: whatever it changed goes back
             bad = torch.ones((), dtype=torch.bool, device=device)
-        if bad is None:
-            return
-        for state, copy in saved:
-            kernels.copy_if(state, copy, bad)
-        for action in actions:
-            action(bad)
-        count = bad.to(torch.int64)
-        self._skipped = count if self._skipped is None else self._skipped + count
+        if device is not None and bad is not None:
+            for state, copy in saved:
+                kernels.copy_if(state, copy, bad)
+            for action in actions:
+                action(bad)
+            count = bad.to(torch.int64)
+            self._skipped = count if self._skipped is None else self._skipped + count
+        for done in settled:
+            done(bad if device is not None else None)
 
     def skipped(self) -> int:
         """Steps skipped so far (settles the last one; reads the count on the host: not for the hot path)."""

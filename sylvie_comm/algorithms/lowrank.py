@@ -89,10 +89,19 @@ class LowRankAlgorithm(Algorithm):
         op = oq = 0
         for m, (n, k), r in zip(comp, shapes, ranks, strict=True):
             p, q = pbuf[op : op + n * r].view(n, r), qbuf[oq : oq + k * r].view(k, r)
-            if m.name in self._factors:  # regrouped: carry the factors over
+            if m.name in self._factors and self._factors[m.name][0].shape == p.shape:  # regrouped: carried over
                 old_p, old_q = self._factors[m.name]
                 p.copy_(old_p)
                 q.copy_(old_q)
+            elif m.name in self._factors:  # its rank changed (the monitor's adaptation): keep what fits
+                old_p, old_q = self._factors[m.name]
+                self._settle_owed(m.name)
+                p0, q0 = self._init_factors(m)
+                keep = min(r, old_p.shape[1])
+                p.copy_(p0)
+                q.copy_(q0)
+                p[:, :keep].copy_(old_p[:, :keep])
+                q[:, :keep].copy_(old_q[:, :keep])
             elif m.name in self._loaded:
                 p.copy_(self._loaded[m.name]["p"])
                 q.copy_(self._loaded[m.name]["q"])
@@ -180,6 +189,52 @@ class LowRankAlgorithm(Algorithm):
         if owed is not None:
             kernels.lowrank_outer_into(res, owed[0], owed[1], -1.0, accumulate=True)
         return res
+
+    def _settle_owed(self, name: str) -> None:
+        """Apply the update owed to ``name``'s residual now (its factors change shape)."""
+        owed = self._pending.pop(name, None)
+        self._pending_bufs.pop(name, None)
+        if owed is not None and name in self._residuals:
+            kernels.lowrank_outer_into(self._residuals[name], owed[0], owed[1], -1.0, accumulate=True)
+
+    def residual_inner(self, name: str, other: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``||E - P' Q'^T||^2`` and ``<E - P' Q'^T, other>`` without forming the owed product."""
+        res = self._residuals.get(name)
+        if res is None:
+            return None
+        flat = res.reshape(-1)
+        sq = torch.dot(flat, flat)  # one pass, no temporary
+        dot = torch.zeros((), device=res.device)
+        m = None if other is None or other.numel() != res.numel() else other.reshape(res.shape).float()
+        if m is not None:
+            dot = torch.dot(flat, m.reshape(-1))
+        owed = self._pending.get(name)
+        if owed is not None:
+            p, q = owed
+            sq = sq - 2 * ((res @ q) * p).sum() + ((p.T @ p) * (q.T @ q)).sum()
+            if m is not None:
+                dot = dot - ((m @ q) * p).sum()
+        return sq, dot
+
+    def forget(self, name: str) -> torch.Tensor | None:
+        self.guard.settle()
+        res = self._residual(name) if name in self._residuals else None
+        for store in (self._factors, self._residuals, self._pending, self._pending_bufs, self._loaded):
+            store.pop(name, None)
+        self.relayout()
+        return res
+
+    def adapt(self, shape: tuple[int, ...], options: Mapping[str, Any], up: bool,
+              floor: Mapping[str, Any] | None = None) -> dict[str, Any] | None:  # fmt: skip
+        """The rank doubled (``up``, at most ``min(n, m)``) or halved, not below half of ``floor``'s."""
+        n, k = lowrank.matrix_shape(torch.Size(shape))
+        r = lowrank.effective_rank(shape, options.get("rank", self.options["rank"]), self.alternate)
+        if up:
+            new = min(2 * r, n, k)
+        else:
+            low = lowrank.effective_rank(shape, (floor or options).get("rank", self.options["rank"]), self.alternate)
+            new = max(r // 2, max(1, low // 2))
+        return None if new == r else {"rank": new}
 
     def state_dict(self) -> dict[str, Any]:
         """``{name: {"p", "q", "residual"}}``, including state loaded but not yet placed in a group."""

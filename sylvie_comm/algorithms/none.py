@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -53,6 +54,9 @@ class NoneAlgorithm(Algorithm):
     name = "none"
     codec_name = "none"
     shards = True
+
+    def bytes_per_element(self, shape: tuple[int, ...], options: Mapping[str, Any]) -> float:
+        return 4.0  # fp32
 
     def _step(self, group: Group, layout: Any, step: int, meter: Meter) -> Future[None]:
         return plain_all_reduce(self, group, meter)

@@ -150,6 +150,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
     """
 
     name = "onebit"
+    needs_monitor = True  # lost accuracy at its defaults on the real workloads (docs/benchmarks/quality.md)
     codec_name = "onebit"
     serial = True
     option_defaults: ClassVar[dict[str, Any]] = {"chunk_size": 2048, "scale": "norm"}
@@ -350,6 +351,13 @@ class OneBitAlgorithm(FeedbackAlgorithm):
             meter.timed("decode", decode)
         if raw is not None:
             raw.wait()
+
+    def forget(self, name: str) -> torch.Tensor | None:
+        """The worker residual, to send with the next gradient; this rank's server residual (its part of the
+        average's rounding, a fraction of the worker's) is dropped."""
+        res = super().forget(name)
+        self.server_feedback.reset(f"{name}@{self.transport.rank}")
+        return res
 
     def persistent_tensors(self) -> list[torch.Tensor]:
         server = [r for r in (self.server_feedback.residual(n) for n in self.server_feedback) if r is not None]

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, ShardLayout, real_view, then
+from sylvie_comm.algorithms.monitor import Monitor
 from sylvie_comm.algorithms.none import plain_all_reduce, plain_reduce_scatter
 from sylvie_comm.algorithms.warmup import Warmup
 from sylvie_comm.collectives import Meter
@@ -42,6 +43,12 @@ class Policy:
         self.warmup: Warmup | None = None
         if config.warmup == "auto" and algorithm.codec_name not in ("none", "fp16", "bf16"):
             self.warmup = Warmup(algorithm.transport, config.warmup_steps, config.total_steps)
+        # The compression-error monitor (a fork of the transport too), unless off or nothing is compressed.
+        self.monitor: Monitor | None = None
+        if config.monitor["period"] > 0 and algorithm.name != "none":
+            self.monitor = Monitor(algorithm, config.monitor, algorithm.transport, config.min_compression_rate)
+        elif algorithm.name == "auto":
+            algorithm.unmonitored()  # type: ignore[attr-defined]
 
     def _check_rule(self, i: int, match: str, options: Mapping[str, Any]) -> None:
         """A rule's options: known to the algorithm, allowed per name, and valid (as the base options are)."""
@@ -77,18 +84,22 @@ class Policy:
 
     def compressed_tensors(
         self, shapes: Iterable[tuple[str, torch.Size | tuple[int, ...]]], step: int | None = None,
-        warmup_state: Mapping[str, Any] | None = None,
+        warmup_state: Mapping[str, Any] | None = None, monitor_state: Mapping[str, Any] | None = None,
     ) -> dict[str, tuple[tuple[int, ...], Mapping[str, Any]]]:  # fmt: skip
         """The tensors that compress, by name: their shape and options (what a checkpoint's state must fit).
 
         With ``step`` (a checkpoint's count of steps) and the adaptive warm-up, only those that had begun
-        compressing by then, by the start steps in ``warmup_state`` (the checkpoint's; it is checked)."""
+        compressing by then, by the start steps in ``warmup_state`` (the checkpoint's; it is checked); with
+        ``monitor_state`` (the checkpoint's), the monitor's adapted options, less the tensors it sent raw."""
         started = self.check_state(warmup_state or {}) if step is not None else None
+        overrides, raw = Monitor.check_state(monitor_state) if monitor_state else ({}, set())
         out: dict[str, tuple[tuple[int, ...], Mapping[str, Any]]] = {}
         for name, shape in shapes:
             compress, options = self.member_options(name, shape)
+            if name in raw:
+                continue
             if compress and (self.warmup is None or started is None or self.warmup.began(name, step, started)):  # type: ignore[arg-type]
-                out[name] = (tuple(shape), options)
+                out[name] = (tuple(shape), {**options, **overrides.get(name, {})})
         return out
 
     def check_parameters(self, named: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
@@ -119,6 +130,13 @@ class Policy:
             guard = self.algorithm.guard
             guard.begin(step - self.config.warmup_steps)  # before the compressed steps' 0, 1, ...
             return guard.track(plain_all_reduce(self.algorithm, group, meter))
+        if self.monitor is not None:
+            return self.monitor.around(group, step - self.config.warmup_steps, meter,
+                                       lambda g: self._compressed(g, step, meter))  # fmt: skip
+        return self._compressed(group, step, meter)
+
+    def _compressed(self, group: Group, step: int, meter: Meter) -> Future[None]:
+        """A group of a step past the fixed warm-up: the adaptive warm-up's raw tensors, the algorithm."""
         warmup = self.warmup
         if warmup is None or step >= warmup.latest:
             return self.algorithm(group, step - self.config.warmup_steps, meter)
@@ -154,7 +172,13 @@ class Policy:
             )
         alg = self.algorithm
         if step >= self.config.warmup_steps or not alg.shards:  # (the algorithm refuses if it has no form)
-            return alg.reduce_scatter(flat, out, step - self.config.warmup_steps, meter, layout)
+            c = step - self.config.warmup_steps
+            if self.monitor is not None and alg.shards:
+                checked = alg.check_reduce_scatter(flat, out, layout)
+                meter = meter if meter is not None else Meter(alg.world_size)
+                return self.monitor.around_shards(flat, out, checked, c, meter,
+                                                  lambda lay: alg.reduce_scatter(flat, out, c, meter, lay))  # fmt: skip
+            return alg.reduce_scatter(flat, out, c, meter, layout)
         meter = meter if meter is not None else Meter(alg.world_size)
         alg.check_reduce_scatter(flat, out, layout)
         meter.uncompressed(4 * flat.numel(), "reduce_scatter")
@@ -165,6 +189,21 @@ class Policy:
     def state_dict(self) -> dict[str, Any]:
         """The adaptive warm-up's per-name state (empty without it)."""
         return self.warmup.state_dict() if self.warmup is not None else {}
+
+    def monitor_state(self) -> dict[str, Any]:
+        """The monitor's decisions and figures (empty without it)."""
+        return self.monitor.state_dict() if self.monitor is not None else {}
+
+    def load_monitor_state(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
+        """Restore :meth:`monitor_state`'s output (checked first); a monitor's state where this run has none
+        is refused."""
+        if state and self.monitor is None:
+            raise ValueError(f"{self.algorithm.name}: the checkpoint holds the compression monitor's state, but this "
+                             "config's monitor is off (period 0)")  # fmt: skip
+        if self.monitor is not None:
+            if state:
+                Monitor.check_state(state)
+            self.monitor.load_state_dict(state, device)
 
     def check_state(self, state: Mapping[str, Any]) -> dict[str, int | None]:
         """Check a :meth:`state_dict` before anything is loaded (a ValueError names what does not fit); return
@@ -183,3 +222,5 @@ class Policy:
     def close(self) -> None:
         if self.warmup is not None:
             self.warmup.close()
+        if self.monitor is not None:
+            self.monitor.close()

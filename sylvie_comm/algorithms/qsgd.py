@@ -167,6 +167,19 @@ class QSGDAlgorithm(FeedbackAlgorithm):
             raise ValueError(f"qsgd: error_feedback must be True or False, got {out['error_feedback']!r}")
         return out
 
+    def adapt(self, shape: tuple[int, ...], options: Mapping[str, Any], up: bool,
+              floor: Mapping[str, Any] | None = None) -> dict[str, Any] | None:  # fmt: skip
+        """Bits one step up (2 -> 4 -> 8) or down, not below half of ``floor``'s."""
+        bits = int(options.get("bits", self.bits))
+        i = BITS.index(bits)
+        if up:
+            return {"bits": BITS[i + 1]} if i + 1 < len(BITS) else None
+        low = max(2, int((floor or options).get("bits", self.bits)) // 2)
+        return {"bits": BITS[i - 1]} if i > 0 and BITS[i - 1] >= low else None
+
+    def bytes_per_element(self, shape: tuple[int, ...], options: Mapping[str, Any]) -> float:
+        return int(options.get("bits", self.bits)) / 8
+
     def _codec(self, name: str, bits: int) -> QBitCodec:
         codec = self._codecs.get(name)
         if codec is None or codec.bits != bits:

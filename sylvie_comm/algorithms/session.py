@@ -17,6 +17,7 @@ import torch
 
 from sylvie_comm.algorithms.base import Future, Group, Segment, ShardLayout
 from sylvie_comm.algorithms.checkpoint import check_checkpoint
+from sylvie_comm.algorithms.monitor import Monitor
 from sylvie_comm.algorithms.policy import Policy
 from sylvie_comm.algorithms.registry import algorithm_class
 from sylvie_comm.collectives import Meter, Stats, Transport, agree
@@ -24,7 +25,7 @@ from sylvie_comm.collectives.transport import ObjectGather
 from sylvie_comm.config import FIELDS, Config
 
 # The fields of every integration's checkpoint of its compression state (one per rank).
-CHECKPOINT_FIELDS = ("codec", "config", "world_size", "rank", "step", "params", "warmup")
+CHECKPOINT_FIELDS = ("codec", "config", "world_size", "rank", "step", "params", "warmup", "monitor")
 # Names an older release wrote, read as today's.
 _LEGACY_KEYS = {"hook": "codec", "steps": "step"}
 
@@ -155,7 +156,10 @@ class Session:
     def stats(self, steps: int | None = None) -> dict[str, Any]:
         """Cumulative wire bytes, the plain fp32 equivalent, their ratio and encode/decode seconds over
         ``steps`` steps (default: the steps done); ``last_step`` holds the same for the last completed step."""
-        return {**self._stats.summary(self.step if steps is None else steps), **self.algorithm.report()}
+        out = {**self._stats.summary(self.step if steps is None else steps), **self.algorithm.report()}
+        if self.policy.monitor is not None:
+            out["monitor"] = self.policy.monitor.report()
+        return out
 
     def memory_bytes(self) -> int:
         """Bytes of tensors kept between steps (residuals, factors, buffers, the guard's copies where it keeps any)."""
@@ -173,6 +177,7 @@ class Session:
             "step": self.step if step is None else step,
             "params": self.algorithm.state_dict(),
             "warmup": self.policy.state_dict(),
+            "monitor": self.policy.monitor_state(),
         }
 
     def load_state_dict(
@@ -201,11 +206,17 @@ class Session:
                                     name_key="codec")  # fmt: skip
             warm = state.get("warmup", {})
             self.policy.check_state(warm)
+            mon = state.get("monitor") or {}
+            if mon:
+                if self.policy.monitor is None:
+                    raise ValueError(f"{what}: the checkpoint holds the compression monitor's state, but this "
+                                     "run's monitor is off (period 0)")  # fmt: skip
+                Monitor.check_state(mon)
             has_all = step > self.config.warmup_steps if stepped is None else stepped
             if shards is not None:
                 self.algorithm.check_state_dict(state["params"], None, has_all, shards=shards)
             else:
-                tensors = None if shapes is None else self.policy.compressed_tensors(shapes, step, warm)
+                tensors = None if shapes is None else self.policy.compressed_tensors(shapes, step, warm, mon)
                 self.algorithm.check_state_dict(state["params"], tensors, has_all)
             if check is not None:
                 check(state, step)
@@ -217,6 +228,7 @@ class Session:
             step = checked()
         self.algorithm.load_state_dict(state["params"])
         self.policy.load_state_dict(state.get("warmup", {}))
+        self.policy.load_monitor_state(state.get("monitor") or {})
         if isinstance(step, int):
             self.step = step
         return step

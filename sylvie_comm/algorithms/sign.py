@@ -24,6 +24,7 @@ class SignAlgorithm(FeedbackAlgorithm):
     """
 
     name = "sign"
+    needs_monitor = True  # lost accuracy at its defaults on the real workloads (docs/benchmarks/quality.md)
     codec_name = "sign"
     option_defaults: ClassVar[dict[str, Any]] = {"scale": "norm"}
     per_name_options: ClassVar[frozenset[str]] = frozenset({"scale"})

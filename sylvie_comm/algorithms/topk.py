@@ -13,6 +13,8 @@ from sylvie_comm.algorithms.guard import nonfinite, poison
 from sylvie_comm.codecs.topk import TopKCodec, topk_count
 from sylvie_comm.collectives import Meter, Transport
 
+MAX_ADAPTED_RATIO = 0.25  # the monitor's adaptation raises a tensor's ratio at most to this
+
 
 class TopKAlgorithm(FeedbackAlgorithm):
     """Top-k of each tensor with error feedback; values and int32 indices of a group all-gathered at once.
@@ -25,6 +27,7 @@ class TopKAlgorithm(FeedbackAlgorithm):
     """
 
     name = "topk"
+    needs_monitor = True  # lost accuracy at its defaults on the real workloads (docs/benchmarks/quality.md)
     codec_name = "topk"
     option_defaults: ClassVar[dict[str, Any]] = {"ratio": 0.1}
     per_name_options: ClassVar[frozenset[str]] = frozenset({"ratio"})
@@ -41,6 +44,20 @@ class TopKAlgorithm(FeedbackAlgorithm):
         if codec is None:
             codec = self._codecs[ratio] = TopKCodec(ratio=ratio)
         return codec
+
+    def adapt(self, shape: tuple[int, ...], options: Mapping[str, Any], up: bool,
+              floor: Mapping[str, Any] | None = None) -> dict[str, Any] | None:  # fmt: skip
+        """The ratio doubled (up to a quarter: beyond it an index and a value per entry send more than half the
+        fp32 bytes) or halved, not below half of ``floor``'s."""
+        ratio = float(options.get("ratio", self.codec.ratio))
+        if up:
+            return {"ratio": min(2 * ratio, MAX_ADAPTED_RATIO)} if ratio < MAX_ADAPTED_RATIO else None
+        low = float((floor or options).get("ratio", self.codec.ratio)) / 2
+        new = max(ratio / 2, low)
+        return None if new >= ratio else {"ratio": new}
+
+    def bytes_per_element(self, shape: tuple[int, ...], options: Mapping[str, Any]) -> float:
+        return 8.0 * float(options.get("ratio", self.codec.ratio))  # an fp32 value and an int32 index per entry
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ DDP, bytes against fp32 over the whole run and over its second half) and writes 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import queue as queue_mod
@@ -37,6 +38,7 @@ from sylvie_comm.bench.quality_diagnosis import KINDS, Diagnosis
 
 PLAIN = "plain"  # plain DDP: no hook registered
 COMPRESSED_ADAMW = "cadamw"  # sylvie_comm.optim.CompressedAdamW (AdamW workloads): DDP's all-reduce off
+COMPRESSED_SGD = "csgd"  # sylvie_comm.optim.CompressedSGD (SGD workloads): DDP's all-reduce off
 
 
 @dataclass(frozen=True)
@@ -136,17 +138,22 @@ class Workload:
     clip: float | None = None
     eval_every: int = 100
     adamw: dict[str, Any] | None = None  # the AdamW hyperparameters, for the compressed AdamW variant
+    sgd: dict[str, Any] | None = None  # the SGD hyperparameters (lr, momentum), for a compressed SGD
 
 
+SGD: dict[str, Any] = {"lr": 0.05, "momentum": 0.9}
 OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
-    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+    "sgd": lambda m: torch.optim.SGD(m.parameters(), **SGD),
     "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01),
 }
 
 
 def cnn_workload(rank: int, world: int, optimizer: str = "sgd", steps: int = 600, images: str = "fashion-mnist",
-                 batch: int = 64) -> Workload:  # fmt: skip
-    """The CNN workload for ``rank``: each rank draws its own batches from the whole training set."""
+                 batch: int = 64, eval_size: int | None = None) -> Workload:  # fmt: skip
+    """The CNN workload for ``rank``: each rank draws its own batches from the whole training set.
+
+    ``eval_size``: test on that many test images, evenly spaced over the test set (which is sorted by class);
+    default: all of them."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"cnn: optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     train, test = datasets.load_images(images, "train"), datasets.load_images(images, "test")
@@ -154,6 +161,11 @@ def cnn_workload(rank: int, world: int, optimizer: str = "sgd", steps: int = 600
     xtr = (train.images.float().div(255).unsqueeze(1) - mean) / std
     xte = (test.images.float().div(255).unsqueeze(1) - mean) / std
     ytr, yte = train.labels, test.labels
+    if eval_size is not None:
+        if isinstance(eval_size, bool) or not isinstance(eval_size, int) or not 1 <= eval_size <= len(yte):
+            raise ValueError(f"cnn: eval_size must be an integer in [1, {len(yte)}], got {eval_size!r}")
+        keep = torch.linspace(0, len(yte) - 1, eval_size).long()
+        xte, yte = xte[keep], yte[keep]
 
     def draw(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.randint(0, len(ytr), (batch,), generator=gen)
@@ -167,8 +179,9 @@ def cnn_workload(rank: int, world: int, optimizer: str = "sgd", steps: int = 600
         return 100.0 * hits / len(yte)
 
     adamw = {"lr": 1e-3, "weight_decay": 0.01} if optimizer == "adamw" else None
+    sgd = dict(SGD) if optimizer == "sgd" else None
     return Workload(f"cnn/{images}/{optimizer}", steps, SmallCNN, OPTIMIZERS[optimizer], draw, F.cross_entropy,
-                    evaluate, "test accuracy %", True, adamw=adamw)  # fmt: skip
+                    evaluate, "test accuracy %", True, adamw=adamw, sgd=sgd)  # fmt: skip
 
 
 LM_CONTEXT = 128
@@ -222,6 +235,26 @@ def make_workload(name: str, rank: int, world: int, **kw: Any) -> Workload:
 # ---------------------------------------------------------------------------------------------- one run
 
 
+def train_step(
+    wl: Workload, model: nn.Module, opt: torch.optim.Optimizer, base_lr: Sequence[float], step: int,
+    x: torch.Tensor, y: torch.Tensor, after_backward: Callable[[], None] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """One training step of ``wl`` at ``step`` on the batch ``(x, y)``: the schedule's learning rate (of
+    ``base_lr``, one per parameter group), forward and backward through ``model`` (the DDP model: its
+    collectives), ``after_backward()``, gradient clipping, the optimizer's step; returns the loss."""
+    for g, lr in zip(opt.param_groups, base_lr, strict=True):
+        g["lr"] = lr * wl.schedule(step)
+    opt.zero_grad(set_to_none=True)
+    loss = wl.loss(model(x), y)
+    loss.backward()  # type: ignore[no-untyped-call]
+    if after_backward is not None:
+        after_backward()
+    if wl.clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), wl.clip)
+    opt.step()
+    return loss
+
+
 def train(
     wl: Workload, variant: Variant, rank: int, world: int, seed: int = 0, diagnose: bool = False
 ) -> dict[str, Any]:
@@ -242,6 +275,10 @@ def train(
         if wl.adamw is None:
             raise ValueError(f"quality: {variant.label} needs an AdamW workload, {wl.name} trains with SGD")
         copt = sylvie_comm.ddp.compressed_adamw(ddp, **wl.adamw, total_steps=wl.steps, **variant.options)
+    elif variant.hook == COMPRESSED_SGD:
+        if wl.sgd is None:
+            raise ValueError(f"quality: {variant.label} needs an SGD workload, {wl.name} trains with AdamW")
+        copt = sylvie_comm.ddp.compressed_sgd(ddp, **wl.sgd, total_steps=wl.steps, **variant.options)
     elif variant.hook != PLAIN:
         options = dict(variant.options)
         raw = options.pop("raw", None)  # raw=conv*+fc1.*: those parameters travel uncompressed
@@ -266,23 +303,14 @@ def train(
     half: dict[str, Any] | None = None  # the hook's or optimizer's stats at the run's middle
     try:
         for step in range(wl.steps):
-            for g, lr in zip(opt.param_groups, base_lr, strict=True):
-                g["lr"] = lr * wl.schedule(step)
             x, y = wl.batch(gen)
-            true = None
+            observe = None
             if diag is not None:
                 opt.zero_grad(set_to_none=True)
                 with ddp.no_sync():
                     wl.loss(ddp(x), y).backward()  # type: ignore[no-untyped-call]
-                true = diag.true_gradients()
-            opt.zero_grad(set_to_none=True)
-            loss = wl.loss(ddp(x), y)
-            loss.backward()  # type: ignore[no-untyped-call]
-            if diag is not None and true is not None:
-                diag.observe(true, beta2)
-            if wl.clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), wl.clip)
-            opt.step()
+                observe = functools.partial(diag.observe, diag.true_gradients(), beta2)
+            loss = train_step(wl, ddp, opt, base_lr, step, x, y, observe)
             if step + 1 == wl.steps // 2 and (state is not None or copt is not None):
                 half = (state or copt).stats()  # type: ignore[union-attr]  # the second half: past any warm-up
             losses.append(loss.item())
@@ -295,6 +323,8 @@ def train(
         if state is not None or copt is not None:
             stats = (state or copt).stats()  # type: ignore[union-attr]
             out["compression_ratio"] = stats["compression_ratio"]
+            if "monitor" in stats:
+                out["monitor"] = stats["monitor"]
             sent = stats["bytes_sent"] - (half["bytes_sent"] if half else 0)
             plain = stats["bytes_uncompressed"] - (half["bytes_uncompressed"] if half else 0)
             out["compression_ratio_last"] = plain / sent if sent else float("nan")  # the run's second half
@@ -474,7 +504,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument(
         "--variants", nargs="+", default=None,
-        help="hook or hook:key=value,... ('plain': no hook; 'cadamw': sylvie_comm.optim.CompressedAdamW)",
+        help="hook or hook:key=value,... ('plain': no hook; 'cadamw': sylvie_comm.optim.CompressedAdamW, 'csgd': "
+        "sylvie_comm.optim.CompressedSGD)",
     )  # fmt: skip
     ap.add_argument("--diagnose", action="store_true", help="measure what compression does per kind of layer")
     ap.add_argument("--out", default=None, help="write OUT.json, OUT.md and OUT.png")

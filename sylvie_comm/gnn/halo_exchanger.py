@@ -43,6 +43,9 @@ class HaloExchanger:
         meta_dtype: ``fp32`` or ``bf16`` for the per-row scale and minimum of q-bit rows.
         error_feedback: keep the quantization error of each sent row and add it next time.
         seed: noise seed of the stochastic rounding (offset by rank, layer and direction).
+        monitor_every: every this many exchanges of one layer and direction, the rows sent are decoded here
+            and compared with what they encode (no communication: a peer decodes the same bits), see
+            :meth:`errors`; 0 measures nothing.
         device: where the features (and so the index tensors, buffers and decoded rows) live; default
             the CPU. The partition itself stays on the host: its row counts are the all-to-all splits.
     """
@@ -57,7 +60,15 @@ class HaloExchanger:
         error_feedback: bool = False,
         seed: int = 0,
         device: torch.device | str | None = None,
+        monitor_every: int = 10,
     ) -> None:
+        if isinstance(monitor_every, bool) or not isinstance(monitor_every, int) or monitor_every < 0:
+            raise ValueError(
+                f"halo: monitor_every must be an integer >= 0 (0: no error measured), got {monitor_every!r}"
+            )
+        self.monitor_every = monitor_every
+        # (direction/key) -> [sum of relative errors (device), measurements, calls]: see errors()
+        self._errors: dict[str, list[Any]] = {}
         self.device = torch.device("cpu") if device is None else as_device(device)
         check_partitions(part, transport)
         self.part = part
@@ -100,6 +111,24 @@ class HaloExchanger:
     def _encode(self, fmt: RowFormat, rows: torch.Tensor, ef_key: str) -> torch.Tensor:
         return fmt.encode(rows, self.feedback if self.error_feedback else None, ef_key)
 
+    def _measure(self, where: str, fmt: RowFormat, rows: torch.Tensor, wire: torch.Tensor) -> None:
+        """Every ``monitor_every``-th call for ``where``: add ``||decode(wire) - rows|| / ||rows||`` (on the device)."""
+        if not self.monitor_every or not rows.numel():
+            return
+        entry = self._errors.setdefault(where, [None, 0, 0])
+        entry[2] += 1
+        if (entry[2] - 1) % self.monitor_every:
+            return
+        rel = (fmt.decode(wire) - rows).norm() / rows.norm()
+        rel = torch.nan_to_num(rel, nan=0.0, posinf=0.0)
+        entry[0] = rel if entry[0] is None else entry[0] + rel
+        entry[1] += 1
+
+    def errors(self) -> dict[str, float]:
+        """The mean relative error of the rows sent (what every receiver decodes against what was encoded), by
+        ``forward/<layer>`` and ``backward/<layer>``, over the measured exchanges (read on the host)."""
+        return {k: float(v[0]) / v[1] for k, v in sorted(self._errors.items()) if v[1] and v[0].device.type != "meta"}
+
     def _check_device(self, what: str, t: torch.Tensor) -> None:
         if t.device != self.device:
             raise ValueError(
@@ -136,6 +165,8 @@ class HaloExchanger:
         )
         rows = inner[self.boundary].float()
         wire = self._encode(fmt, rows, f"forward/{key}") if feedback else fmt.encode(rows)
+        if feedback:  # training passes only
+            self._measure(f"forward/{key}", fmt, rows, wire)
         send = wire[self.pick]
         self.bytes_sent["forward"] += (send.shape[0] - self.send_counts[self.part.rank]) * fmt.row_bytes
 
@@ -152,6 +183,7 @@ class HaloExchanger:
         self._check_device("gradients", grad_halo)
         fmt = self._format("backward", grad_halo.shape[1], key)
         send = self._encode(fmt, grad_halo.float(), f"backward/{key}")
+        self._measure(f"backward/{key}", fmt, grad_halo.float(), send)
         self.bytes_sent["backward"] += send.shape[0] * fmt.row_bytes
 
         def job() -> torch.Tensor:

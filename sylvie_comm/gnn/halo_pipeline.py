@@ -307,6 +307,7 @@ class HaloPipeline:
             "max_observed_staleness": max(self._observed, default=0),
             "mean_observed_staleness": sum(k * v for k, v in self._observed.items()) / total if total else 0.0,
             "bytes_sent": dict(self.exchanger.bytes_sent),
+            "halo_error": self.exchanger.errors(),
         }
 
     def close(self) -> None:

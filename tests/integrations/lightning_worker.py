@@ -39,7 +39,7 @@ import sylvie_comm.lightning as sl
 
 EPOCHS, FIRST = 3, 2  # straight run; the interrupted run stops after FIRST and resumes to EPOCHS
 BATCH = 8
-DDP_OPTIONS = {"rank": 2, "warmup_steps": 2}
+DDP_OPTIONS = {"rank": 2, "warmup_steps": 2, "monitor": {"period": 5, "sample": 1}}
 FSDP_OPTIONS = {"warmup_steps": 2}
 
 
@@ -154,8 +154,10 @@ def run(kind: str, root: Path) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     s, net = strategy(), Net(shard)
-    trainer(s, EPOCHS, root / kind / "straight").fit(net, loader())
+    straight = trainer(s, EPOCHS, root / kind / "straight", callbacks=[sl.CompressionLog(every_n_steps=1)])
+    straight.fit(net, loader())
     out["straight"], out["stats"] = weights(net), s.compression_state.stats()
+    out["logged"] = {k: float(v) for k, v in straight.callback_metrics.items() if k.startswith("sylvie_comm/")}
 
     s, net = strategy(), Net(shard)
     ckpt = ModelCheckpoint(dirpath=str(root / kind / "ckpt"), filename="first-{epoch}", save_top_k=1)

@@ -71,6 +71,17 @@ def test_it_trains_with_our_hook_and_equals_our_own_loop_bit_for_bit(run: dict[s
 
 
 @pytest.mark.multiprocess
+def test_the_example_logs_the_compression_figures_through_the_accelerator(run: dict[str, Any]) -> None:
+    """sylvie_comm.accelerate.log after each epoch: the ratio, the bytes and the monitor's figures, as stats()."""
+    for res in run["ranks"]:
+        straight = res["straight"]
+        logged = straight["logged"]
+        assert logged["sylvie_comm/bytes_sent"] == straight["bytes_sent"]
+        assert logged["sylvie_comm/compression_ratio"] > 4
+        assert logged["sylvie_comm/monitor/checks"] == straight["monitor"]["checks"]
+
+
+@pytest.mark.multiprocess
 def test_load_state_resumes_bit_for_bit(run: dict[str, Any]) -> None:
     for r, res in enumerate(run["ranks"]):
         assert res["resumed"]["steps"] == 44  # the hook's step counter came back with its state

@@ -102,6 +102,21 @@ def test_every_rank_saves_its_state_and_restores_its_own(run: dict[str, Any], ki
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_compression_log_puts_the_monitor_figures_in_lightning_s_metrics(run: dict[str, Any], kind: str) -> None:
+    """CompressionLog(every_n_steps=1) on the straight fit: the ratio and, for DDP (monitor period 5), every
+    compressed matrix's lag, equal to what stats() reports at the end."""
+    r = run["ranks"][0][kind]
+    logged, stats = r["logged"], r["stats"]
+    assert logged["sylvie_comm/compression_ratio"] > 1
+    if kind == "ddp":
+        tensors = stats["monitor"]["tensors"]
+        assert tensors and stats["monitor"]["checks"] > 0
+        for name, t in tensors.items():
+            assert logged[f"sylvie_comm/monitor/{name}/lag"] == pytest.approx(t["lag"]), name
+
+
+@pytest.mark.multiprocess
 def test_a_checkpoint_of_another_world_size_is_refused(run: dict[str, Any]) -> None:
     blob = torch.load(run["ranks"][0]["ddp"]["files"]["after_fit"], weights_only=True)["sylvie_comm"]
     assert own_state(blob, 1, 2)["rank"] == 1

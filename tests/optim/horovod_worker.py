@@ -1,9 +1,10 @@
-"""CompressedAdamW over Horovod, run on every rank under ``horovodrun``.
+"""CompressedAdamW (or CompressedSGD) over Horovod, run on every rank under ``horovodrun``.
 
-    horovodrun -np 2 --gloo python -m tests.optim.horovod_worker OUT_DIR
+    horovodrun -np 2 --gloo python -m tests.optim.horovod_worker OUT_DIR [adamw|sgd]
 
-Each rank writes its result (or its traceback) to ``OUT_DIR/rank<r>.pt``; ``tests/optim/test_horovod.py``
-launches it and compares with the same run in one process (:func:`train`, on the in-process transport).
+Each rank writes its result (or its traceback) to ``OUT_DIR/rank<r>.pt``; ``tests/optim/test_horovod.py`` and
+``tests/optim/test_sgd_horovod.py`` launch it and compare with the same run in one process (:func:`train`, on the
+in-process transport).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tests.optim import workloads as ow
 
 CODEC = "onebit"
 LR = 3e-3
+SGD = {"lr": 0.2, "momentum": 0.9, "nesterov": True}  # CompressedSGD's run
 
 
 def train(rank: int, make: Any, model: torch.nn.Module | None = None) -> dict[str, Any]:
@@ -34,15 +36,17 @@ def train(rank: int, make: Any, model: torch.nn.Module | None = None) -> dict[st
     return res
 
 
-def horovod_run(rank: int) -> dict[str, Any]:
+def horovod_run(rank: int, optimizer: str = "adamw") -> dict[str, Any]:
     import sylvie_comm.horovod as sh
 
+    if optimizer == "sgd":
+        return train(rank, lambda model: sh.compressed_sgd(model, **SGD, codec=CODEC, warmup=ow.WARMUP))
     return train(rank, lambda model: sh.compressed_adamw(model, lr=LR, codec=CODEC, warmup=ow.WARMUP))
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: horovod_worker OUT_DIR", file=sys.stderr)
+    if len(argv) not in (1, 2) or argv[1:] not in ([], ["adamw"], ["sgd"]):
+        print("usage: horovod_worker OUT_DIR [adamw|sgd]", file=sys.stderr)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -51,7 +55,7 @@ def main(argv: list[str]) -> int:
     hvd.init()
     rank = hvd.rank()
     try:
-        result: Any = {"ok": horovod_run(rank)}
+        result: Any = {"ok": horovod_run(rank, *argv[1:])}
     except Exception:
         result = {"error": traceback.format_exc()}
     torch.save(result, os.path.join(argv[0], f"rank{rank}.pt"))

@@ -28,8 +28,10 @@ pytestmark = pytest.mark.multiprocess
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_horovod_trains_as_the_in_process_run(tmp_path: Path) -> None:
-    cmd = ["horovodrun", "-np", "2", "--gloo", sys.executable, "-m", "tests.optim.horovod_worker", str(tmp_path)]
+def run_horovod(tmp_path: Path, optimizer: str = "adamw") -> list[dict[str, Any]]:
+    """Each rank's result of ``tests.optim.horovod_worker`` (``optimizer``: adamw or sgd) under horovodrun."""
+    cmd = ["horovodrun", "-np", "2", "--gloo", sys.executable, "-m", "tests.optim.horovod_worker", str(tmp_path),
+           optimizer]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -43,7 +45,11 @@ def test_horovod_trains_as_the_in_process_run(tmp_path: Path) -> None:
         assert "error" not in res, f"rank {rank}:\n{res['error']}"
         results.append(res["ok"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return results
 
+
+def test_horovod_trains_as_the_in_process_run(tmp_path: Path) -> None:
+    results = run_horovod(tmp_path)
     base = wl.mlp()
 
     def local(tr: Any) -> dict[str, Any]:

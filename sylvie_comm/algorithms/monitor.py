@@ -1,0 +1,617 @@
+"""The compression's measured error, per tensor, and what it drives: warnings and adaptation.
+
+Bytes and step time say what compression saves; nothing said what it costs the model until the
+run's accuracy was in. The monitor measures that cost while training, in every integration that runs
+a :class:`~sylvie_comm.algorithms.session.Session` (DDP hooks, both Horovod routes, FSDP2's HSDP
+replica all-reduce, the compressed optimizers, the GNN trainer's gradient average):
+
+* **on the** ``window`` **compressed steps before each check, free of communication** (algorithms with error
+  feedback; two passes over the gradient and one over the residual per tensor, so not every step): per tensor, the
+  relative error of what this rank sent against what it was given, ``error = ||r_t|| / ||g_t + r_{t-1}||``
+  (the residual ``r`` is what compression dropped), and the residual against the gradient,
+  ``lag = ||r_t|| / ||g_t||``: how many steps' worth of this rank's gradient error feedback still owes.
+  Error feedback makes a large per-step error harmless as long as the residual is released soon;
+  a residual that grows to many gradients is released steps late, which momentum turns into a wrong
+  direction (the failure of one-bit codecs with a mean-magnitude scale on a CNN). Both are norms
+  computed on the gradients' device and summed there; the host reads them once per check.
+* **every** ``period`` **compressed steps, a sampled exact check**: for ``sample`` tensors of each group
+  (in turn; at most :data:`EXACT_ELEMENTS` of each, a window that moves from check to check), the exact fp32
+  average is all-reduced on a channel of its own beside the compressed one,
+  and the two are compared (``exact_error``: relative error, ``exact_cos``: cosine). Its bytes are
+  counted (``stats()["monitor"]["bytes"]``, and in the bytes sent).
+
+At each check the ranks average every tensor's figures with one small all-reduce, so every rank
+reads the same numbers and takes the same decisions. A tensor is **over the bound** where its mean
+``lag`` exceeds ``max_lag`` (algorithms with error feedback) or, without error feedback, its exact
+relative error exceeds ``max_error``. Over the bound at ``patience`` checks in a row, it is reported
+once (a warning naming the tensor, the figure and the bound), and with ``adapt`` on it is adapted:
+
+* a safer setting of the same algorithm where it has one (:meth:`Algorithm.adapt`: a low-rank matrix's
+  rank doubles, qsgd's bits go 2 -> 4 -> 8, top-k's ratio doubles), within ``budget`` times the bytes of
+  the starting settings over the tensors seen;
+* otherwise, the tensor falls back to raw (fp32 in the group's buffer), its residual sent with its next
+  gradient so nothing owed is lost.
+
+A tensor well under the bound (a quarter of it) for ``patience`` checks is made one level lighter, never
+below half its starting setting (L-GreCo's range of 0.5-2x the rank) and never to a setting that was
+over its bound before (so a tensor does not swing between two levels).
+The decisions, the counters and the figures since the last check are in :meth:`Monitor.state_dict`,
+so a resumed run decides as the straight run does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import threading
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, Segment, ShardLayout, then
+from sylvie_comm.algorithms.shard_rows import residual_shape
+from sylvie_comm.collectives import Meter, Transport
+from sylvie_comm.collectives.accounting import wire_bytes
+from sylvie_comm.config import MONITOR_DEFAULTS
+
+LOG = logging.getLogger("sylvie_comm")
+_RELAX = 0.25  # a tensor this far under its bound gives back what adaptation added
+EXACT_ELEMENTS = 1 << 13  # an exact check compares at most this many elements of a tensor (8,192: 32 KB)
+RAW = "raw"
+
+
+@dataclass
+class _Tensor:
+    """One tensor's figures since the last check (device sums) and its history (host)."""
+
+    shape: tuple[int, ...]
+    base: dict[str, Any]  # the options it started with (the policy's)
+    lag_sum: torch.Tensor | None = None
+    err_sum: torch.Tensor | None = None
+    count: torch.Tensor | None = None  # steps whose figures were finite
+    exact: tuple[torch.Tensor, torch.Tensor] | None = None  # (relative error, cosine) of the last exact check
+    over: int = 0  # checks in a row over the bound
+    under: int = 0  # checks in a row well under it
+    warned: bool = False
+    variant: str = ""  # what averaged it (auto's candidate), see Algorithm.variant
+    failed: set[str] = field(default_factory=set)  # settings that were over the bound: never taken again
+    last: dict[str, float | None] = field(default_factory=dict)
+
+
+class Monitor:
+    """Per-name measured error of ``algorithm``'s compression, and the adaptation it drives (module docstring).
+
+    Args:
+        algorithm: the algorithm the policy runs.
+        settings: :data:`~sylvie_comm.config.MONITOR_DEFAULTS`' keys, checked by the config.
+        transport: the algorithm's; a fork of it carries the exact checks and the ranks' figures.
+        min_compression_rate: a setting that would shrink a tensor less than this is not taken (raw instead).
+    """
+
+    def __init__(self, algorithm: Algorithm, settings: Mapping[str, Any], transport: Transport,
+                 min_compression_rate: float = 2.0) -> None:  # fmt: skip
+        self.algorithm = algorithm
+        s = {**MONITOR_DEFAULTS, **settings}
+        self.period: int = s["period"]
+        self.sample: int = s["sample"]
+        self.max_lag: float = float(s["max_lag"])
+        self.max_error: float = float(s["max_error"])
+        self.patience: int = s["patience"]
+        self.adapt: bool = s["adapt"]
+        self.budget: float = float(s["budget"])
+        self.window: int = min(s["window"], self.period) if self.period else 0
+        self.min_rate = min_compression_rate
+        self._channel: Transport | None = transport.fork()
+        self._tensors: dict[str, _Tensor] = {}
+        self._cursor: dict[int, int] = {}
+        self.overrides: dict[str, dict[str, Any]] = {}  # name -> options adaptation set
+        self.raw: set[str] = set()  # names adaptation sends raw
+        self._flush: set[str] = set()  # names gone raw whose residual still has to be sent
+        self._carry: set[str] = set()  # names whose residual is sent with their next gradient (auto moved them)
+        self.checks = 0
+        self.bytes = 0
+        self.events: list[str] = []
+        self._loaded: dict[str, Mapping[str, Any]] = {}  # figures of a checkpoint, for tensors not yet seen
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ per step
+
+    def due(self, step: int) -> bool:
+        """Whether compressed step ``step`` (0 first) runs a check."""
+        return step > 0 and step % self.period == 0
+
+    def measures(self, step: int) -> bool:
+        """Whether compressed step ``step`` takes the per-step figures: the last ``window`` steps before each
+        check (each costs two passes over the gradient and one over the residual)."""
+        return step % self.period >= self.period - self.window
+
+    def rewrite(self, group: Group) -> Group:
+        """``group`` with adaptation's decisions applied: raw names raw (their residual added to the
+        gradient once), adapted names with their options."""
+        if not self.raw and not self.overrides and not self._carry:
+            return group
+        members = []
+        for m in group.members:
+            if m.name in self._carry:
+                self._carry.discard(m.name)
+                owed = self.algorithm.forget(m.name)
+                if owed is not None:
+                    m.tensor.add_(owed.to(m.tensor.dtype).view(m.tensor.shape))
+            if m.compress and m.name in self.raw:
+                if m.name in self._flush:
+                    self._flush.discard(m.name)
+                    owed = self.algorithm.forget(m.name)
+                    if owed is not None:
+                        m.tensor.add_(owed.to(m.tensor.dtype).view(m.tensor.shape))
+                members.append(Member(m.name, m.tensor, False, m.options))
+            elif m.compress and m.name in self.overrides:
+                members.append(Member(m.name, m.tensor, True, {**m.options, **self.overrides[m.name]}))
+            else:
+                members.append(m)
+        return Group(group.key, members, group.flat)
+
+    def around(self, group: Group, step: int, meter: Meter, run: Any) -> Future[None]:
+        """Run ``run(group)`` (the algorithm on ``group`` with adaptation's decisions applied) with this
+        step's measurements around it."""
+        for m in group.members:
+            if m.compress and m.tensor.numel() and m.name not in self._tensors:
+                t = self._tensors[m.name] = _Tensor(tuple(m.tensor.shape), dict(m.options))
+                loaded = self._loaded.pop(m.name, None)
+                if loaded is not None:
+                    self._restore(t, loaded, m.tensor.device)
+        if self.due(step):
+            seen = [m for m in self.rewrite(group).members if m.compress and m.tensor.numel()]
+            self._decide(group.key, seen, meter)
+        group = self.rewrite(group)
+        comp = [m for m in group.members if m.compress and m.tensor.numel()]
+        alg = self.algorithm
+        before = {}
+        for m in comp if self.measures(step) else ():
+            g = m.tensor.detach().reshape(-1).float()
+            inner = alg.residual_inner(m.name, g)
+            g2 = torch.dot(g, g)
+            before[m.name] = (g2, g2 if inner is None else g2 + 2 * inner[1] + inner[0])  # none yet: r = 0
+        exact = self._exact_launch(group.key, comp, meter) if self.due(step) else None
+
+        def after(_: Future[None]) -> None:
+            with self._lock:
+                for m in comp:
+                    t = self._tensors[m.name]
+                    variant = alg.variant(m.name)
+                    if variant != t.variant:  # another candidate averages it now: its figures start afresh
+                        t.variant, t.lag_sum, t.err_sum, t.count, t.over, t.under = variant, None, None, None, 0, 0
+                        t.exact = None
+                    if m.name in before:
+                        self._accumulate(m.name, *before[m.name])
+                if exact is not None:
+                    picked, flat, _ = exact
+                    flat.div_(alg.world_size)
+                    pos = 0
+                    for m, at, size in picked:
+                        ex, out = flat[pos : pos + size], m.tensor.detach().reshape(-1)[at : at + size].float()
+                        pos += size
+                        self._tensors[m.name].exact = _compare(out, ex)
+
+        fut = run(group)
+        return then(fut if exact is None else [fut, exact[2]], after)
+
+    def around_shards(self, flat: torch.Tensor, out: torch.Tensor, layout: ShardLayout, step: int, meter: Meter,
+                      run: Any) -> Future[None]:  # fmt: skip
+        """:meth:`around` for a reduce-scatter (FSDP2): ``run(layout)`` writes this rank's shard of the average of
+        ``flat`` into ``out``. Per segment, the lag and error from its residual (every shard's slice of it), and
+        at the checks the exact mean of a window of every shard (an fp32 all-reduce of a copy of that window of
+        ``flat``, on the channel) against ``out``'s. Adaptation rewrites the segments' options, or sends a
+        segment raw (its residual added to ``flat`` once)."""
+        w = self.algorithm.world_size
+        shard = out.numel()
+        rows = flat.reshape(w, shard)
+
+        def view(seg: Segment) -> torch.Tensor:  # this rank's whole gradient of the segment, as its residual's rows
+            return rows[:, seg.offset : seg.offset + seg.numel].reshape(w * seg.numel // seg.row, seg.row)
+
+        for seg in layout.segments:
+            if seg.compress and seg.numel and seg.name not in self._tensors:
+                self._tensors[seg.name] = _Tensor(residual_shape(seg, w), dict(seg.options))
+                loaded = self._loaded.pop(seg.name, None)
+                if loaded is not None:
+                    self._restore(self._tensors[seg.name], loaded, flat.device)
+        key = zlib.crc32(layout.key.encode())
+        if self.due(step):
+            # The figures are per tensor: what the decision reads does not depend on the rewritten layout.
+            self._decide(key, [Member(g.name, view(g), True) for g in self._rewrite_shards(layout, view).segments
+                               if g.compress and g.numel], meter)  # fmt: skip
+        layout = self._rewrite_shards(layout, view)
+        comp = [g for g in layout.segments if g.compress and g.numel]
+        members = [Member(g.name, view(g), True) for g in comp]
+        alg = self.algorithm
+        before = {}
+        for m in members if self.measures(step) else ():
+            g = m.tensor.reshape(-1).float()
+            inner = alg.residual_inner(m.name, g)
+            g2 = torch.dot(g, g)
+            before[m.name] = (g2, g2 if inner is None else g2 + 2 * inner[1] + inner[0])
+        exact = launched = None
+        size = min(shard, EXACT_ELEMENTS)
+        at = (self.checks * size) % shard if shard > size else 0
+        at = min(at, shard - size)
+        if self.due(step) and self._channel is not None and size:
+            # Every shard's window [at, at + size): one all-reduce gives each rank the exact mean of its own.
+            exact = rows[:, at : at + size].float().contiguous()  # a copy: the algorithm may change flat
+            meter.collective("all_reduce", exact)
+            self.bytes += wire_bytes("all_reduce", 4 * exact.numel(), w)
+            launched = self._channel.all_reduce(exact)
+        fut = run(layout)
+        rank = alg.transport.rank
+
+        def after(_: Future[None]) -> None:
+            with self._lock:
+                for name, norms in before.items():
+                    self._accumulate(name, *norms)
+                if exact is not None:
+                    mine = exact[rank].div_(w)
+                    got = out.reshape(-1).float()
+                    for g in comp:
+                        lo, hi = max(g.offset, at), min(g.offset + g.numel, at + size)
+                        if lo < hi:
+                            self._tensors[g.name].exact = _compare(got[lo:hi], mine[lo - at : hi - at])
+
+        return then(fut if launched is None else [fut, launched], after)
+
+    def _rewrite_shards(self, layout: ShardLayout, view: Any) -> ShardLayout:
+        if not self.raw and not self.overrides and not self._carry:
+            return layout
+        segments = []
+        for seg in layout.segments:
+            if seg.compress and (seg.name in self._carry or seg.name in self._flush):
+                self._carry.discard(seg.name)
+                self._flush.discard(seg.name)
+                owed = self.algorithm.forget(seg.name)
+                if owed is not None:
+                    view(seg).add_(owed.to(view(seg).dtype).view(view(seg).shape))
+            if seg.compress and seg.name in self.raw:
+                seg = dataclasses.replace(seg, compress=False)
+            elif seg.compress and seg.name in self.overrides:
+                seg = dataclasses.replace(seg, options={**seg.options, **self.overrides[seg.name]})
+            segments.append(seg)
+        return ShardLayout(layout.key, tuple(segments))
+
+    def _accumulate(self, name: str, g2: torch.Tensor, given2: torch.Tensor) -> None:
+        """One step's lag and error of ``name`` (its residual now, against the norms taken before the step),
+        added once the step settles, unless it was skipped (its state put back: it did not happen)."""
+        inner = self.algorithm.residual_inner(name, None)
+        if inner is None:
+            return
+        t = self._tensors[name]
+        r = inner[0].clamp_min(0).sqrt()
+        lag, err = r / g2.sqrt(), r / given2.clamp_min(0).sqrt()
+        ok = torch.isfinite(lag) & torch.isfinite(err)
+
+        def add(bad: torch.Tensor | None) -> None:
+            taken = ok if bad is None else ok & ~bad
+            one, lag_, err_ = taken.float(), torch.where(taken, lag, 0.0), torch.where(taken, err, 0.0)
+            with self._lock:
+                t.lag_sum = lag_ if t.lag_sum is None else t.lag_sum + lag_
+                t.err_sum = err_ if t.err_sum is None else t.err_sum + err_
+                t.count = one if t.count is None else t.count + one
+
+        self.algorithm.guard.on_settle(add)
+
+    def _exact_launch(self, key: int, comp: list[Member], meter: Meter) -> Any:
+        """The exact fp32 average of ``sample`` tensors of the group (in turn), at most :data:`EXACT_ELEMENTS` of
+        each (a window that moves from check to check), launched on the channel."""
+        if not comp or self._channel is None:
+            return None
+        start = self._cursor.get(key, 0) % len(comp)
+        picked = []
+        for i in range(min(self.sample, len(comp))):
+            m = comp[(start + i) % len(comp)]
+            n = m.tensor.numel()
+            size = min(n, EXACT_ELEMENTS)
+            at = (self.checks * size) % n if n > size else 0
+            picked.append((m, at if at + size <= n else n - size, size))
+        self._cursor[key] = start + len(picked)
+        flat = torch.cat([m.tensor.detach().reshape(-1)[at : at + size].float() for m, at, size in picked])
+        meter.collective("all_reduce", flat)
+        self.bytes += wire_bytes("all_reduce", 4 * flat.numel(), self.algorithm.world_size)
+        return picked, flat, self._channel.all_reduce(flat)
+
+    # ------------------------------------------------------------------ checks and decisions
+
+    def _decide(self, key: int, comp: list[Member], meter: Meter) -> None:
+        """Average every tensor's figures across the ranks (one small all-reduce), then warn and adapt."""
+        if self._channel is None or not comp:
+            return
+        self.algorithm.guard.settle()  # the last step's figures are added once it is decided
+        names = [m.name for m in comp]
+        device = comp[0].tensor.device
+        zero = torch.zeros((), device=device)
+        rows = []
+        with self._lock:
+            for n in names:
+                t = self._tensors[n]
+                ex = t.exact
+                rows.append(torch.stack([
+                    zero if t.lag_sum is None else t.lag_sum.to(device),
+                    zero if t.err_sum is None else t.err_sum.to(device),
+                    zero if t.count is None else t.count.to(device),
+                    zero if ex is None else torch.nan_to_num(ex[0].to(device), nan=0.0),
+                    zero if ex is None else torch.nan_to_num(ex[1].to(device), nan=0.0),
+                    zero if ex is None else torch.isfinite(ex[0].to(device)).float(),  # a skipped step: none
+                ]))  # fmt: skip
+                t.lag_sum = t.err_sum = t.count = None
+                t.exact = None
+        summed = torch.stack(rows).float()
+        meter.collective("all_reduce", summed)
+        self._channel.all_reduce(summed).wait()
+        figures = (summed / self.algorithm.world_size).tolist()  # the host reads once per check
+        self.checks += 1
+        over = []
+        for n, (lag, err, count, ex_rel, ex_cos, has) in zip(names, figures, strict=True):
+            t = self._tensors[n]
+            fresh = {
+                "lag": lag / count if count > 0 else None,
+                "error": err / count if count > 0 else None,
+                "exact_error": ex_rel if has > 0 else None,
+                "exact_cos": ex_cos if has > 0 else None,
+            }
+            # The report keeps a figure not measured since the last check (a tensor not sampled this time).
+            t.last = {k: v if v is not None else t.last.get(k) for k, v in fresh.items()}
+            verdict = self._judge(n, t, fresh)
+            if verdict is not None:
+                over.append((n, t, *verdict))
+        if not over:
+            return
+        moved = self.algorithm.demote(key)  # auto: the whole group to its next-fastest candidate
+        if moved is not None:
+            for n in names:
+                self._tensors[n].over = self._tensors[n].under = 0
+                self._carry.add(n)
+            n, _, figure, bound = over[0]
+            self._event(f"group {key} ('{n}' {figure:.3g} > {bound:.3g}): {moved[0]} -> {moved[1]}")
+        elif self.adapt:
+            for n, t, figure, bound in over:
+                self._escalate(n, t, figure, bound)
+                t.over = 0
+
+    def _judge(self, name: str, t: _Tensor, fresh: Mapping[str, float | None]) -> tuple[float, float] | None:
+        """Count the check for or against ``name`` (on the figures measured since the last check), warn once;
+        ``(figure, bound)`` where it is to be adapted."""
+        lag, exact = fresh["lag"], fresh["exact_error"]
+        if lag is not None:
+            figure, bound, what = lag, self.max_lag, "lag (residual / gradient)"
+        elif exact is not None and self.algorithm.residual_inner(name, None) is None:
+            figure, bound, what = exact, self.max_error, "exact relative error"
+        else:
+            return None
+        if figure > bound:
+            t.over, t.under = t.over + 1, 0
+        elif figure < _RELAX * bound:
+            t.over, t.under = 0, t.under + 1
+        else:
+            t.over = t.under = 0
+        if t.over >= self.patience:
+            if not t.warned:
+                t.warned = True
+                LOG.warning(
+                    "sylvie_comm %s: '%s' %s is %.3g, over the bound %.3g at %d checks in a row%s",
+                    self.algorithm.name, name, what, figure, bound, t.over,
+                    "" if self.adapt else ": compression is likely costing accuracy here (monitor adapt=True "
+                    "adapts it, or send it raw with a rule)",
+                )  # fmt: skip
+            return figure, bound
+        if t.under >= self.patience and self.adapt and name not in self.raw:
+            self._relax(name, t)
+            t.under = 0
+        return None
+
+    def _bytes(self, name: str, options: Mapping[str, Any] | None) -> float:
+        t = self._tensors[name]
+        numel = math.prod(t.shape)
+        if options is None:
+            return 4.0 * numel
+        return numel * self.algorithm.bytes_per_element(t.shape, {**t.base, **options})
+
+    def _total(self, change: tuple[str, Mapping[str, Any] | None] | None = None) -> tuple[float, float]:
+        """Bytes per step of the tensors seen at their current settings (with ``change``) and at their base."""
+        now = base = 0.0
+        for n in self._tensors:
+            opts: Mapping[str, Any] | None = None if n in self.raw else self.overrides.get(n, {})
+            if change is not None and change[0] == n:
+                opts = change[1]
+            now += self._bytes(n, opts)
+            base += self._bytes(n, {})
+        return now, base
+
+    def _escalate(self, name: str, t: _Tensor, figure: float, bound: float) -> None:
+        current = {**t.base, **self.overrides.get(name, {})}
+        t.failed.add(_key(current))
+        safer = self.algorithm.adapt(t.shape, current, up=True)
+        if safer is not None and self.algorithm.compression_rate(t.shape, safer) >= self.min_rate:
+            now, base = self._total((name, {**self.overrides.get(name, {}), **safer}))
+            if now <= self.budget * base:
+                self._set(name, t, safer)
+                self._event(f"'{name}' {figure:.3g} > {bound:.3g}: {_diff(current, safer)}")
+                return
+        self.raw.add(name)
+        self._flush.add(name)
+        self.overrides.pop(name, None)
+        self._event(f"'{name}' {figure:.3g} > {bound:.3g}: raw")
+
+    def _set(self, name: str, t: _Tensor, options: Mapping[str, Any]) -> None:
+        """``name``'s options become ``options`` over what it has (no override where that is its start)."""
+        merged = {**self.overrides.get(name, {}), **options}
+        if all(t.base.get(k) == v for k, v in merged.items()):
+            self.overrides.pop(name, None)
+        else:
+            self.overrides[name] = merged
+
+    def _relax(self, name: str, t: _Tensor) -> None:
+        current = {**t.base, **self.overrides.get(name, {})}
+        lighter = self.algorithm.adapt(t.shape, current, up=False, floor=t.base)
+        if lighter is None or _key({**current, **lighter}) in t.failed:
+            return
+        self._set(name, t, lighter)
+        self._event(f"'{name}' well under its bound: {_diff(current, lighter)}")
+
+    def _event(self, text: str) -> None:
+        self.events.append(text)
+        self.algorithm.relayout()
+        if self.algorithm.transport.rank == 0:
+            LOG.info("sylvie_comm %s monitor: %s", self.algorithm.name, text)
+
+    # ------------------------------------------------------------------ reports and state
+
+    def report(self) -> dict[str, Any]:
+        """What ``stats()["monitor"]`` holds: checks, bytes, per tensor the figures of the last check and its
+        setting, and the adaptation's decisions in order."""
+        tensors = {}
+        for n, t in self._tensors.items():
+            setting: Any = RAW if n in self.raw else self.overrides.get(n, {})
+            tensors[n] = {**t.last, "setting": setting, "over": t.over}
+        return {"period": self.period, "checks": self.checks, "bytes": self.bytes, "tensors": tensors,
+                "adapted": list(self.events)}  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """Decisions, counters and the figures since the last check (floats), so a resume decides the same."""
+        self.algorithm.guard.settle()
+        with self._lock:
+            per = {}
+            for n, t in self._tensors.items():
+                per[n] = {
+                    "lag_sum": _host(t.lag_sum), "err_sum": _host(t.err_sum), "count": _host(t.count),
+                    "exact": None if t.exact is None else [_host(t.exact[0]), _host(t.exact[1])],
+                    "over": t.over, "under": t.under, "warned": t.warned, "failed": sorted(t.failed),
+                    "variant": t.variant,
+                }  # fmt: skip
+        return {
+            "tensors": per,
+            "overrides": {n: dict(o) for n, o in self.overrides.items()},
+            "raw": sorted(self.raw),
+            "flush": sorted(self._flush),
+            "carry": sorted(self._carry),
+            "cursor": {int(k): int(v) for k, v in self._cursor.items()},
+            "checks": self.checks,
+            "bytes": self.bytes,
+            "events": list(self.events),
+        }
+
+    @staticmethod
+    def check_state(state: Any) -> tuple[dict[str, dict[str, Any]], set[str]]:
+        """Check a :meth:`state_dict` (a ValueError names the first field that does not fit); return its
+        overrides and raw names (what the checkpoint's per-name state must fit)."""
+        if not isinstance(state, Mapping):
+            raise ValueError(f"monitor state must be a mapping, got {type(state).__name__}")
+        keys = {"tensors", "overrides", "raw", "flush", "carry", "cursor", "checks", "bytes", "events"}
+        if set(state) != keys:
+            raise ValueError(f"monitor state has {sorted(state)}; expected {sorted(keys)}")
+        overrides, raw = state["overrides"], state["raw"]
+        if not isinstance(overrides, Mapping) or not all(isinstance(v, Mapping) for v in overrides.values()):
+            raise ValueError("monitor state: 'overrides' must map names to option dicts")
+        if not isinstance(raw, (list, tuple)) or not all(isinstance(n, str) for n in raw):
+            raise ValueError("monitor state: 'raw' must be a list of names")
+        for n, s in dict(state["tensors"]).items():
+            ok = (
+                isinstance(s, Mapping)
+                and all(_finite(s.get(k)) for k in ("lag_sum", "err_sum", "count"))
+                and all(_count(s.get(k)) for k in ("over", "under"))
+            )
+            if not ok:
+                raise ValueError(f"monitor state of '{n}' must hold finite sums and counts >= 0, got {s!r}")
+        for k in ("checks", "bytes"):
+            if not _count(state[k]):
+                raise ValueError(f"monitor state: '{k}' must be an integer >= 0, got {state[k]!r}")
+        return {str(n): dict(o) for n, o in overrides.items()}, set(raw)
+
+    def load_state_dict(self, state: Mapping[str, Any], device: torch.device | None = None) -> None:
+        if not state:
+            return
+        self.check_state(state)
+        with self._lock:
+            self.overrides = {str(n): dict(o) for n, o in state["overrides"].items()}
+            self.raw = set(state["raw"])
+            self._flush = set(state["flush"])
+            self._carry = set(state["carry"])
+            self._cursor = {int(k): int(v) for k, v in state["cursor"].items()}
+            self.checks, self.bytes, self.events = int(state["checks"]), int(state["bytes"]), list(state["events"])
+            self._loaded = dict(state["tensors"])
+            for n, s in state["tensors"].items():
+                t = self._tensors.get(n)
+                if t is None:
+                    continue  # placed when the tensor is first seen
+                self._restore(t, s, device)
+
+        self.algorithm.relayout()
+
+    def _restore(self, t: _Tensor, s: Mapping[str, Any], device: torch.device | None) -> None:
+        def dev(x: float) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.float32, device=device)
+
+        if s["count"]:
+            t.lag_sum, t.err_sum, t.count = dev(s["lag_sum"]), dev(s["err_sum"]), dev(s["count"])
+        if s["exact"] is not None:
+            t.exact = (dev(s["exact"][0]), dev(s["exact"][1]))
+        t.over, t.under, t.warned, t.failed = s["over"], s["under"], s["warned"], set(s["failed"])
+        t.variant = s["variant"]
+
+    def close(self) -> None:
+        channel, self._channel = self._channel, None
+        close = getattr(channel, "close", None)
+        if close is not None:
+            close()
+
+
+def _host(t: torch.Tensor | None) -> float:
+    """A figure read on the host for a checkpoint (0 for none, and on the ``meta`` device, which holds no values)."""
+    return 0.0 if t is None or t.device.type == "meta" else float(t)
+
+
+def _compare(out: torch.Tensor, exact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Relative error and cosine of ``out`` against ``exact`` (flat fp32), device scalars."""
+    n = exact.norm()
+    return (out - exact).norm() / n, (out @ exact) / (out.norm() * n)
+
+
+def metrics(stats: Mapping[str, Any], prefix: str = "sylvie_comm") -> dict[str, float]:
+    """An integration's ``stats()`` as flat scalar metrics for a logger (Lightning's ``log_dict``, Accelerate's
+    ``log``, TensorBoard): the compression ratio, the bytes sent, the skipped steps and, per tensor, the
+    monitor's last figures (``{prefix}/monitor/<tensor>/lag``, ``error``, ``exact_error``, ``exact_cos``; a
+    tensor adaptation sent raw logs ``raw`` 1)."""
+    out: dict[str, float] = {}
+    for key in ("compression_ratio", "bytes_sent", "skipped_nonfinite"):
+        if isinstance(stats.get(key), (int, float)):
+            out[f"{prefix}/{key}"] = float(stats[key])
+    mon = stats.get("monitor")
+    if isinstance(mon, Mapping):
+        out[f"{prefix}/monitor/checks"] = float(mon["checks"])
+        out[f"{prefix}/monitor/bytes"] = float(mon["bytes"])
+        for name, t in mon["tensors"].items():
+            for k in ("lag", "error", "exact_error", "exact_cos"):
+                if t.get(k) is not None:
+                    out[f"{prefix}/monitor/{name}/{k}"] = float(t[k])
+            if t.get("setting") == RAW:
+                out[f"{prefix}/monitor/{name}/raw"] = 1.0
+    return out
+
+
+def _key(options: Mapping[str, Any]) -> str:
+    return json.dumps(dict(options), sort_keys=True, default=str)
+
+
+def _diff(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k} {before.get(k)!r} -> {v!r}" for k, v in after.items() if before.get(k) != v)
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+__all__ = ["Monitor", "metrics"]

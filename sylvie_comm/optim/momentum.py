@@ -1,0 +1,601 @@
+"""What every optimizer whose momentum crosses the wire compressed shares: :class:`MomentumOptimizer`.
+
+An optimizer of this family (:class:`~sylvie_comm.optim.CompressedAdamW`, :class:`~sylvie_comm.optim.CompressedSGD`)
+averages the ranks' gradients in fp32 for a warm-up, then has each rank update its momentum from its own
+gradient and the ranks average the momenta through an error-feedback algorithm; the subclass holds only its
+update rule (the hooks listed in :class:`MomentumOptimizer`). The base holds the rest, written once:
+
+* **set-up**: the transport, the :class:`~sylvie_comm.algorithms.session.Session` and its policy (the warm-up is
+  the policy's fixed ``warmup_steps``), the ranks agreeing on codec, options, warm-up, seed, hyperparameters and
+  the parameters' names and shapes (they fail together, naming the first difference);
+* **the step**: one fp32 payload per step (the averaged gradients in the warm-up, the local momenta after it),
+  sent through the policy at the policy's step;
+* **gradients present on some ranks only**: every rank must hold gradients for the same parameters (data-parallel
+  training does: DDP fills ``.grad`` of the same parameters on every rank); where they do not, every rank raises a
+  ValueError naming the parameter (a rank whose own set did not change, at its next step) instead of sending
+  payloads of different sizes (see :meth:`MomentumOptimizer._agree_on_gradients`);
+* **non-finite steps**: a step whose gradient is NaN or Inf on any rank is skipped on every rank with every state
+  tensor (parameters, moments, step counts, residuals) left as it was, decided on the device from what every rank
+  received (no host read in the step), as the algorithms' step guard does (:mod:`sylvie_comm.algorithms.guard`);
+  ``torch.amp.GradScaler`` calls :meth:`~MomentumOptimizer.step` on every rank for it (``_step_supports_amp_scaling``)
+  instead of skipping it on the rank that overflowed, which would leave the others waiting in the collective;
+* **the warm-up counts steps taken**: a skipped step does not count (GradScaler's first steps, with a large initial
+  scale, are often all skipped). The host learns each step's verdict at the start of the next step, from a copy
+  made without waiting for the device (see :meth:`MomentumOptimizer._settle_verdict`);
+* **checkpoints**: torch.optim's state plus ``sylvie_comm`` (the session's one checkpoint format, the phase and
+  ``warmup_skipped``), checked before anything is loaded, the ranks agreeing; ``stats()``, ``memory_bytes()``,
+  ``close()``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, cast
+
+import torch
+
+from sylvie_comm.algorithms import Group, Member
+from sylvie_comm.algorithms.guard import nonfinite, poison
+from sylvie_comm.algorithms.session import Session
+from sylvie_comm.collectives import Transport
+from sylvie_comm.config import Config
+
+# The algorithms that average the momentum: error feedback (onebit, sign, topk, qsgd), casts, and plain fp32.
+# The low-rank ones (acpsgd, powersgd) and auto are gradient algorithms only here: not supported.
+MOMENTUM_CODECS = ("bf16", "fp16", "none", "onebit", "qsgd", "sign", "topk")
+PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# One payload slot: "momentum" (this rank's momentum, averaged by the algorithm) or "gradient" (this rank's gradient,
+# averaged in fp32), the parameter's group, the parameter, and its view of the payload.
+Slot = tuple[str, dict[str, Any], torch.Tensor, torch.Tensor]
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def is_integer(value: Any) -> bool:
+    """An int (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, int)
+
+
+def resolve_warmup(
+    warmup: int | None, total_steps: int | None, fraction: float, *, what: str, default_fraction: float,
+    meaning: str, minimum: int = 1, why: str = "",
+) -> int:  # fmt: skip
+    """The warm-up length: ``warmup`` itself (an integer >= ``minimum``), or ``ceil(fraction * total_steps)``
+    (at least 1).
+
+    Args:
+        what: the optimizer's name in the messages.
+        default_fraction: its default ``warmup_fraction``, named in the message when neither length is given.
+        meaning: what the warm-up's steps are, for that message.
+        minimum: the shortest ``warmup`` accepted.
+        why: the reason for ``minimum``, appended to the message of a shorter one.
+    """
+    if not is_number(fraction) or not 0 < fraction <= 1:
+        raise ValueError(f"{what}: warmup_fraction must be a number in (0, 1], got {fraction!r}")
+    if total_steps is not None and (not is_integer(total_steps) or total_steps < 1):
+        raise ValueError(f"{what}: total_steps must be an integer >= 1, got {total_steps!r}")
+    if warmup is None:
+        if total_steps is None:
+            raise ValueError(
+                f"{what}: pass warmup= ({meaning}) or total_steps= (warm-up {default_fraction:g} of them by default, "
+                "warmup_fraction=)"
+            )
+        return max(1, math.ceil(fraction * total_steps))
+    if not is_integer(warmup) or warmup < minimum:
+        raise ValueError(f"{what}: warmup must be an integer >= {minimum}, got {warmup!r}{': ' + why if why else ''}")
+    return warmup
+
+
+def check_codec(what: str, codec: Any) -> str:
+    """``codec`` if it can average a momentum (:data:`MOMENTUM_CODECS`), else a ValueError listing those that can."""
+    if not isinstance(codec, str) or codec not in MOMENTUM_CODECS:
+        extra = "; the low-rank algorithms and auto average gradients only" if codec in (
+            "acpsgd", "powersgd", "auto") else ""  # fmt: skip
+        raise ValueError(
+            f"{what}: codec {codec!r} cannot average the momentum; valid: {', '.join(MOMENTUM_CODECS)}{extra}"
+        )
+    return codec
+
+
+def saved_states(
+    state_dict: Mapping[str, Any], param_groups: list[dict[str, Any]], names: Mapping[int, str]
+) -> list[tuple[str, torch.Tensor, Mapping[str, Any]]]:
+    """The checkpoint's per-parameter states that can be read, with their parameters (and names) in this optimizer
+    (a checkpoint of another shape is left to torch.optim's own load to refuse)."""
+    saved, groups = state_dict.get("state"), state_dict.get("param_groups")
+    if not isinstance(saved, Mapping) or not isinstance(groups, list):
+        return []
+    ids = [i for g in groups if isinstance(g, Mapping) for i in g.get("params", ())]
+    params = [p for g in param_groups for p in g["params"]]
+    out = []
+    for i, p in zip(ids, params, strict=False):
+        entry = saved.get(i)
+        if isinstance(entry, Mapping):
+            out.append((names[id(p)], p, entry))
+    return out
+
+
+def ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
+    """An optimizer that averages the gradient in fp32 for a warm-up, then each rank's momentum through an
+    error-feedback algorithm; see the module docstring for what it does for its subclasses.
+
+    A subclass sets :attr:`what` and the warm-up's wording (:attr:`warmup_meaning`, :attr:`warmup_minimum`,
+    :attr:`warmup_why`, :attr:`default_warmup_fraction`) and implements its update:
+
+    * :meth:`_init_state`: a parameter's state at its first step;
+    * :meth:`_local_momentum`: this rank's momentum from its own gradient (what the compressed steps average);
+    * :meth:`_gradient_step`: the update from the fp32-averaged gradient (the warm-up);
+    * :meth:`_momentum_step`: the update from the averaged momentum (the compressed steps);
+
+    and, where it needs them, :meth:`_compresses` (which parameters send a momentum after the warm-up),
+    :meth:`_begin_compressed` (at the end of the warm-up), :meth:`_check_checkpoint` and :attr:`fp32_counts`.
+    The updates write every state tensor through :func:`sylvie_comm.kernels.copy_if` with the step's verdict
+    ``ok``, so a skipped step changes nothing.
+
+    Building one is a collective call (the ranks agree on the configuration); so is every :meth:`step` and
+    :meth:`load_state_dict`.
+
+    Args:
+        params: parameters or parameter groups; ``(name, parameter)`` pairs (``model.named_parameters()``) name
+            the compression state, else ``param.<k>`` by position.
+        hyperparameters: checks the subclass's hyperparameters (a ValueError naming the value) and returns the
+            optimizer's ``defaults``; called inside the ranks' agreement, so a rank's error fails every rank.
+        transport: the ranks to average among (:class:`~sylvie_comm.collectives.Transport`).
+        codec: the algorithm that averages the momentum (:data:`MOMENTUM_CODECS`).
+        warmup: steps of fp32 gradient averaging before the momenta compress; steps skipped for a NaN or Inf
+            gradient do not count. Give it, or ``total_steps``.
+        total_steps: the run's length; the warm-up is then ``ceil(warmup_fraction * total_steps)``.
+        warmup_fraction: see ``total_steps``.
+        seed: agreed by every rank (qsgd's noise).
+        rules: per-parameter-name rules (:class:`~sylvie_comm.config.Rule`), as for the hooks.
+        close_transport: :meth:`close` closes ``transport`` too (the adapters that create it set it).
+        options: the codec's options (``chunk_size``, ``scale``, ``ratio``, ``bits``).
+    """
+
+    # torch.amp.GradScaler calls step() on every rank, passing grad_scale and found_inf (see _take_step()).
+    _step_supports_amp_scaling = True
+    what: ClassVar[str] = "MomentumOptimizer"  # the name in messages
+    warmup_meaning: ClassVar[str] = "the steps of fp32 gradient averaging before the momenta compress"
+    warmup_minimum: ClassVar[int] = 1  # the shortest warmup= accepted
+    warmup_why: ClassVar[str] = ""  # why a shorter one is refused
+    default_warmup_fraction: ClassVar[float] = 0.1
+    fp32_counts: ClassVar[tuple[str, ...]] = ("step",)  # per-parameter state kept fp32 on the device on load
+
+    def __init__(
+        self, params: Iterable[Any], hyperparameters: Callable[[], dict[str, Any]], *, transport: Transport,
+        codec: str, warmup: int | None, total_steps: int | None, warmup_fraction: float, seed: int,
+        rules: Iterable[Any], close_transport: bool, options: Mapping[str, Any],
+    ) -> None:  # fmt: skip
+        what = self.what
+        if not isinstance(transport, Transport):
+            raise TypeError(f"{what}: transport must be a sylvie_comm Transport, got {type(transport).__name__}")
+        self.transport = transport
+        self.world_size = transport.world_size
+        self._close_transport = close_transport
+        self._building = True
+        params = list(params)
+
+        def build() -> Config:
+            defaults = hyperparameters()
+            steps = resolve_warmup(warmup, total_steps, warmup_fraction, what=what, minimum=self.warmup_minimum,
+                                   default_fraction=self.default_warmup_fraction, meaning=self.warmup_meaning,
+                                   why=self.warmup_why)  # fmt: skip
+            check_codec(what, codec)
+            torch.optim.Optimizer.__init__(self, params, defaults)
+            self._named = self._name_parameters()
+            # The warm-up is this optimizer's own, the policy's fixed ``warmup_steps``: where the configuration
+            # also has a per-tensor adaptive warm-up it is turned off (the momenta compress from its end on).
+            fixed: dict[str, Any] = (
+                {"warmup": "fixed"} if "warmup" in {f.name for f in dataclasses.fields(Config)} else {}
+            )
+            return Config(codec=codec, options=dict(options), warmup_steps=steps, seed=seed, rules=tuple(rules),
+                          **fixed)  # fmt: skip
+
+        def describe(session: Session) -> dict[str, Any]:
+            shapes = ";".join(f"{n}:{tuple(p.shape)}" for n, p in self._named)
+            hyper = {k: list(v) if isinstance(v, tuple) else v for k, v in self.defaults.items()}
+            return {"optimizer": {**hyper, "parameters": len(self._named),
+                                  "parameter_digest": f"{zlib.crc32(shapes.encode()):08x}"}}  # fmt: skip
+
+        self.session = Session.agreed(
+            what, transport, build, describe=describe, close_transport=False,
+            prepare=lambda session: session.policy.check_parameters(self._named, what),
+        )  # fmt: skip
+        self.policy = self.session.policy
+        self._building = False
+        self.config = self.policy.config
+        self.algorithm = self.policy.algorithm
+        self.name = self.algorithm.name
+        self.warmup = self.config.warmup_steps
+        self._names = {id(p): n for n, p in self._named}
+        self._options: dict[str, tuple[bool, Mapping[str, Any]]] = {
+            n: self.policy.member_options(n, p.shape) for n, p in self._named
+        }
+        self._index = {id(p): i for i, (_, p) in enumerate(self._named)}
+        # The host's view of the steps (see _settle_verdict and _agree_on_gradients).
+        self._skipped_warm = 0  # warm-up steps skipped on every rank (non-finite): they do not count
+        self._compressing = False  # the warm-up is over (_begin_compressed ran)
+        self._verdict: tuple[Any, bool] | None = None  # the last step's verdict, not read yet, and its phase
+        self._verdict_host: torch.Tensor | None = None  # pinned memory the verdict of a CUDA step is copied to
+        self._recheck = False  # the last step was skipped: the ranks compare the gradients they had in it
+        self._agreed: tuple[bool, ...] | None = None  # which parameters have a gradient, as the ranks agreed
+        self._sent: tuple[bool, ...] | None = None  # which had one on this rank in the last step
+        self._probes = 0  # probe steps (_probe), counted by the guard as skipped: not in skipped_nonfinite
+
+    # ------------------------------------------------------------------ the subclass's update
+
+    @abc.abstractmethod
+    def _init_state(self, p: torch.Tensor, state: dict[str, Any], device: torch.device) -> None:
+        """Fill ``state`` (empty) for ``p``'s first step."""
+
+    @abc.abstractmethod
+    def _local_momentum(
+        self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any]
+    ) -> torch.Tensor:
+        """This rank's momentum after this step from its own gradient ``grad`` (unscaled): what the ranks average."""
+
+    @abc.abstractmethod
+    def _gradient_step(
+        self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any], ok: torch.Tensor
+    ) -> None:
+        """The update from the fp32-averaged gradient ``grad``, written where ``ok``."""
+
+    @abc.abstractmethod
+    def _momentum_step(
+        self, p: torch.Tensor, momentum: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any],
+        ok: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """The update from the averaged momentum ``momentum`` (fp32), written where ``ok``."""
+
+    def _compresses(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` sends its momentum after the warm-up (else its gradient, averaged in fp32)."""
+        return True
+
+    def _begin_compressed(self) -> None:
+        """Called once, at the start of the first step after the warm-up (``warmup`` steps taken)."""
+
+    def _check_checkpoint(self, state_dict: Mapping[str, Any], what: str) -> None:
+        """The subclass's checks of a checkpoint's torch.optim state (a ValueError names what does not fit)."""
+
+    # ------------------------------------------------------------------ steps
+
+    @property
+    def _step(self) -> int:
+        """Steps every rank called (skipped ones included): the statistics' and the checkpoint's step."""
+        return int(self.session.step)
+
+    @property
+    def _policy_step(self) -> int:
+        """The policy's and the algorithm's step: skipped warm-up steps left out, so the momenta start
+        compressing (policy step ``warmup``) after ``warmup`` steps taken. Exact once the verdict is settled."""
+        return int(self.session.step) - self._skipped_warm
+
+    # ------------------------------------------------------------------ set-up
+
+    def _name_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        named: list[tuple[str, torch.Tensor]] = []
+        for group in self.param_groups:
+            names = group.get("param_names")
+            for i, p in enumerate(group["params"]):
+                name = str(names[i]) if names else f"param.{len(named)}"
+                if p.is_complex() or p.dtype not in PARAM_DTYPES:
+                    kinds = ", ".join(str(d).replace("torch.", "") for d in PARAM_DTYPES)
+                    raise TypeError(
+                        f"{self.what}: parameter '{name}' is {str(p.dtype).replace('torch.', '')}; the optimizer "
+                        f"averages in fp32 and steps {kinds} parameters"
+                    )
+                named.append((name, p))
+        seen: set[str] = set()
+        for n, _ in named:
+            if n in seen:
+                raise ValueError(f"{self.what}: two parameters are named '{n}'; the compression state is kept by name")
+            seen.add(n)
+        return named
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_building", False):
+            raise RuntimeError(
+                f"{self.what}: parameter groups cannot be added after construction: the ranks agreed on the "
+                "parameters then; build a new optimizer over all of them"
+            )
+        super().add_param_group(param_group)
+        self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
+
+    def _check_group(self, index: int, group: Mapping[str, Any]) -> None:
+        """A parameter group's hyperparameters (the defaults filled in), checked as the defaults are: a ValueError
+        naming the group and the value."""
+
+    @property
+    def phase(self) -> str:
+        """``warmup`` (fp32 gradient averages) until ``warmup`` steps have been taken (skipped ones do not count),
+        ``compressed`` after (reads the last step's verdict on the host: not for the hot path)."""
+        self._settle_verdict()
+        return "warmup" if self._policy_step < self.warmup else "compressed"
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Average (gradients in the warm-up, momenta after), then update the parameters; a collective.
+
+        Skipped on every rank, every state tensor as before, when a gradient is NaN or Inf on any rank
+        (counted in ``stats()["skipped_nonfinite"]``).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._take_step()
+        return loss
+
+    def _take_step(self) -> None:
+        entries = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        device = entries[0][1].device if entries else self._named[0][1].device if self._named else None
+        for _, p in entries:
+            if p.grad.is_sparse:
+                raise RuntimeError(
+                    f"{self.what}: parameter '{self._names[id(p)]}' has a sparse gradient (not supported)"
+                )
+            if p.device != device:
+                raise RuntimeError(
+                    f"{self.what}: parameters on {device} and {p.device}; the collective averages one buffer on one "
+                    "device"
+                )
+        if device is None:
+            return
+        self._settle_verdict()
+        # The guard decides the last step now: after a skipped warm-up step the policy's step repeats.
+        self.algorithm.guard.settle()
+        if not self._compressing and self._policy_step >= self.warmup:
+            self._begin_compressed()
+            self._compressing = True
+        warm = not self._compressing
+        mask = tuple(p.grad is not None for _, p in self._named)
+        self._agree_on_gradients(mask, warm, device)
+        if not entries:
+            return
+        # torch.amp.GradScaler (``_step_supports_amp_scaling``): gradients still scaled unless unscale_() ran,
+        # and this rank's own overflow flag, which every rank must see.
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        inv = grad_scale.double().reciprocal().float().to(device) if grad_scale is not None else None
+        local_bad = (found_inf.to(device) > 0).reshape(()) if found_inf is not None else None
+        for _, p in entries:
+            state = self.state[p]
+            if not state:
+                self._init_state(p, state, device)
+        flat, slots = self._payload(entries, warm, device)
+        for kind, group, p, view in slots:
+            grad = cast(torch.Tensor, p.grad) if inv is None else cast(torch.Tensor, p.grad) * inv
+            if kind == "momentum":
+                view.copy_(self._local_momentum(p, grad, self.state[p], group))
+            else:
+                view.copy_(grad)
+        poison([flat], local_bad)
+        self._send(flat, slots)
+        bad = nonfinite(flat)  # what every rank received: a NaN or Inf sent by any rank shows on every rank
+        ok = torch.ones((), dtype=torch.bool, device=device) if bad is None else ~bad
+        for kind, group, p, view in slots:
+            if kind == "momentum":
+                self._momentum_step(p, view, self.state[p], group, ok)
+            else:
+                self._gradient_step(p, view, self.state[p], group, ok)
+        self._remember_verdict(ok, warm, mask)
+        self.session.step += 1
+        restart = getattr(self.transport, "restart_names", None)
+        if restart is not None:  # Horovod: nothing in flight, so the next step's collective names repeat
+            restart()
+
+    def _payload(
+        self, entries: list[tuple[dict[str, Any], torch.Tensor]], warm: bool, device: torch.device
+    ) -> tuple[torch.Tensor, list[Slot]]:
+        """One fp32 buffer and each parameter's view of it: the local momenta of the parameters that compress
+        (:meth:`_compresses`; none in the warm-up), then the others' gradients."""
+        momenta = [(g, p) for g, p in entries if not warm and self._compresses(p)]
+        gradients = [(g, p) for g, p in entries if warm or not self._compresses(p)]
+        flat = torch.empty(sum(p.numel() for _, p in entries), dtype=torch.float32, device=device)
+        slots: list[Slot] = []
+        at = 0
+        for kind, items in (("momentum", momenta), ("gradient", gradients)):
+            for group, p in items:
+                slots.append((kind, group, p, flat[at : at + p.numel()].view(p.shape)))
+                at += p.numel()
+        return flat, slots
+
+    def _send(self, flat: torch.Tensor, slots: list[Slot]) -> None:
+        """Average the payload through the policy at the policy's step, counted in this step's statistics."""
+        members = []
+        for kind, _, p, view in slots:
+            name = self._names[id(p)]
+            compress, opts = self._options[name] if kind == "momentum" else (False, {})
+            members.append(Member(name, view, compress, opts))
+        self.session.policy(Group(0, members, flat=flat), self._policy_step, self.session.meter()).wait()
+
+    # ------------------------------------------------------------------ the host's view of the steps
+
+    def _remember_verdict(self, ok: torch.Tensor, warm: bool, mask: tuple[bool, ...]) -> None:
+        """Keep the step's verdict (``ok``: taken on every rank) for the host to read at the next step. On CUDA it
+        is copied to pinned memory behind the step's work, so reading it then waits for nothing still running."""
+        if ok.device.type == "cuda":
+            if self._verdict_host is None:
+                self._verdict_host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            with torch.cuda.device(ok.device):
+                self._verdict_host.copy_(ok, non_blocking=True)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record()
+            self._verdict = (event, warm)
+        else:
+            self._verdict = (ok, warm)
+        self._sent = mask
+
+    def _settle_verdict(self) -> None:
+        """Read the last step's verdict on the host: a skipped warm-up step does not count towards the warm-up, and
+        after any skipped step the ranks compare the gradients they had in it (see :meth:`_agree_on_gradients`).
+
+        This is the one host read per step, one step late: on the CPU the value is at hand; on CUDA it waits for
+        the copy queued behind the last step's collective (done, in a training loop, while the host queued the
+        forward and backward passes since), not for the work queued after it. A ``meta`` tensor has no value:
+        there nothing is found non-finite."""
+        if self._verdict is None:
+            return
+        held, warm = self._verdict
+        self._verdict = None
+        if isinstance(held, torch.cuda.Event):
+            held.synchronize()
+            taken = bool(cast(torch.Tensor, self._verdict_host).item())
+        else:
+            taken = held.device.type == "meta" or bool(held.item())
+        if not taken:
+            self._recheck = True
+            if warm:
+                self._skipped_warm += 1
+
+    def _agree_on_gradients(self, mask: tuple[bool, ...], warm: bool, device: torch.device) -> None:
+        """Fail on every rank, naming the parameter, where the ranks differ in which parameters have a gradient.
+
+        The payload's size follows that set, and ranks whose sizes differ would abort in the collective (gloo) or
+        read each other's bytes. A check every step would cost a host read of the device per step, so the ranks
+        compare their sets (:meth:`_compare_gradients`, a host all-gather) only when some rank can know it is
+        needed:
+
+        * at the first step (after construction or a load), and every step while the agreed set is empty;
+        * on a rank whose set differs from the agreed one: it first sends a *probe*, the payload of the agreed set
+          filled with NaN, so that its collectives pair with those of the ranks whose set did not change; the
+          step is then skipped on every rank, and they compare at their next step (below); if every rank's set
+          changed alike, all of them compared now and the step is sent again with the new set;
+        * after a skipped step (its verdict, read on the host one step late: :meth:`_settle_verdict`): on a rank
+          whose set did not change, this is where it learns that another's did.
+
+        So a step with the agreed set costs nothing, and a new set (every rank's) one more collective round."""
+        if self._recheck:
+            self._recheck = False
+            self._compare_gradients(cast(tuple[bool, ...], self._sent))
+        if self._agreed is None or not any(self._agreed):
+            self._compare_gradients(mask)
+        elif mask != self._agreed:
+            self._probe(warm, device)
+            self._compare_gradients(mask)
+            self._probes += 1
+        self._agreed = mask
+
+    def _probe(self, warm: bool, device: torch.device) -> None:
+        """The payload of the agreed set of parameters, filled with zeros and one NaN: it pairs with the steps of
+        ranks whose set did not change, and every rank skips it (state as before, the guard's put back now)."""
+        agreed = cast(tuple[bool, ...], self._agreed)
+        items = [(g, p) for g in self.param_groups for p in g["params"] if agreed[self._index[id(p)]]]
+        flat, slots = self._payload(items, warm, device)
+        flat.zero_()
+        poison([flat], torch.ones((), dtype=torch.bool, device=device))
+        self._send(flat, slots)
+        self.algorithm.guard.settle()
+
+    def _compare_gradients(self, mask: tuple[bool, ...]) -> None:
+        """Every rank's set of parameters with a gradient; a ValueError on every rank where they differ."""
+        masks = self.session.objects.all_gather_object(mask)
+        for i, (name, _) in enumerate(self._named):
+            having = [r for r, m in enumerate(masks) if m[i]]
+            if 0 < len(having) < len(masks):
+                lacking = [r for r in range(len(masks)) if r not in having]
+                self._agreed, self._sent, self._recheck, self._verdict = None, None, False, None
+                raise ValueError(
+                    f"{self.what}[{self.name}] step: parameter '{name}' has a gradient on {ranks_text(having)} but "
+                    f"none (grad None) on {ranks_text(lacking)}; every rank must hold gradients for the same "
+                    "parameters (give an unused parameter a zero gradient on the ranks that did not use it, e.g. "
+                    "zero_grad(set_to_none=False), or build the optimizer without it)"
+                )
+
+    # ------------------------------------------------------------------ reports and state
+
+    def stats(self) -> dict[str, Any]:
+        """Wire bytes (``bytes_sent``), the fp32 all-reduce of the same values (``bytes_uncompressed``), their
+        ``compression_ratio``, ``collectives``, encode/decode seconds, cumulative and for ``last_step``; the
+        ``phase``, ``warmup_steps``, ``step``, ``skipped_nonfinite`` and ``warmup_skipped`` (the skipped steps
+        that fell in the warm-up, which does not count them)."""
+        stats = self.session.stats()
+        stats["skipped_nonfinite"] -= self._probes
+        return {**stats, "codec": self.name, "phase": self.phase, "warmup_steps": self.warmup,
+                "warmup_skipped": self._skipped_warm, "step": self._step}  # fmt: skip
+
+    def memory_bytes(self) -> int:
+        """Bytes kept between steps: the optimizer's state and the compression state (residuals, the guard's
+        copies)."""
+        moments = sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values())
+        return int(moments) + self.algorithm.memory_bytes()
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's state and ``sylvie_comm``: the codec, configuration, world size, rank, step, phase,
+        ``warmup_skipped`` (the skipped warm-up steps, which the warm-up does not count) and this rank's
+        compression state by parameter name.
+
+        The compression state is per rank: save it on every rank and load each rank's own."""
+        out = super().state_dict()
+        phase = self.phase  # reads the last step's verdict: warmup_skipped is exact
+        out["sylvie_comm"] = {**self.session.state_dict(), "phase": phase, "warmup_skipped": self._skipped_warm}
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume from this rank's :meth:`state_dict` (a collective: every rank loads its own).
+
+        Every field is checked before anything is loaded (a ValueError names the first that does not fit),
+        then the ranks agree: all load, or none, and only checkpoints of one step."""
+        who = f"{self.what}[{self.name}]"
+        what = f"{who} load_state_dict"
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups", "sylvie_comm"} <= set(state_dict):
+            raise ValueError(f"{what}: expected a dict from {self.what}.state_dict() with 'state', "
+                             "'param_groups' and 'sylvie_comm' entries")  # fmt: skip
+        ours = dict(state_dict["sylvie_comm"]) if isinstance(state_dict["sylvie_comm"], Mapping) else {}
+        phase = ours.pop("phase", None)
+        # Written before skipped steps were left out of the warm-up: every step counted, as if none was skipped.
+        skipped = ours.pop("warmup_skipped", 0)
+
+        def check(ours: Mapping[str, Any], step: int) -> None:
+            if not is_integer(skipped) or not 0 <= skipped <= step:
+                raise ValueError(f"{what}: checkpoint field warmup_skipped must be an integer in [0, {step}] (the "
+                                 f"checkpoint's step), got {skipped!r}")  # fmt: skip
+            expected = "warmup" if step - skipped < self.warmup else "compressed"
+            if phase != expected:
+                raise ValueError(f"{what}: checkpoint phase {phase!r} does not fit its step {step} with "
+                                 f"{skipped} warm-up steps skipped (expected {expected!r} with warmup "
+                                 f"{self.warmup})")  # fmt: skip
+            self._check_checkpoint(state_dict, what)
+
+        # The session appends ' load_state_dict' to the name it is given in the ranks' agreement.
+        step = self.session.load_state_dict(ours, ((n, p.shape) for n, p in self._named), check=check,
+                                            stepped=False, what=who)  # fmt: skip
+        # torch.optim casts every state tensor but 'step' to the parameter's dtype: the counts stay fp32.
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        counts = {
+            id(p): {k: v for k, v in state_dict["state"][i].items() if k in self.fp32_counts}
+            for i, p in zip(saved_ids, params, strict=False)
+            if i in state_dict["state"]
+        }
+        super().load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
+        for p in params:
+            for key, value in counts.get(id(p), {}).items():
+                self.state[p][key] = torch.as_tensor(value).to(dtype=torch.float32, device=p.device).clone()
+        self.session.step = step
+        self._skipped_warm = skipped
+        # The warm-up ends at the start of the step of policy step ``warmup``: done once that step was taken.
+        self._compressing = step - skipped > self.warmup
+        # Nothing pending: the ranks compare their gradients again at the next step.
+        self._verdict, self._recheck, self._agreed, self._sent = None, False, None, None
+
+    def close(self) -> None:
+        """Stop the algorithm's communication thread (and close the transport if this optimizer owns it)."""
+        self.session.close(transport=self._close_transport)
+
+
+__all__ = ["MOMENTUM_CODECS", "MomentumOptimizer", "check_codec", "resolve_warmup", "saved_states"]

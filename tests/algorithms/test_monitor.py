@@ -1,0 +1,399 @@
+"""The compression-error monitor: free per-step figures, the sampled exact check, warnings and adaptation.
+
+In one process, N ranks as threads of the in-process transport, through the session as every integration
+calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from sylvie_comm.algorithms import Group, Member
+from sylvie_comm.algorithms.session import Session
+from sylvie_comm.collectives.local import run_local
+from sylvie_comm.config import MONITOR_DEFAULTS, UNCOMPRESSED, Rule
+from sylvie_comm.config import Config as _Config
+
+SHAPES = {"w1": (32, 24), "w2": (24, 16), "b": (16,)}
+
+
+def Config(codec: str, **kw: Any) -> _Config:  # the config of these tests: the bias sent raw
+    return _Config(codec, rules=(Rule("b", UNCOMPRESSED),), **kw)
+
+
+def grads(rank: int, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+def run(world: int, steps: int, config: _Config, *, state: Any = None, save_at: int | None = None,
+        hook: Any = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Per rank: the averaged tensors per step, stats(), the checkpoint at ``save_at`` and at the end."""
+
+    def body(tr: Any) -> dict[str, Any]:
+        session = Session("test", config, tr)
+        first = 0
+        if state is not None:
+            first = session.load_state_dict(state[tr.rank], list(SHAPES.items()))
+        outs, saved = [], None
+        for step in range(first, steps):
+            session.step = step
+            values = grads(tr.rank, step)
+            members = [Member(n, values[n].clone(), *session.policy.member_options(n, SHAPES[n])) for n in SHAPES]
+            session.run(Group(0, members)).wait()
+            if hook is not None:
+                hook(session, step, members)
+            outs.append({m.name: m.tensor for m in members})
+            session.step = step + 1
+            if save_at is not None and step + 1 == save_at:
+                saved = session.state_dict()
+        result = {"outs": outs, "stats": session.stats(), "saved": saved, "end": session.state_dict()}
+        session.close()
+        return result
+
+    return run_local(world, body)
+
+
+def mean(world: int, step: int) -> dict[str, torch.Tensor]:
+    per = [grads(r, step) for r in range(world)]
+    return {n: sum(p[n] for p in per) / world for n in SHAPES}  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("codec", ["acpsgd", "powersgd", "onebit", "topk", "qsgd", "sign"])
+def test_every_tensor_has_its_figures_and_every_rank_reads_the_same(codec: str) -> None:
+    """Past the warm-up, every compressed tensor has a lag, an error and an exact check; the ranks agree on
+    them to the bit; the exact check's bytes are counted."""
+    config = Config(codec, warmup_steps=2, monitor={"period": 4, "sample": 2})
+    res = run(2, 2 + 13, config)
+    a, b = (r["stats"]["monitor"] for r in res)
+    assert a == b
+    assert a["checks"] == 3  # compressed steps 4, 8 and 12
+    assert set(a["tensors"]) == {"w1", "w2"}
+    for name, t in a["tensors"].items():
+        assert t["lag"] is not None and t["lag"] > 0, name
+        assert 0 < t["error"] <= 1.5, name
+        assert t["exact_error"] is not None and t["exact_cos"] is not None, name  # 2 of 2 sampled each check
+        assert t["setting"] == {}
+    # Three checks of two tensors, all-reduced in fp32 over two ranks: 2 (w - 1) / w of the bytes.
+    assert a["bytes"] == 3 * 4 * (32 * 24 + 24 * 16)
+    assert res[0]["stats"]["bytes_sent"] > a["bytes"]
+
+
+def test_the_exact_check_compares_with_the_exact_average() -> None:
+    """For fp16 the exact relative error is fp16's rounding (about 2**-11) and the cosine 1; recomputed here."""
+    config = Config("fp16", warmup_steps=0, monitor={"period": 3, "sample": 3})
+    res = run(2, 7, config)  # checks at steps 3 and 6: the second reads the exact check of step 3
+    t = res[0]["stats"]["monitor"]["tensors"]
+    assert res[0]["stats"]["monitor"]["checks"] == 2
+    exact = mean(2, 3)
+    for name in ("w1", "w2"):
+        # Recompute: the fp16 path's output at step 3 against the exact mean.
+        out = res[0]["outs"][3][name]
+        rel = float((out - exact[name]).norm() / exact[name].norm())
+        assert t[name]["exact_error"] == pytest.approx(rel, rel=1e-4)
+        assert 0 < t[name]["exact_error"] < 2**-10
+        assert t[name]["exact_cos"] == pytest.approx(1.0, abs=1e-6)
+        assert t[name]["lag"] is None  # no residual: no free figure
+
+
+@pytest.mark.parametrize("codec", ["topk", "acpsgd", "powersgd"])
+def test_the_lag_is_the_residual_over_the_gradient(codec: str) -> None:
+    """At period 1 each check reads one step's figures: the lag of step s equals ||r_s|| / ||g_s|| computed
+    from the algorithm's own residual (the owed low-rank update applied), averaged over the ranks."""
+    lags: dict[int, dict[str, list[float]]] = {}
+
+    def hook(session: Session, step: int, members: list[Member]) -> None:
+        alg = session.algorithm
+        for m in members:
+            if m.name == "b":
+                continue
+            res = alg._residual(m.name) if hasattr(alg, "_residual") else alg.feedback.residual(m.name)
+            g = grads(alg.transport.rank, step)[m.name]
+            lags.setdefault(step, {}).setdefault(m.name, [0.0, 0.0])[alg.transport.rank] = float(res.norm() / g.norm())
+
+    config = Config(codec, warmup_steps=0, monitor={"period": 1})
+    seen: list[dict[str, Any]] = []
+
+    def keep(session: Session, step: int, members: list[Member]) -> None:
+        hook(session, step, members)
+        if step >= 1:
+            seen.append({n: t["lag"] for n, t in session.stats()["monitor"]["tensors"].items()})
+
+    run(2, 5, config, hook=keep)
+    # The check at step s reads the figures of step s - 1 (the steps since the last check).
+    for s in range(1, 5):
+        for name in ("w1", "w2"):
+            want = sum(lags[s - 1][name]) / 2
+            got = seen[2 * (s - 1)][name]  # two ranks append in turn; both read the same
+            assert got == pytest.approx(want, rel=1e-4), (s, name)
+
+
+def test_a_tensor_over_its_bound_is_reported_once(caplog: pytest.LogCaptureFixture) -> None:
+    config = Config("onebit", warmup_steps=1, monitor={"period": 2, "max_lag": 1e-3, "patience": 2})
+    with caplog.at_level(logging.WARNING, logger="sylvie_comm"):
+        res = run(2, 1 + 12, config)
+    lines = [r.getMessage() for r in caplog.records if "over the bound" in r.getMessage()]
+    assert sorted(line.split("'")[1] for line in lines) == ["w1", "w1", "w2", "w2"]  # once per tensor and rank
+    assert "monitor adapt=True" in lines[0]
+    assert res[0]["stats"]["monitor"]["adapted"] == []  # reported, nothing changed
+
+
+def test_adaptation_doubles_the_rank_within_the_budget_then_sends_raw() -> None:
+    """acpsgd with an unreachable bound: each tensor's rank doubles while the budget allows, then it goes
+    raw, and from then on its average is exact (its owed residual sent along once)."""
+    config = Config("acpsgd", warmup_steps=0, options={"rank": 2},
+                    monitor={"period": 2, "max_lag": 1e-6, "patience": 1, "adapt": True, "budget": 2.0})  # fmt: skip
+    res = run(2, 40, config)
+    mon = res[0]["stats"]["monitor"]
+    assert mon == res[1]["stats"]["monitor"]
+    events = mon["adapted"]
+    assert any("rank 2 -> 4" in e for e in events), events
+    assert all(mon["tensors"][n]["setting"] == "raw" for n in ("w1", "w2")), mon["tensors"]
+    raw_at = [i for i, e in enumerate(events) if e.endswith(": raw")]
+    assert len(raw_at) == 2
+    # The last steps are exact averages (fp32 all-reduce of the raw tensors).
+    for step in (38, 39):
+        exact = mean(2, step)
+        for n in ("w1", "w2"):
+            torch.testing.assert_close(res[0]["outs"][step][n], exact[n], rtol=0, atol=1e-6)
+
+
+def test_a_tensor_that_goes_raw_sends_what_its_residual_owed() -> None:
+    """Over the run, what every rank received sums to what every rank sent: the residual owed when the tensor
+    went raw travels with its first raw gradient (nothing lost)."""
+    config = Config("topk", warmup_steps=0, options={"ratio": 0.05},
+                    monitor={"period": 3, "max_lag": 1e-6, "patience": 1, "adapt": True, "budget": 1.0})  # fmt: skip
+    steps = 12
+    res = run(2, steps, config)
+    assert res[0]["stats"]["monitor"]["tensors"]["w1"]["setting"] == "raw"
+    for n in ("w1", "w2"):
+        got = sum(res[0]["outs"][s][n] for s in range(steps))
+        want = sum(mean(2, s)[n] for s in range(steps))
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def _w1_events(config: _Config, steps: int = 40) -> tuple[list[str], Any]:
+    mon = run(2, steps, config)[0]["stats"]["monitor"]
+    return [e.split(": ", 1)[1] for e in mon["adapted"] if e.startswith("'w1'")], mon["tensors"]["w1"]
+
+
+def test_a_tensor_well_under_its_bound_gets_lighter_down_to_half_its_start() -> None:
+    """qsgd here: lag about 0.006 at 8 bits, 0.1 at 4, 0.6 at 2. From 8 bits under a bound of 0.2: 8 -> 4
+    (well under), then it stays (4 is neither over nor well under, and 2 is below half of 8)."""
+    monitor = {"period": 2, "max_lag": 0.2, "patience": 1, "adapt": True, "budget": 1.0}
+    events, w1 = _w1_events(Config("qsgd", warmup_steps=0, options={"bits": 8}, monitor=monitor))
+    assert events == ["bits 8 -> 4"]
+    assert w1["setting"] == {"bits": 4}
+
+
+def test_a_setting_that_was_over_the_bound_is_not_taken_again() -> None:
+    """From 4 bits under a bound of 0.5: 4 -> 2 (well under), 2 is over -> 4, and 4 stays though well under."""
+    monitor = {"period": 2, "max_lag": 0.5, "patience": 1, "adapt": True, "budget": 1.0}
+    events, w1 = _w1_events(Config("qsgd", warmup_steps=0, options={"bits": 4}, monitor=monitor))
+    assert events == ["bits 4 -> 2", "bits 2 -> 4"]
+    assert w1["setting"] == {}
+    assert w1["lag"] < 0.25 * 0.5
+
+
+@pytest.mark.parametrize("codec", ["acpsgd", "qsgd", "onebit"])
+def test_resume_decides_as_the_straight_run(codec: str) -> None:
+    """Checkpoint between two checks, in the middle of adaptation: the resumed run's outputs and decisions are
+    the straight run's, bit for bit."""
+    config = Config(codec, warmup_steps=1, options={"rank": 1} if codec == "acpsgd" else {},
+                    monitor={"period": 3, "max_lag": 0.05, "patience": 1, "adapt": True, "budget": 8.0})  # fmt: skip
+    straight = run(2, 30, config, save_at=14)
+    resumed = run(2, 30, config, state=[r["saved"] for r in straight])
+    for a, b in zip(straight, resumed, strict=True):
+        for s, out in enumerate(b["outs"]):
+            for n in SHAPES:
+                assert torch.equal(a["outs"][14 + s][n], out[n]), (s, n)
+        assert a["stats"]["monitor"]["adapted"] == b["stats"]["monitor"]["adapted"]
+        assert a["end"]["monitor"] == b["end"]["monitor"]
+    assert straight[0]["stats"]["monitor"]["adapted"], "the bound must make something adapt in this test"
+
+
+def test_a_checkpoint_with_monitor_state_needs_a_monitor() -> None:
+    config = Config("topk", warmup_steps=0, monitor={"period": 2})
+    res = run(1, 5, config, save_at=5)
+    off = Config("topk", warmup_steps=0, monitor={"period": 0})
+    with pytest.raises(RuntimeError, match="period"):
+        run(1, 6, off, state=[res[0]["saved"]])
+
+
+def test_an_older_checkpoint_without_the_monitor_loads() -> None:
+    config = Config("topk", warmup_steps=0)
+    res = run(1, 4, config, save_at=4)
+    old = dict(res[0]["saved"])
+    del old["monitor"]
+    old["config"] = {k: v for k, v in old["config"].items() if k != "monitor"}
+    again = run(1, 6, config, state=[old])
+    assert len(again[0]["outs"]) == 2
+
+
+def test_off_costs_nothing() -> None:
+    config = Config("acpsgd", warmup_steps=0, monitor={"period": 0})
+    res = run(2, 6, config)
+    assert "monitor" not in res[0]["stats"]
+    assert res[0]["end"]["monitor"] == {}
+
+
+def test_the_monitor_changes_no_bit_of_what_is_averaged() -> None:
+    """Without adaptation the monitor only reads: outputs equal a run with it off, bit for bit."""
+    on = run(2, 12, Config("acpsgd", warmup_steps=1, monitor={"period": 2, "sample": 1}))
+    off = run(2, 12, Config("acpsgd", warmup_steps=1, monitor={"period": 0}))
+    for a, b in zip(on, off, strict=True):
+        for s in range(12):
+            for n in SHAPES:
+                assert torch.equal(a["outs"][s][n], b["outs"][s][n])
+
+
+@pytest.mark.parametrize(
+    ("monitor", "match"),
+    [
+        ({"period": -1}, "period must be an integer >= 0, got -1"),
+        ({"sample": 0}, "sample must be an integer >= 1"),
+        ({"max_lag": 0}, "max_lag must be a finite number > 0"),
+        ({"max_error": math.inf}, "max_error must be a finite number > 0"),
+        ({"budget": 0.5}, "budget must be a finite number >= 1, got 0.5"),
+        ({"adapt": "yes"}, "adapt must be true or false"),
+        ({"periode": 3}, "unknown setting.*periode"),
+        ("fast", "monitor must be a mapping"),
+    ],
+)
+def test_bad_settings_are_refused_by_name(monitor: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _Config("acpsgd", monitor=monitor)
+
+
+def test_defaults_fill_what_is_not_given() -> None:
+    cfg = _Config("acpsgd", monitor={"adapt": True})
+    assert cfg.monitor == {**MONITOR_DEFAULTS, "adapt": True}
+    assert _Config.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("codec", ["onebit", "qsgd"])
+def test_the_reduce_scatter_form_is_monitored_per_segment(codec: str) -> None:
+    """FSDP2's form: each segment's lag from its residual, and the exact check (a plain fp32 reduce-scatter
+    beside the compressed one) equal to the shard's error recomputed here."""
+    from sylvie_comm.algorithms.base import Segment, ShardLayout
+
+    world, shard = 2, 24
+    layout = ShardLayout("unit", (Segment("a", 0, 16, row=4), Segment("b", 16, 8, row=1, compress=False)))
+    config = _Config(codec, warmup_steps=0, monitor={"period": 2})
+
+    def flat_of(rank: int, step: int) -> torch.Tensor:
+        return torch.randn(world * shard, generator=torch.Generator().manual_seed(31 * step + rank))
+
+    def body(tr: Any) -> dict[str, Any]:
+        session = Session("t", config, tr)
+        outs = []
+        for step in range(5):
+            out = torch.empty(shard)
+            session.reduce_scatter(flat_of(tr.rank, step), out, layout, step).wait()
+            outs.append(out)
+        stats = session.stats()
+        session.close()
+        return {"outs": outs, "stats": stats}
+
+    res = run_local(world, body)
+    mon = res[0]["stats"]["monitor"]
+    assert mon == res[1]["stats"]["monitor"] and mon["checks"] == 2
+    a = mon["tensors"]["a"]
+    assert set(mon["tensors"]) == {"a"} and a["lag"] > 0
+    # The exact check of step 2, read at step 4: each rank's shard of segment 'a' against the exact mean, the
+    # ranks' relative errors averaged (every rank reads the same).
+    mean = (flat_of(0, 2) + flat_of(1, 2)).view(world, shard) / world
+    errors = [float((res[r]["outs"][2][:16] - mean[r, :16]).norm() / mean[r, :16].norm()) for r in range(world)]
+    assert a["exact_error"] == pytest.approx(sum(errors) / world, rel=1e-4)
+
+
+def _auto_run(config: _Config, steps: int, choice: str, state: Any = None, save_at: int | None = None,
+              ) -> list[dict[str, Any]]:  # fmt: skip
+    """auto on one bucket, its choice set to ``choice`` as if the probe had timed it fastest (qsgd next)."""
+
+    def body(tr: Any) -> dict[str, Any]:
+        session = Session("test", config, tr)
+        alg = session.algorithm
+        first = 0
+        if state is not None:
+            first = session.load_state_dict(state[tr.rank], list(SHAPES.items()))
+        else:
+            alg.load_state_dict({"auto": {"choices": {0: choice}, "timings": {},
+                                          "totals": {0: {"none": 3.0, "fp16": 2.0, "qsgd": 1.0, choice: 0.5}},
+                                          "rejected": {}},
+                                 "candidates": {}})  # fmt: skip
+        outs, choices, saved = [], [], None
+        for step in range(first, steps):
+            session.step = step
+            values = grads(tr.rank, step)
+            members = [Member(n, values[n].clone(), *session.policy.member_options(n, SHAPES[n])) for n in SHAPES]
+            session.run(Group(0, members)).wait()
+            outs.append({m.name: m.tensor for m in members})
+            choices.append(alg.choices()[0])
+            session.step = step + 1
+            if save_at is not None and step + 1 == save_at:
+                saved = session.state_dict()
+        result = {"outs": outs, "choices": choices, "stats": session.stats(), "saved": saved}
+        session.close()
+        return result
+
+    return run_local(2, body)
+
+
+def test_auto_moves_a_bucket_off_a_candidate_over_the_bound_to_the_next_fastest() -> None:
+    """auto on topk (timed fastest) with a bound topk cannot meet: after `patience` checks the bucket moves to
+    qsgd (the next fastest), every rank at the same step; topk's residual travels with the next gradient, so
+    over the run every rank received what every rank sent, less what qsgd still owes at the end."""
+    config = Config("auto", warmup_steps=0, options={"candidates": ["none", "fp16", "qsgd", "topk"]},
+                    monitor={"period": 3, "max_lag": 0.3, "patience": 2})  # fmt: skip
+    res = _auto_run(config, 12, "topk", save_at=12)
+    assert res[0]["choices"] == res[1]["choices"]
+    assert res[0]["choices"][:6] == ["topk"] * 6 and res[0]["choices"][6:] == ["qsgd"] * 6
+    adapted = res[0]["stats"]["monitor"]["adapted"]
+    assert len(adapted) == 1 and adapted[0].endswith("topk -> qsgd"), adapted
+    for n in ("w1", "w2"):
+        got = sum(res[0]["outs"][s][n] for s in range(12))
+        want = sum(mean(2, s)[n] for s in range(12))
+        owed = sum(r["saved"]["params"]["candidates"]["qsgd"][n]["residual"] for r in res) / 2
+        torch.testing.assert_close(got + owed, want, rtol=0, atol=1e-4)
+
+
+def test_auto_resumes_with_its_demotions() -> None:
+    config = Config("auto", warmup_steps=0, options={"candidates": ["none", "fp16", "qsgd", "topk"]},
+                    monitor={"period": 3, "max_lag": 0.3, "patience": 2})  # fmt: skip
+    straight = _auto_run(config, 14, "topk", save_at=8)
+    resumed = _auto_run(config, 14, "topk", state=[r["saved"] for r in straight])
+    for a, b in zip(straight, resumed, strict=True):
+        assert a["choices"][8:] == b["choices"] == ["qsgd"] * 6
+        for s, out in enumerate(b["outs"]):
+            for n in SHAPES:
+                assert torch.equal(a["outs"][8 + s][n], out[n]), (s, n)
+
+
+def test_auto_without_the_monitor_leaves_out_the_candidates_that_need_it() -> None:
+    def body(tr: Any) -> tuple[str, ...]:
+        session = Session("t", Config("auto", monitor={"period": 0}), tr)
+        names = session.algorithm.names
+        session.close()
+        return names
+
+    assert run_local(1, body)[0] == ("none", "fp16", "qsgd")
+
+
+def test_the_per_step_figures_are_taken_on_the_window_before_each_check() -> None:
+    """period 10, window 3: steps 7, 8, 9 of every ten (the figures the check at 10 reads)."""
+
+    def body(tr: Any) -> list[int]:
+        session = Session("t", Config("topk", monitor={"period": 10, "window": 3}), tr)
+        mon = session.policy.monitor
+        assert mon is not None
+        taken = [s for s in range(25) if mon.measures(s)]
+        session.close()
+        return taken
+
+    assert run_local(1, body)[0] == [7, 8, 9, 17, 18, 19]
