@@ -109,3 +109,24 @@ def test_gnn_example_runs_in_one_process(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert (result["config"], result["epochs"], result["world_size"], result["nodes"]) == ("q1/q1 S=1", 2, 1, 400)
     assert proc.stdout.startswith("q1/q1 S=1: test accuracy ")
+
+
+def test_bench_quality_hands_its_options_over_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sylvie-comm bench quality --workload cnn --variants plain csgd`: quality.main gets them as typed."""
+    from sylvie_comm import cli
+    from sylvie_comm.bench import quality
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(quality, "main", lambda argv: seen.append(list(argv)))
+    argv = ["bench", "quality", "--workload", "cnn", "--optimizer", "sgd", "--variants", "plain", "csgd"]
+    assert cli.main(argv) == 0
+    assert seen == [argv[2:]]
+
+
+def test_bench_quality_refuses_zero_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    from sylvie_comm import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "quality", "--workload", "cnn", "--steps", "0"])
+    assert exc.value.code == 2
+    assert "--steps must be an integer >= 1, got 0" in capsys.readouterr().err

@@ -510,6 +510,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--diagnose", action="store_true", help="measure what compression does per kind of layer")
     ap.add_argument("--out", default=None, help="write OUT.json, OUT.md and OUT.png")
     args = ap.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        ap.error(f"--steps must be an integer >= 1, got {args.steps}")
     kw: dict[str, Any] = {}
     if args.workload == "cnn":
         kw.update(optimizer=args.optimizer, images=args.images)
