@@ -51,7 +51,8 @@ class Variant:
 
 
 def variants(names: Sequence[str]) -> list[Variant]:
-    """Variants from ``hook`` or ``hook:key=value,key=value`` strings (``acpsgd:rank=8``)."""
+    """Variants from ``hook`` or ``hook:key=value,key=value`` strings (``acpsgd:rank=8``); a dotted key sets a
+    field of a mapping option (``acpsgd:monitor.adapt=true``)."""
     out = []
     for spec in names:
         hook, _, rest = spec.partition(":")
@@ -60,12 +61,20 @@ def variants(names: Sequence[str]) -> list[Variant]:
             key, eq, value = item.partition("=")
             if not eq:
                 raise ValueError(f"variant {spec!r}: option {item!r} is not key=value")
-            options[key] = _value(value)
+            outer, dot, inner = key.partition(".")
+            if dot:
+                if not isinstance(options.setdefault(outer, {}), dict):
+                    raise ValueError(f"variant {spec!r}: {outer!r} is given a value and fields")
+                options[outer][inner] = _value(value)
+            else:
+                options[key] = _value(value)
         out.append(Variant(spec, hook, options))
     return out
 
 
 def _value(text: str) -> Any:
+    if text in ("true", "false"):
+        return text == "true"
     for cast in (int, float):
         try:
             return cast(text)

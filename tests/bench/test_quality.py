@@ -20,6 +20,10 @@ def test_variants_parse_options_and_refuse_malformed_ones() -> None:
     ]  # fmt: skip
     with pytest.raises(ValueError, match="option 'rank' is not key=value"):
         quality.variants(["acpsgd:rank"])
+    dotted = quality.variants(["acpsgd:monitor.adapt=true,monitor.period=25,rank=4"])[0]
+    assert dotted.options == {"monitor": {"adapt": True, "period": 25}, "rank": 4}
+    with pytest.raises(ValueError, match="'rank' is given a value and fields"):
+        quality.variants(["acpsgd:rank=4,rank.x=1"])
 
 
 def test_models_have_the_documented_sizes_and_kinds() -> None:
