@@ -153,12 +153,9 @@ def ddp_compressed_sgd(
     weight_decay: float = 0.0, nesterov: bool = False, *, codec: str = "onebit",
     timeout: float | timedelta | None = None, **kwargs: Any,
 ) -> CompressedSGD:  # fmt: skip
-    """A :class:`~sylvie_comm.optim.CompressedSGD` over the DDP model's process group, with DDP's gradient
-    all-reduce turned off (a comm hook that hands each bucket back unchanged): a collective call.
-
-    Call it before the first backward pass (DDP takes a comm hook only then). The optimizer talks on a
-    process group of its own of the same ranks (created with ``timeout``, default 600 s) and closes it in
-    ``close()``. DDP still broadcasts buffers (BatchNorm) before each forward pass, on its own group.
+    """:func:`sylvie_comm.ddp.compressed_adamw` for SGD: a :class:`~sylvie_comm.optim.CompressedSGD` over the DDP
+    model's process group, DDP's gradient all-reduce turned off; a collective call, made as that one is (before the
+    first backward pass; the optimizer's process group of its own, of the same ranks, closed in ``close()``).
 
     Args:
         ddp_model: the ``DistributedDataParallel`` model.
@@ -183,21 +180,15 @@ def horovod_compressed_sgd(
     model: nn.Module | Iterable[tuple[str, nn.Parameter]], lr: float, momentum: float = 0.9, dampening: float = 0.0,
     weight_decay: float = 0.0, nesterov: bool = False, *, codec: str = "onebit", **kwargs: Any,
 ) -> CompressedSGD:  # fmt: skip
-    """A :class:`~sylvie_comm.optim.CompressedSGD` over Horovod (``hvd.init()`` first): a collective call.
-
-    Use it instead of ``hvd.DistributedOptimizer`` (which would all-reduce the gradients a second time).
-    Broadcast the initial parameters as usual (``hvd.broadcast_parameters(model.state_dict(), 0)``).
+    """:func:`sylvie_comm.horovod.compressed_adamw` for SGD: a :class:`~sylvie_comm.optim.CompressedSGD` over Horovod
+    (``hvd.init()`` first); a collective call, used as that one is (instead of ``hvd.DistributedOptimizer``, after
+    the usual broadcast of the initial parameters).
 
     Args:
         model: the model, or its ``named_parameters()``.
-        lr: as :class:`~sylvie_comm.optim.CompressedSGD`.
-        momentum: as :class:`~sylvie_comm.optim.CompressedSGD` (default 0.9; must be > 0).
-        dampening: as :class:`~sylvie_comm.optim.CompressedSGD` (default 0).
-        weight_decay: as :class:`~sylvie_comm.optim.CompressedSGD` (default 0).
-        nesterov: as :class:`~sylvie_comm.optim.CompressedSGD` (default False).
-        codec: the algorithm that averages the momentum (default ``onebit``).
-        **kwargs: the other arguments of :class:`~sylvie_comm.optim.CompressedSGD` (``warmup`` or
-            ``total_steps`` among them).
+        lr: as :func:`sylvie_comm.ddp.compressed_sgd`, as are ``momentum`` (default 0.9; must be > 0),
+            ``dampening``, ``weight_decay``, ``nesterov``, ``codec`` (default ``onebit``) and ``**kwargs`` (the
+            other arguments of :class:`~sylvie_comm.optim.CompressedSGD`).
     """
     return _over_horovod(
         model, lambda named, transport: CompressedSGD(named, lr, momentum, dampening, weight_decay, nesterov,

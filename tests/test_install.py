@@ -312,7 +312,9 @@ def test_demo_runs_from_the_installed_package(venv: Path, outside: Path) -> None
     assert list(lab["codecs"]) == list(LAB_CODECS) and lab["workers"] == 2 and lab["link"] == "1gbit"
     assert all(len(c["step_s"]) == 2 and c["median_s"] > 0 for c in lab["codecs"].values())
     assert lab["codecs"]["acpsgd"]["hook_bytes_per_step"] < lab["codecs"]["onebit"]["hook_bytes_per_step"]
-    assert set(lab["codecs"]["auto"]["auto_choices"].values()) <= {"none", "fp16", "bf16", "qsgd"}
+    from sylvie_comm.algorithms.registry import ALGORITHMS
+
+    assert set(lab["codecs"]["auto"]["auto_choices"].values()) <= set(ALGORITHMS["auto"].option_defaults["candidates"])
     banner = "lab: 2 workers in network namespaces" if lab["lab"]["shaped"] else "lab: LOOPBACK FALLBACK"
     assert f"   {banner}" in proc.stdout
     if importlib.util.find_spec("matplotlib") is not None:

@@ -16,7 +16,7 @@ replica all-reduce, the compressed optimizers, the GNN trainer's gradient averag
   computed on the gradients' device and summed there; the host reads them once per check.
 * **every** ``period`` **compressed steps, a sampled exact check**: for ``sample`` tensors of each group
   (in turn; at most :data:`EXACT_ELEMENTS` of each, a window that moves from check to check), the exact fp32
-  average is all-reduced on a channel of its own beside the compressed one,
+  average is all-reduced beside the compressed one (on the algorithm's transport, in its order),
   and the two are compared (``exact_error``: relative error, ``exact_cos``: cosine). Its bytes are
   counted (``stats()["monitor"]["bytes"]``, and in the bytes sent).
 
@@ -89,7 +89,7 @@ class Monitor:
     Args:
         algorithm: the algorithm the policy runs.
         settings: :data:`~sylvie_comm.config.MONITOR_DEFAULTS`' keys, checked by the config.
-        transport: the algorithm's; a fork of it carries the exact checks and the ranks' figures.
+        transport: the algorithm's: the exact checks and the ranks' figures go on it, in the algorithm's order.
         min_compression_rate: a setting that would shrink a tensor less than this is not taken (raw instead).
     """
 
@@ -106,7 +106,10 @@ class Monitor:
         self.budget: float = float(s["budget"])
         self.window: int = min(s["window"], self.period) if self.period else 0
         self.min_rate = min_compression_rate
-        self._channel: Transport | None = transport.fork()
+        # The monitor's collectives go on the algorithm's own transport, in its order (see _collective): a fork
+        # would be a new process group, which every rank of the world must create together, and a replica group
+        # of HSDP or a framework's own all-reduce (the Horovod compressor) cannot.
+        self._channel: Transport | None = transport if transport.world_size > 1 else None
         self._tensors: dict[str, _Tensor] = {}
         self._cursor: dict[int, int] = {}
         self.overrides: dict[str, dict[str, Any]] = {}  # name -> options adaptation set
@@ -239,12 +242,13 @@ class Monitor:
         size = min(shard, EXACT_ELEMENTS)
         at = (self.checks * size) % shard if shard > size else 0
         at = min(at, shard - size)
-        if self.due(step) and self._channel is not None and size:
+        if self.due(step) and size:
             # Every shard's window [at, at + size): one all-reduce gives each rank the exact mean of its own.
             exact = rows[:, at : at + size].float().contiguous()  # a copy: the algorithm may change flat
-            meter.collective("all_reduce", exact)
-            self.bytes += wire_bytes("all_reduce", 4 * exact.numel(), w)
-            launched = self._channel.all_reduce(exact)
+            if self._channel is not None:
+                meter.collective("all_reduce", exact)
+                self.bytes += wire_bytes("all_reduce", 4 * exact.numel(), w)
+            launched = self._collective(exact)
         fut = run(layout)
         rank = alg.transport.rank
 
@@ -304,7 +308,7 @@ class Monitor:
     def _exact_launch(self, key: int, comp: list[Member], meter: Meter) -> Any:
         """The exact fp32 average of ``sample`` tensors of the group (in turn), at most :data:`EXACT_ELEMENTS` of
         each (a window that moves from check to check), launched on the channel."""
-        if not comp or self._channel is None:
+        if not comp:
             return None
         start = self._cursor.get(key, 0) % len(comp)
         picked = []
@@ -316,15 +320,33 @@ class Monitor:
             picked.append((m, at if at + size <= n else n - size, size))
         self._cursor[key] = start + len(picked)
         flat = torch.cat([m.tensor.detach().reshape(-1)[at : at + size].float() for m, at, size in picked])
-        meter.collective("all_reduce", flat)
-        self.bytes += wire_bytes("all_reduce", 4 * flat.numel(), self.algorithm.world_size)
-        return picked, flat, self._channel.all_reduce(flat)
+        if self._channel is not None:
+            meter.collective("all_reduce", flat)
+            self.bytes += wire_bytes("all_reduce", 4 * flat.numel(), self.algorithm.world_size)
+        return picked, flat, self._collective(flat)
+
+    def _collective(self, t: torch.Tensor) -> Future[Any]:
+        """Sum ``t`` across the ranks on the algorithm's transport, ordered with the algorithm's own collectives:
+        through its communication thread where it has one (its groups' collectives are issued there, in
+        submission order on every rank), else here, on the caller's thread, where it issues them too."""
+        channel = self._channel
+        if channel is None:  # one rank (or a framework's own all-reduce around it): the sum is the tensor
+            done: Future[Any] = torch.futures.Future()
+            done.set_result(t)
+            return done
+        executor = getattr(self.algorithm, "_executor", None)
+        if executor is None:
+            return channel.all_reduce(t)
+        device = t.device
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        fut: Future[Any] = executor.submit(lambda: channel.all_reduce(t).wait(), stream)
+        return fut
 
     # ------------------------------------------------------------------ checks and decisions
 
     def _decide(self, key: int, comp: list[Member], meter: Meter) -> None:
         """Average every tensor's figures across the ranks (one small all-reduce), then warn and adapt."""
-        if self._channel is None or not comp:
+        if not comp:
             return
         self.algorithm.guard.settle()  # the last step's figures are added once it is decided
         names = [m.name for m in comp]
@@ -346,8 +368,9 @@ class Monitor:
                 t.lag_sum = t.err_sum = t.count = None
                 t.exact = None
         summed = torch.stack(rows).float()
-        meter.collective("all_reduce", summed)
-        self._channel.all_reduce(summed).wait()
+        if self._channel is not None:
+            meter.collective("all_reduce", summed)
+        self._collective(summed).wait()
         figures = (summed / self.algorithm.world_size).tolist()  # the host reads once per check
         self.checks += 1
         over = []
@@ -559,10 +582,7 @@ class Monitor:
         t.variant = s["variant"]
 
     def close(self) -> None:
-        channel, self._channel = self._channel, None
-        close = getattr(channel, "close", None)
-        if close is not None:
-            close()
+        self._channel = None  # the algorithm's transport: its owner closes it
 
 
 def _host(t: torch.Tensor | None) -> float:

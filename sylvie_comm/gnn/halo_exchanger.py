@@ -20,6 +20,7 @@ from the device.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -205,14 +206,26 @@ class HaloExchanger:
         width) and the byte counters. Local: no collectives."""
         codecs = [{"direction": d, "key": k, "features": f, "codec": fmt.codec.state_dict()}
                   for (d, f, k), fmt in self._formats.items() if fmt.stateful]  # fmt: skip
+        errors = {k: [0.0 if v[0] is None or v[0].device.type == "meta" else float(v[0]), v[1], v[2]]
+                  for k, v in self._errors.items()}  # fmt: skip
         return {"settings": self.settings(), "feedback": self.feedback.state_dict(), "codecs": codecs,
-                "bytes_sent": dict(self.bytes_sent)}  # fmt: skip
+                "bytes_sent": dict(self.bytes_sent), "errors": errors}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; a checkpoint of other settings or another partition raises
         ValueError naming the field, and nothing is changed then."""
         what = "halo: HaloExchanger.load_state_dict"
-        state = check_state(what, state, {"settings", "feedback", "codecs", "bytes_sent"})
+        keys = {"settings", "feedback", "codecs", "bytes_sent"}
+        # 'errors' (the measured error's sums and counts): absent from checkpoints written before it was kept.
+        state = check_state(what, state, keys | ({"errors"} & set(state) if isinstance(state, Mapping) else set()))
+        errors = state.get("errors", {})
+        ok = isinstance(errors, Mapping) and all(
+            isinstance(v, (list, tuple)) and len(v) == 3 and isinstance(v[0], float) and math.isfinite(v[0])
+            and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in v[1:])
+            for v in errors.values()
+        )  # fmt: skip
+        if not ok:
+            raise ValueError(f"{what}: 'errors' must map 'direction/layer' to [sum, measured, calls]")
         check_settings(what, self.settings(), state["settings"])
         if not isinstance(state["codecs"], list):
             raise ValueError(f"{what}: 'codecs' must be a list, got {type(state['codecs']).__name__}")
@@ -237,3 +250,5 @@ class HaloExchanger:
         self.feedback.load_state_dict(state["feedback"])  # validates before it replaces anything
         self._formats = formats
         self.bytes_sent = {k: int(v) for k, v in bytes_sent.items()}
+        self._errors = {str(k): [torch.tensor(v[0], device=self.device) if v[1] else None, v[1], v[2]]
+                        for k, v in errors.items()}  # fmt: skip

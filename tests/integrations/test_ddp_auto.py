@@ -29,5 +29,5 @@ def test_auto_chooses_per_bucket_the_same_on_every_rank():
     a, b = run_distributed(_auto_worker, 2)
     choices = a["stats"]["auto"]["choices"]
     assert choices and choices == b["stats"]["auto"]["choices"]  # every bucket decided, the same everywhere
-    assert set(choices.values()) <= {"none", "fp16", "qsgd"}  # the default candidates
+    assert set(choices.values()) <= {"none", "fp16", "qsgd", "acpsgd", "onebit"}  # the default candidates
     assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))

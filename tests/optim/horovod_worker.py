@@ -2,9 +2,8 @@
 
     horovodrun -np 2 --gloo python -m tests.optim.horovod_worker OUT_DIR [adamw|sgd]
 
-Each rank writes its result (or its traceback) to ``OUT_DIR/rank<r>.pt``; ``tests/optim/test_horovod.py`` and
-``tests/optim/test_sgd_horovod.py`` launch it and compare with the same run in one process (:func:`train`, on the
-in-process transport).
+Each rank writes its result (or its traceback) to ``OUT_DIR/rank<r>.pt``; ``tests/optim/test_horovod.py`` launches
+it and compares with the same run in one process (:func:`train`, on the in-process transport).
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ from tests.integrations import workloads as wl
 from tests.optim import workloads as ow
 
 CODEC = "onebit"
-LR = 3e-3
-SGD = {"lr": 0.2, "momentum": 0.9, "nesterov": True}  # CompressedSGD's run
+HYPER: dict[str, dict[str, Any]] = {"adamw": {"lr": 3e-3}, "sgd": {"lr": 0.2, "momentum": 0.9, "nesterov": True}}
 
 
 def train(rank: int, make: Any, model: torch.nn.Module | None = None) -> dict[str, Any]:
@@ -39,9 +37,8 @@ def train(rank: int, make: Any, model: torch.nn.Module | None = None) -> dict[st
 def horovod_run(rank: int, optimizer: str = "adamw") -> dict[str, Any]:
     import sylvie_comm.horovod as sh
 
-    if optimizer == "sgd":
-        return train(rank, lambda model: sh.compressed_sgd(model, **SGD, codec=CODEC, warmup=ow.WARMUP))
-    return train(rank, lambda model: sh.compressed_adamw(model, lr=LR, codec=CODEC, warmup=ow.WARMUP))
+    adapter = {"adamw": sh.compressed_adamw, "sgd": sh.compressed_sgd}[optimizer]
+    return train(rank, lambda model: adapter(model, **HYPER[optimizer], codec=CODEC, warmup=ow.WARMUP))
 
 
 def main(argv: list[str]) -> int:

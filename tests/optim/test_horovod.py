@@ -1,4 +1,5 @@
-"""CompressedAdamW over Horovod, 2 ranks under horovodrun: the same run as in one process, replicas identical."""
+"""CompressedAdamW and CompressedSGD over Horovod, 2 ranks under horovodrun: the same run as in one process, replicas
+identical."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ if shutil.which("horovodrun") is None:
     pytest.skip("horovodrun is not on PATH", allow_module_level=True)
 
 from sylvie_comm.collectives.local import run_local
-from sylvie_comm.optim import CompressedAdamW
+from sylvie_comm.optim import CompressedAdamW, CompressedSGD
 from tests.integrations import workloads as wl
 from tests.optim import horovod_worker as hw
 from tests.optim import workloads as ow
@@ -48,14 +49,15 @@ def run_horovod(tmp_path: Path, optimizer: str = "adamw") -> list[dict[str, Any]
     return results
 
 
-def test_horovod_trains_as_the_in_process_run(tmp_path: Path) -> None:
-    results = run_horovod(tmp_path)
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_horovod_trains_as_the_in_process_run(tmp_path: Path, optimizer: str) -> None:
+    results = run_horovod(tmp_path, optimizer)
     base = wl.mlp()
+    cls = {"adamw": CompressedAdamW, "sgd": CompressedSGD}[optimizer]
 
     def local(tr: Any) -> dict[str, Any]:
-        def make(model: torch.nn.Module) -> CompressedAdamW:
-            return CompressedAdamW(model.named_parameters(), lr=hw.LR, transport=tr, codec=hw.CODEC,
-                                   warmup=ow.WARMUP)  # fmt: skip
+        def make(model: torch.nn.Module) -> Any:
+            return cls(model.named_parameters(), **hw.HYPER[optimizer], transport=tr, codec=hw.CODEC, warmup=ow.WARMUP)
 
         return hw.train(tr.rank, make, copy.deepcopy(base))
 
