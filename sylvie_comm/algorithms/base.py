@@ -405,6 +405,10 @@ class Algorithm:
         monitor starts a tensor's figures afresh when it changes."""
         return ""
 
+    def unmonitored(self) -> None:
+        """No compression monitor watches this run (``monitor: {period: 0}``): ``auto`` leaves out the candidates
+        that need one; the others change nothing."""
+
     def demote(self, key: int) -> tuple[str, str] | None:
         """Move group ``key`` to a safer way of averaging it as a whole (``auto``: its next-fastest candidate);
         ``(from, to)``, or None where the algorithm cannot (then the monitor adapts tensor by tensor)."""

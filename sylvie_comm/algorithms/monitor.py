@@ -79,6 +79,7 @@ class _Tensor:
     under: int = 0  # checks in a row well under it
     warned: bool = False
     variant: str = ""  # what averaged it (auto's candidate), see Algorithm.variant
+    feedback: bool = False  # a residual was seen: judged by its lag, not by the exact check
     failed: set[str] = field(default_factory=set)  # settings that were over the bound: never taken again
     last: dict[str, float | None] = field(default_factory=dict)
 
@@ -161,25 +162,29 @@ class Monitor:
     def around(self, group: Group, step: int, meter: Meter, run: Any) -> Future[None]:
         """Run ``run(group)`` (the algorithm on ``group`` with adaptation's decisions applied) with this
         step's measurements around it."""
+        due, measures = self.due(step), self.measures(step)
+        if not due and not measures:  # most steps: adaptation's decisions only, no measurement
+            plain: Future[None] = run(self.rewrite(group))
+            return plain
         for m in group.members:
             if m.compress and m.tensor.numel() and m.name not in self._tensors:
                 t = self._tensors[m.name] = _Tensor(tuple(m.tensor.shape), dict(m.options))
                 loaded = self._loaded.pop(m.name, None)
                 if loaded is not None:
                     self._restore(t, loaded, m.tensor.device)
-        if self.due(step):
+        if due:
             seen = [m for m in self.rewrite(group).members if m.compress and m.tensor.numel()]
             self._decide(group.key, seen, meter)
         group = self.rewrite(group)
         comp = [m for m in group.members if m.compress and m.tensor.numel()]
         alg = self.algorithm
         before = {}
-        for m in comp if self.measures(step) else ():
+        for m in comp if measures else ():
             g = m.tensor.detach().reshape(-1).float()
             inner = alg.residual_inner(m.name, g)
             g2 = torch.dot(g, g)
             before[m.name] = (g2, g2 if inner is None else g2 + 2 * inner[1] + inner[0])  # none yet: r = 0
-        exact = self._exact_launch(group.key, comp, meter) if self.due(step) else None
+        exact = self._exact_launch(group.key, comp, meter) if due else None
 
         def after(_: Future[None]) -> None:
             with self._lock:
@@ -188,7 +193,7 @@ class Monitor:
                     variant = alg.variant(m.name)
                     if variant != t.variant:  # another candidate averages it now: its figures start afresh
                         t.variant, t.lag_sum, t.err_sum, t.count, t.over, t.under = variant, None, None, None, 0, 0
-                        t.exact = None
+                        t.exact, t.feedback = None, False
                     if m.name in before:
                         self._accumulate(m.name, *before[m.name])
                 if exact is not None:
@@ -291,6 +296,7 @@ class Monitor:
         if inner is None:
             return
         t = self._tensors[name]
+        t.feedback = True
         r = inner[0].clamp_min(0).sqrt()
         lag, err = r / g2.sqrt(), r / given2.clamp_min(0).sqrt()
         ok = torch.isfinite(lag) & torch.isfinite(err)
@@ -407,7 +413,7 @@ class Monitor:
         lag, exact = fresh["lag"], fresh["exact_error"]
         if lag is not None:
             figure, bound, what = lag, self.max_lag, "lag (residual / gradient)"
-        elif exact is not None and self.algorithm.residual_inner(name, None) is None:
+        elif exact is not None and not t.feedback:
             figure, bound, what = exact, self.max_error, "exact relative error"
         else:
             return None
@@ -509,7 +515,7 @@ class Monitor:
                     "lag_sum": _host(t.lag_sum), "err_sum": _host(t.err_sum), "count": _host(t.count),
                     "exact": None if t.exact is None else [_host(t.exact[0]), _host(t.exact[1])],
                     "over": t.over, "under": t.under, "warned": t.warned, "failed": sorted(t.failed),
-                    "variant": t.variant,
+                    "variant": t.variant, "feedback": t.feedback,
                 }  # fmt: skip
         return {
             "tensors": per,
@@ -579,7 +585,7 @@ class Monitor:
         if s["exact"] is not None:
             t.exact = (dev(s["exact"][0]), dev(s["exact"][1]))
         t.over, t.under, t.warned, t.failed = s["over"], s["under"], s["warned"], set(s["failed"])
-        t.variant = s["variant"]
+        t.variant, t.feedback = s["variant"], bool(s.get("feedback", False))
 
     def close(self) -> None:
         self._channel = None  # the algorithm's transport: its owner closes it

@@ -47,8 +47,8 @@ class Policy:
         self.monitor: Monitor | None = None
         if config.monitor["period"] > 0 and algorithm.name != "none":
             self.monitor = Monitor(algorithm, config.monitor, algorithm.transport, config.min_compression_rate)
-        elif algorithm.name == "auto":
-            algorithm.unmonitored()  # type: ignore[attr-defined]
+        else:
+            algorithm.unmonitored()
 
     def _check_rule(self, i: int, match: str, options: Mapping[str, Any]) -> None:
         """A rule's options: known to the algorithm, allowed per name, and valid (as the base options are)."""

@@ -33,7 +33,6 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import resource
@@ -50,7 +49,7 @@ import torch
 from torch import nn
 
 from sylvie_comm.bench.choices import unique_choices
-from sylvie_comm.bench.lab import Lab, ProgressBar, check_link, leave_worker, start_worker
+from sylvie_comm.bench.lab import Lab, ProgressBar, check_link, leave_worker, start_worker, worker_cli
 from sylvie_comm.bench.link import HOOK_WARMUP, LR, MOMENTUM, WARMUP, _mb, _x, machine, measure_steps, merge_rounds
 from sylvie_comm.bench.workloads import WORKLOADS
 from sylvie_comm.collectives import wire_bytes
@@ -443,10 +442,7 @@ def format_table(rec: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
-    parser = argparse.ArgumentParser(prog="python -m sylvie_comm.bench.fsdp", description=__doc__)
-    parser.add_argument("--worker", metavar="CONFIG", required=True, help="run one worker (started by the lab)")
-    args = parser.parse_args(argv)
-    worker_main(args.worker)
+    worker_cli("sylvie_comm.bench.fsdp", __doc__, worker_main, argv)
 
 
 if __name__ == "__main__":

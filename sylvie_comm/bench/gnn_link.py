@@ -32,7 +32,6 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -44,7 +43,7 @@ from typing import Any, NoReturn
 
 from sylvie_comm.bench import gnn as bg
 from sylvie_comm.bench.choices import unique_choices
-from sylvie_comm.bench.lab import LINK_RATES_BPS, Lab, leave_worker, start_worker
+from sylvie_comm.bench.lab import LINK_RATES_BPS, Lab, leave_worker, start_worker, worker_cli
 from sylvie_comm.bench.link import NO_MATPLOTLIB, machine, pyplot, save_figure
 
 DEFAULT_LINKS = ("100mbit", "1gbit", "none")
@@ -346,10 +345,7 @@ def plot(rec: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sylvie_comm.bench.gnn_link", description=__doc__)
-    parser.add_argument("--worker", metavar="CONFIG", required=True, help="run one worker (started by the lab)")
-    args = parser.parse_args(argv)
-    worker_main(args.worker)
+    worker_cli("sylvie_comm.bench.gnn_link", __doc__, worker_main, argv)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ from sylvie_comm.bench.labproc import (
     split_horovod_output,
     start_worker,
     tail,
+    worker_cli,
 )
 
 MASTER_PORT = 29500  # free in a fresh namespace; the loopback fallback picks a free port instead
@@ -491,6 +492,7 @@ __all__ = [
     "split_horovod_output",
     "start_worker",
     "unavailable_reason",
+    "worker_cli",
 ]
 
 

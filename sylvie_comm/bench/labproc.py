@@ -16,7 +16,7 @@ import shutil
 import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -86,6 +86,16 @@ def leave_worker(code: int = 0) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def worker_cli(module: str, doc: str | None, worker_main: Callable[[str], NoReturn],
+               argv: Sequence[str] | None = None) -> NoReturn:  # fmt: skip
+    """A lab benchmark's ``python -m MODULE --worker CONFIG`` entry point: run one worker (the lab starts it)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc)
+    parser.add_argument("--worker", metavar="CONFIG", required=True, help="run one worker (started by the lab)")
+    worker_main(parser.parse_args(argv).worker)
 
 
 def start_worker(config_path: str) -> tuple[dict[str, Any], int, int, ProgressTicks]:

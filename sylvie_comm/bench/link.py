@@ -42,7 +42,6 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -57,7 +56,7 @@ from typing import Any, NoReturn
 import torch
 
 from sylvie_comm.bench.choices import unique_choices
-from sylvie_comm.bench.lab import Lab, LabError, ProgressBar, check_link, leave_worker, start_worker
+from sylvie_comm.bench.lab import Lab, LabError, ProgressBar, check_link, leave_worker, start_worker, worker_cli
 from sylvie_comm.bench.timing import cpu_model
 from sylvie_comm.bench.workloads import WORKLOADS, check_workload
 
@@ -549,10 +548,7 @@ def plot(rec: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
-    parser = argparse.ArgumentParser(prog="python -m sylvie_comm.bench.link", description=__doc__)
-    parser.add_argument("--worker", metavar="CONFIG", required=True, help="run one worker (started by the lab)")
-    args = parser.parse_args(argv)
-    worker_main(args.worker)
+    worker_cli("sylvie_comm.bench.link", __doc__, worker_main, argv)
 
 
 if __name__ == "__main__":

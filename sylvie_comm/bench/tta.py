@@ -42,7 +42,6 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -61,7 +60,7 @@ from torch import nn
 
 from sylvie_comm.bench import quality
 from sylvie_comm.bench.choices import unique_choices
-from sylvie_comm.bench.lab import Lab, LabError, ProgressBar, check_link, leave_worker, start_worker
+from sylvie_comm.bench.lab import Lab, LabError, ProgressBar, check_link, leave_worker, start_worker, worker_cli
 from sylvie_comm.bench.link import machine, pyplot, save_figure
 
 PLAIN = quality.PLAIN  # plain DDP, no hook: the baseline
@@ -741,10 +740,7 @@ def save(rec: Mapping[str, Any], out: str | Path) -> tuple[Path, str]:
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
-    parser = argparse.ArgumentParser(prog="python -m sylvie_comm.bench.tta", description=__doc__)
-    parser.add_argument("--worker", metavar="CONFIG", required=True, help="run one worker (started by the lab)")
-    args = parser.parse_args(argv)
-    worker_main(args.worker)
+    worker_cli("sylvie_comm.bench.tta", __doc__, worker_main, argv)
 
 
 if __name__ == "__main__":
