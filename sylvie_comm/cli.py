@@ -168,9 +168,10 @@ def _fsdp_rows(text: str) -> list[str]:
 
 def _codecs(text: str) -> list[str]:
     from sylvie_comm.bench import link as bk
+    from sylvie_comm.bench.choices import split_specs
 
     try:
-        return bk.check_codecs([c.strip() for c in text.split(",") if c.strip()])
+        return bk.check_codecs(split_specs(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -377,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_codecs,
         default=None,
         help="with --link: comma-separated codecs (default: ddp, torch-fp16, torch-powersgd, no-comm, "
-        "every sylvie algorithm)",
+        "every sylvie algorithm); a sylvie algorithm may take options: acpsgd:rank=2,monitor.period=0",
     )
     d.add_argument(
         "--model",

@@ -42,6 +42,7 @@ FIELDS = ("codec", "warmup_steps", "min_compression_rate", "seed", "warmup", "to
 # ``budget`` times the starting bytes, or send it raw.
 MONITOR_DEFAULTS: dict[str, Any] = {
     "period": 50,
+    "first": 10,
     "window": 5,
     "sample": 1,
     "max_lag": 0.5,
@@ -86,7 +87,7 @@ def check_monitor(monitor: Any) -> dict[str, Any]:
         raise ValueError(f"config: monitor has unknown setting(s) {', '.join(map(str, unknown))}; known: "
                          f"{', '.join(MONITOR_DEFAULTS)}")  # fmt: skip
     out = {**MONITOR_DEFAULTS, **monitor}
-    for key, low in (("period", 0), ("window", 1), ("sample", 1), ("patience", 1)):
+    for key, low in (("period", 0), ("first", 1), ("window", 1), ("sample", 1), ("patience", 1)):
         v = out[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"config: monitor {key} must be an integer >= {low}, got {v!r}")

@@ -201,6 +201,14 @@ class StepGuard:
         for done in settled:
             done(bad if device is not None else None)
 
+    def settle_before(self, step: int) -> None:
+        """Settle the last step unless it is ``step`` itself: a later group of a step already begun must not
+        decide it while its earlier groups are in flight (the step before was settled when the first began)."""
+        with self._lock:
+            current = self._step
+        if current is not None and current != step:
+            self.settle()
+
     def skipped(self) -> int:
         """Steps skipped so far (settles the last one; reads the count on the host: not for the hot path)."""
         self.settle()

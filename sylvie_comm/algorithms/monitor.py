@@ -14,7 +14,8 @@ replica all-reduce, the compressed optimizers, the GNN trainer's gradient averag
   a residual that grows to many gradients is released steps late, which momentum turns into a wrong
   direction (the failure of one-bit codecs with a mean-magnitude scale on a CNN). Both are norms
   computed on the gradients' device and summed there; the host reads them once per check.
-* **every** ``period`` **compressed steps, a sampled exact check**: for ``sample`` tensors of each group
+* **at each check (after** ``first`` **compressed steps, then at gaps doubling up to** ``period``**), a sampled
+  exact check**: for ``sample`` tensors of each group
   (in turn; at most :data:`EXACT_ELEMENTS` of each, a window that moves from check to check), the exact fp32
   average is all-reduced beside the compressed one (on the algorithm's transport, in its order),
   and the two are compared (``exact_error``: relative error, ``exact_cos``: cosine). Its bytes are
@@ -41,6 +42,7 @@ so a resumed run decides as the straight run does.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import logging
@@ -105,7 +107,16 @@ class Monitor:
         self.patience: int = s["patience"]
         self.adapt: bool = s["adapt"]
         self.budget: float = float(s["budget"])
-        self.window: int = min(s["window"], self.period) if self.period else 0
+        # The checks: at ``first`` compressed steps, then at gaps that double up to ``period`` (10, 30, 70, 120,
+        # 170, ... at the defaults), so a codec that is hurting a model is caught in its first steps, when the
+        # harm is largest, and the steady state costs what ``period`` says.
+        self.first: int = min(s["first"], self.period) if self.period else 0
+        self._ramp: list[int] = [self.first] if self.period else []
+        gap = self.first
+        while self.period and gap < self.period:
+            gap = min(2 * gap, self.period)
+            self._ramp.append(self._ramp[-1] + gap)
+        self.window: int = min(s["window"], self.first) if self.period else 0
         self.min_rate = min_compression_rate
         # The monitor's collectives go on the algorithm's own transport, in its order (see _collective): a fork
         # would be a new process group, which every rank of the world must create together, and a replica group
@@ -125,14 +136,21 @@ class Monitor:
 
     # ------------------------------------------------------------------ per step
 
+    def next_check(self, step: int) -> int:
+        """The first compressed step at or after ``step`` that runs a check (O(1) past the first few)."""
+        last = self._ramp[-1]
+        if step > last:
+            return last + -(-(step - last) // self.period) * self.period
+        return self._ramp[bisect.bisect_left(self._ramp, step)]
+
     def due(self, step: int) -> bool:
         """Whether compressed step ``step`` (0 first) runs a check."""
-        return step > 0 and step % self.period == 0
+        return step > 0 and self.next_check(step) == step
 
     def measures(self, step: int) -> bool:
         """Whether compressed step ``step`` takes the per-step figures: the last ``window`` steps before each
-        check (each costs two passes over the gradient and one over the residual)."""
-        return step % self.period >= self.period - self.window
+        check after it (each costs two passes over the gradient and one over the residual)."""
+        return self.next_check(step + 1) - step <= self.window
 
     def rewrite(self, group: Group) -> Group:
         """``group`` with adaptation's decisions applied: raw names raw (their residual added to the
@@ -174,7 +192,7 @@ class Monitor:
                     self._restore(t, loaded, m.tensor.device)
         if due:
             seen = [m for m in self.rewrite(group).members if m.compress and m.tensor.numel()]
-            self._decide(group.key, seen, meter)
+            self._decide(group.key, seen, meter, step)
         group = self.rewrite(group)
         comp = [m for m in group.members if m.compress and m.tensor.numel()]
         alg = self.algorithm
@@ -232,7 +250,7 @@ class Monitor:
         if self.due(step):
             # The figures are per tensor: what the decision reads does not depend on the rewritten layout.
             self._decide(key, [Member(g.name, view(g), True) for g in self._rewrite_shards(layout, view).segments
-                               if g.compress and g.numel], meter)  # fmt: skip
+                               if g.compress and g.numel], meter, step)  # fmt: skip
         layout = self._rewrite_shards(layout, view)
         comp = [g for g in layout.segments if g.compress and g.numel]
         members = [Member(g.name, view(g), True) for g in comp]
@@ -350,11 +368,12 @@ class Monitor:
 
     # ------------------------------------------------------------------ checks and decisions
 
-    def _decide(self, key: int, comp: list[Member], meter: Meter) -> None:
+    def _decide(self, key: int, comp: list[Member], meter: Meter, step: int) -> None:
         """Average every tensor's figures across the ranks (one small all-reduce), then warn and adapt."""
         if not comp:
             return
-        self.algorithm.guard.settle()  # the last step's figures are added once it is decided
+        # The last step's figures are added once it is decided; a later group of this step leaves it alone.
+        self.algorithm.guard.settle_before(step)
         names = [m.name for m in comp]
         device = comp[0].tensor.device
         zero = torch.zeros((), device=device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 
 def unique_choices(
@@ -24,4 +25,53 @@ def unique_choices(
     return out
 
 
-__all__ = ["unique_choices"]
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``name`` or ``name:key=value,key=value`` (``acpsgd:rank=8``) as the name and its options; a dotted key
+    sets a field of a mapping option (``acpsgd:monitor.period=0``). Values read as booleans (``true``,
+    ``false``), integers or floats where they are, else strings. A ValueError names the spec and the bad item."""
+    name, _, rest = spec.partition(":")
+    if not name:
+        raise ValueError(f"{spec!r}: no name before the options")
+    options: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"{spec!r}: option {item!r} is not key=value")
+        outer, dot, inner = key.partition(".")
+        if dot:
+            if not isinstance(options.setdefault(outer, {}), dict):
+                raise ValueError(f"{spec!r}: {outer!r} is given a value and fields")
+            options[outer][inner] = _value(value)
+        else:
+            if isinstance(options.get(key), dict):
+                raise ValueError(f"{spec!r}: {key!r} is given a value and fields")
+            options[key] = _value(value)
+    return name, options
+
+
+def split_specs(text: str) -> list[str]:
+    """A comma-separated list of specs whose options are comma-separated too: ``a,b:x=1,y=2,c`` is
+    ``['a', 'b:x=1,y=2', 'c']`` (an item with ``=`` and no ``:`` continues the spec before it)."""
+    out: list[str] = []
+    for item in (c.strip() for c in text.split(",")):
+        if not item:
+            continue
+        if out and "=" in item and ":" not in item and ":" in out[-1]:
+            out[-1] += "," + item
+        else:
+            out.append(item)
+    return out
+
+
+def _value(text: str) -> Any:
+    if text in ("true", "false"):
+        return text == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+__all__ = ["parse_spec", "split_specs", "unique_choices"]

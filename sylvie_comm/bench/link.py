@@ -55,7 +55,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from sylvie_comm.bench.choices import unique_choices
+from sylvie_comm.bench.choices import parse_spec, unique_choices
 from sylvie_comm.bench.lab import Lab, LabError, ProgressBar, check_link, leave_worker, start_worker, worker_cli
 from sylvie_comm.bench.timing import cpu_model
 from sylvie_comm.bench.workloads import WORKLOADS, check_workload
@@ -80,8 +80,20 @@ def all_codecs() -> list[str]:
 
 
 def check_codecs(codecs: Sequence[str]) -> list[str]:
-    """``codecs`` without repeats; ValueError naming the bad one and listing the valid ones otherwise."""
-    return unique_choices(codecs, all_codecs(), "codec")
+    """``codecs`` without repeats; ValueError naming the bad one and listing the valid ones otherwise.
+
+    A sylvie algorithm may carry options, ``name:key=value,...`` (``acpsgd:monitor.period=0``, ``qsgd:bits=2``),
+    as ``bench quality``'s variants do; they run beside the plain name as a codec of their own."""
+    known = all_codecs()
+
+    def check(spec: str) -> None:
+        name, options = parse_spec(spec)
+        if name not in known:
+            raise ValueError(f"unknown codec {name!r}; valid: {', '.join(known)}")
+        if options and name in TORCH_CODECS:
+            raise ValueError(f"codec {spec!r}: {name!r} takes no options (only the sylvie algorithms do)")
+
+    return unique_choices(codecs, check, "codec")
 
 
 def check_model(model: str) -> str:
@@ -89,8 +101,9 @@ def check_model(model: str) -> str:
     return model
 
 
-def label(name: str, rank: int) -> str:
+def label(spec: str, rank: int) -> str:
     """What a codec is, in words, for the table."""
+    name, options = parse_spec(spec)
     if name in TORCH_CODECS:
         return TORCH_CODECS[name].replace("(1 bucket)", f"r{rank}, 1 bucket")
     from sylvie_comm.bench.horovod import LAB_ROWS, lab_label
@@ -99,8 +112,9 @@ def label(name: str, rank: int) -> str:
         return lab_label(name, rank)
     from sylvie_comm.algorithms import ALGORITHMS
 
-    low_rank = "rank" in ALGORITHMS[name].option_defaults
-    return f"sylvie {name}" + (f" r{rank}" if low_rank else "")
+    low_rank = "rank" in ALGORITHMS[name].option_defaults and "rank" not in options
+    given = ", ".join(f"{k}={v}" for k, v in options.items())
+    return f"sylvie {name}" + (f" r{rank}" if low_rank else "") + (f" ({given})" if given else "")
 
 
 # ---------------------------------------------------------------------- worker side
@@ -131,7 +145,7 @@ _no_comm_hook.__annotations__ = {"state": Any, "bucket": torch.distributed.GradB
                                  "return": torch.futures.Future[torch.Tensor]}  # fmt: skip
 
 
-def _run_codec(name: str, cfg: dict[str, Any], rank: int, world: int, progress: Callable[[], None]) -> dict[str, Any]:
+def _run_codec(spec: str, cfg: dict[str, Any], rank: int, world: int, progress: Callable[[], None]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -139,6 +153,7 @@ def _run_codec(name: str, cfg: dict[str, Any], rank: int, world: int, progress: 
     from sylvie_comm.algorithms import ALGORITHMS
 
     r = int(cfg["rank"])
+    name, given = parse_spec(spec)
     work = WORKLOADS[cfg["model"]]
     model = work.model(0)  # same weights for every codec
     ddp = DDP(model, bucket_cap_mb=1024 if name == "torch-powersgd" else 25)
@@ -157,6 +172,7 @@ def _run_codec(name: str, cfg: dict[str, Any], rank: int, world: int, progress: 
         ddp.register_comm_hook(None, _no_comm_hook)
     elif name != "ddp":
         opts: dict[str, Any] = {"rank": r} if "rank" in ALGORITHMS[name].option_defaults else {}
+        opts.update(given)
         state = sylvie_comm.ddp.register(ddp, name, warmup_steps=HOOK_WARMUP, timeout=cfg["collective_timeout"],
                                          **opts)  # fmt: skip
     opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
@@ -366,7 +382,8 @@ def run(
     from sylvie_comm.algorithms import ALGORITHMS
 
     auto = ALGORITHMS["auto"].option_defaults
-    probes = auto["probe_steps"] * len({"none", *auto["candidates"]}) if "auto" in names else 0
+    autos = sum(parse_spec(n)[0] == "auto" for n in names)
+    probes = autos * auto["probe_steps"] * len({"none", *auto["candidates"]})
     total = rounds * ((len(names) + len(hvd_rows)) * (warmup + steps) + probes)
     with tempfile.TemporaryDirectory(prefix="sylvie-link-") as tmp, Lab(workers, link, shaped=shaped, echo=echo) as lab:
         cfg: dict[str, Any] = {"codecs": names, "steps": steps, "warmup": warmup, "rounds": rounds, "model": model,

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sylvie_comm.bench import datasets
+from sylvie_comm.bench.choices import parse_spec
 from sylvie_comm.bench.quality_diagnosis import KINDS, Diagnosis
 
 PLAIN = "plain"  # plain DDP: no hook registered
@@ -52,35 +53,15 @@ class Variant:
 
 def variants(names: Sequence[str]) -> list[Variant]:
     """Variants from ``hook`` or ``hook:key=value,key=value`` strings (``acpsgd:rank=8``); a dotted key sets a
-    field of a mapping option (``acpsgd:monitor.adapt=true``)."""
+    field of a mapping option (``acpsgd:monitor.adapt=true``). See :func:`~sylvie_comm.bench.choices.parse_spec`."""
     out = []
     for spec in names:
-        hook, _, rest = spec.partition(":")
-        options: dict[str, Any] = {}
-        for item in filter(None, rest.split(",")):
-            key, eq, value = item.partition("=")
-            if not eq:
-                raise ValueError(f"variant {spec!r}: option {item!r} is not key=value")
-            outer, dot, inner = key.partition(".")
-            if dot:
-                if not isinstance(options.setdefault(outer, {}), dict):
-                    raise ValueError(f"variant {spec!r}: {outer!r} is given a value and fields")
-                options[outer][inner] = _value(value)
-            else:
-                options[key] = _value(value)
+        try:
+            hook, options = parse_spec(spec)
+        except ValueError as exc:
+            raise ValueError(f"variant {exc}") from None
         out.append(Variant(spec, hook, options))
     return out
-
-
-def _value(text: str) -> Any:
-    if text in ("true", "false"):
-        return text == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
 
 
 # ---------------------------------------------------------------------------------------------- models

@@ -32,8 +32,10 @@ def grads(rank: int, step: int) -> dict[str, torch.Tensor]:
 
 
 def run(world: int, steps: int, config: _Config, *, state: Any = None, save_at: int | None = None,
-        hook: Any = None) -> list[dict[str, Any]]:  # fmt: skip
-    """Per rank: the averaged tensors per step, stats(), the checkpoint at ``save_at`` and at the end."""
+        hook: Any = None, buckets: int = 1) -> list[dict[str, Any]]:  # fmt: skip
+    """Per rank: the averaged tensors per step, stats(), the checkpoint at ``save_at`` and at the end.
+    ``buckets=2``: ``w1`` and the rest as two groups, the second launched before the first is waited for (as
+    DDP launches its buckets)."""
 
     def body(tr: Any) -> dict[str, Any]:
         session = Session("test", config, tr)
@@ -45,7 +47,12 @@ def run(world: int, steps: int, config: _Config, *, state: Any = None, save_at: 
             session.step = step
             values = grads(tr.rank, step)
             members = [Member(n, values[n].clone(), *session.policy.member_options(n, SHAPES[n])) for n in SHAPES]
-            session.run(Group(0, members)).wait()
+            if buckets == 1:
+                session.run(Group(0, members)).wait()
+            else:
+                futures = [session.run(Group(0, members[:1])), session.run(Group(1, members[1:]))]
+                for f in futures:
+                    f.wait()
             if hook is not None:
                 hook(session, step, members)
             outs.append({m.name: m.tensor for m in members})
@@ -252,11 +259,26 @@ def test_the_monitor_changes_no_bit_of_what_is_averaged() -> None:
                 assert torch.equal(a["outs"][s][n], b["outs"][s][n])
 
 
+@pytest.mark.parametrize("codec", ["acpsgd", "onebit"])
+def test_a_check_in_a_step_of_several_buckets_leaves_the_step_alone(codec: str) -> None:
+    """A check runs as each bucket of its step starts; the step's earlier buckets are in flight then and must
+    neither be settled nor counted as skipped: the same bits as with the monitor off, no step skipped."""
+    on = run(2, 12, Config(codec, warmup_steps=1, monitor={"period": 2, "first": 1}), buckets=2)
+    off = run(2, 12, Config(codec, warmup_steps=1, monitor={"period": 0}), buckets=2)
+    for a, b in zip(on, off, strict=True):
+        assert a["stats"]["skipped_nonfinite"] == 0 and a["stats"]["monitor"]["checks"] > 0
+        for s in range(12):
+            for n in SHAPES:
+                assert torch.equal(a["outs"][s][n], b["outs"][s][n]), (s, n)
+
+
 @pytest.mark.parametrize(
     ("monitor", "match"),
     [
         ({"period": -1}, "period must be an integer >= 0, got -1"),
         ({"sample": 0}, "sample must be an integer >= 1"),
+        ({"first": 0}, "first must be an integer >= 1, got 0"),
+        ({"first": 2.5}, "first must be an integer >= 1, got 2.5"),
         ({"max_lag": 0}, "max_lag must be a finite number > 0"),
         ({"max_error": math.inf}, "max_error must be a finite number > 0"),
         ({"budget": 0.5}, "budget must be a finite number >= 1, got 0.5"),
@@ -397,3 +419,28 @@ def test_the_per_step_figures_are_taken_on_the_window_before_each_check() -> Non
         return taken
 
     assert run_local(1, body)[0] == [7, 8, 9, 17, 18, 19]
+
+
+def test_the_first_checks_come_early_then_every_period() -> None:
+    """At the defaults: checks at 10, 30, 70, then every 50 (120, 170, ...), each reading the 5 steps before it;
+    ``first`` at or past ``period`` gives checks at the multiples of ``period``; ``period: 1`` checks every step."""
+
+    def body(tr: Any) -> list[Any]:
+        out = []
+        for monitor in ({}, {"first": 50}, {"first": 80}, {"period": 1}, {"period": 3, "first": 1, "window": 1}):
+            session = Session("t", Config("topk", monitor=monitor), tr)
+            mon = session.policy.monitor
+            assert mon is not None
+            out.append(([s for s in range(400) if mon.due(s)], [s for s in range(80) if mon.measures(s)]))
+            due = out[-1][0]
+            assert all(mon.next_check(s) == min(c for c in due if c >= s) for s in range(1, due[-1] + 1))
+            session.close()
+        return out
+
+    (default, first50, first80, every, small) = run_local(1, body)[0]
+    assert default[0] == [10, 30, 70, 120, 170, 220, 270, 320, 370]
+    assert default[1] == [5, 6, 7, 8, 9, 25, 26, 27, 28, 29, 65, 66, 67, 68, 69]
+    assert first50[0] == first80[0] == list(range(50, 400, 50))
+    assert every[0] == list(range(1, 400)) and every[1] == list(range(80))
+    assert small[0] == [1, 3, *range(6, 400, 3)]
+    assert small[1] == [0, 2, *range(5, 80, 3)]

@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.lab]
 def test_two_workers_two_codecs_two_rounds_on_a_shaped_link(tmp_path):
     out = tmp_path / "ddp-link.json"
     cmd = [sys.executable, "-m", "sylvie_comm.cli", "bench", "ddp", "--link", "100mbit", "--workers", "2",
-           "--steps", "2", "--rounds", "2", "--codecs", "none,acpsgd,no-comm", "--model", "small", "--timeout", "120",
-           "--no-horovod", "--out", str(out)]  # fmt: skip
+           "--steps", "2", "--rounds", "2", "--codecs", "none,acpsgd,acpsgd:rank=2,no-comm", "--model", "small",
+           "--timeout", "120", "--no-horovod", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first = proc.stdout.splitlines()[0]
@@ -29,7 +29,8 @@ def test_two_workers_two_codecs_two_rounds_on_a_shaped_link(tmp_path):
     else:
         assert first.startswith("lab: LOOPBACK FALLBACK"), first
     rec = json.loads(out.read_text())
-    assert rec["link"] == "100mbit" and rec["workers"] == 2 and list(rec["codecs"]) == ["none", "acpsgd", "no-comm"]
+    assert rec["link"] == "100mbit" and rec["workers"] == 2
+    assert list(rec["codecs"]) == ["none", "acpsgd", "acpsgd:rank=2", "no-comm"]
     assert rec["horovod_skipped"] == "--no-horovod" and {c["launcher"] for c in rec["codecs"].values()} == {"torchrun"}
     assert "--nnodes 2 --node-rank 0 --nproc-per-node 1" in rec["lab"]["launch"]["torchrun"]
     assert set(rec["machine"]) >= {"cpu_count", "cpu_model", "torch", "python", "sylvie_comm"}
@@ -42,6 +43,9 @@ def test_two_workers_two_codecs_two_rounds_on_a_shaped_link(tmp_path):
     for name in ("none", "acpsgd"):
         assert codecs[name]["encode_decode_s"] is not None and codecs[name]["encode_decode_s"] >= 0
     assert codecs["acpsgd"]["hook_bytes_per_step"] < codecs["none"]["hook_bytes_per_step"] / 10
+    # A codec's options reach its hook: rank 2 sends fewer factor bytes than the benchmark's rank 4.
+    assert codecs["acpsgd:rank=2"]["label"] == "sylvie acpsgd (rank=2)"
+    assert codecs["acpsgd:rank=2"]["hook_bytes_per_step"] < codecs["acpsgd"]["hook_bytes_per_step"]
     bound = codecs["no-comm"]  # no collective in its hook: no bytes, no stats, the label says what it is
     assert bound["hook_bytes_per_step"] is None and bound["encode_decode_s"] is None
     assert bound["label"] == "DDP, a hook that sends nothing (bound)"
@@ -91,6 +95,13 @@ def test_horovod_rows_run_in_the_same_lab_beside_the_ddp_rows():
 def test_bad_values_are_named():
     with pytest.raises(ValueError, match=r"unknown codec 'zip'; valid: ddp, torch-fp16, torch-powersgd, no-comm, none"):
         link.check_codecs(["none", "zip"])
+    assert link.check_codecs(["acpsgd", "acpsgd:monitor.period=0", "acpsgd"]) == ["acpsgd", "acpsgd:monitor.period=0"]
+    with pytest.raises(ValueError, match=r"unknown codec 'zip'"):
+        link.check_codecs(["zip:bits=2"])
+    with pytest.raises(ValueError, match=r"codec 'ddp:bits=2': 'ddp' takes no options"):
+        link.check_codecs(["ddp:bits=2"])
+    with pytest.raises(ValueError, match=r"option 'bits' is not key=value"):
+        link.check_codecs(["qsgd:bits"])
     with pytest.raises(ValueError, match=r"unknown link 'fast'; valid: 100mbit, 1gbit, 10gbit, none"):
         link.run("fast", 2, 2, ["none"])
     with pytest.raises(ValueError, match="warmup must be >= 3"):
