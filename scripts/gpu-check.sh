@@ -6,7 +6,8 @@
 # No network is needed and the installed torch is used as it is (it may be another version than the
 # pin in pyproject.toml): the extension is built with its CUDA kernels against it in a temporary copy
 # of this checkout, then, from that copy:
-#   1. the CUDA kernel tests: bit-equal to the references and to the CPU kernels, the fakes;
+#   1. the CUDA kernel tests: bit-equal to the references and to the CPU kernels, the fakes; the Triton kernels
+#      compiled for the GPU, bit-equal to the references (Triton must be installed: torch's CUDA wheels have it);
 #   2. every algorithm at 1, 2 and 4 in-process ranks on CUDA against the same run on the CPU, DDP on
 #      NCCL at world size 1 with every hook (tests/gpu/), and the device-generic tests;
 #   3. the GNN trainer on CUDA against the CPU, a resumed CUDA run, the halo exchange of 2 in-process
@@ -66,6 +67,9 @@ fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o "addopts=-ra --strict-markers")
 step kernels "${PYTEST[@]}" tests/kernels/test_cuda_fused.py tests/kernels/test_kernels.py \
   tests/kernels/test_fakes.py tests/kernels/test_fused.py
+# The Triton kernels compiled for the GPU (no interpreter here), against the references run on CPU copies.
+step triton env -u TRITON_INTERPRET "${PYTEST[@]}" tests/kernels/test_triton_bits.py tests/kernels/test_triton_onebit.py \
+  tests/kernels/test_triton_qbit.py tests/kernels/test_triton_lowrank.py
 step paths "${PYTEST[@]}" tests/gpu tests/algorithms/test_devices.py \
   tests/algorithms/test_nonfinite.py
 step gnn "$PY" -m sylvie_comm.gnn.train --gpu-check "$OUT"

@@ -25,6 +25,9 @@ if [ "$(cat "$VENV/.deps-stamp" 2>/dev/null)" != "$deps_stamp" ]; then
   python -m pip install --quiet "torch==2.13.0"
   python -m pip install --quiet "numpy>=1.24" "pyyaml>=6.0" "tqdm>=4.60" \
     "pytest>=8" "pytest-xdist>=3.5" "pytest-timeout>=2.3" "hypothesis>=6.100" "scikit-learn>=1.3" "ruff>=0.6" "mypy>=1.10" "pybind11>=2.11" ninja "matplotlib>=3.7"
+  # The GPU kernels are Triton's: the version torch 2.13's CUDA wheels pin. On this CPU build its interpreter runs
+  # them on CPU tensors, which is how the tests execute the GPU code path.
+  python -m pip install --quiet "triton==3.7.1"
   # GNN extras: DGL 2.1.0 (imported with graphbolt stubbed on this torch), METIS, OGB loaders.
   python -m pip install --quiet "dgl==2.1.0" "torchdata<0.10" packaging pandas pydantic "pymetis>=2023.1" "ogb==1.3.6"
   # Framework adapters (Lightning, Accelerate, PyG) and the documentation site, pinned as in the dev extras.

@@ -19,6 +19,7 @@ limit (pytest-timeout), so a test that hangs fails with its stack instead of sto
 from __future__ import annotations
 
 import multiprocessing.process
+import os
 import platform
 import subprocess
 from collections.abc import Iterator
@@ -26,6 +27,11 @@ from typing import Any
 
 import pytest
 import torch
+
+# The Triton kernels run on CPU tensors through Triton's interpreter, which must be chosen before a kernel module
+# is imported (``triton.jit`` reads it when it wraps a function); on a CUDA machine they compile for the GPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from sylvie_comm import _ops
 

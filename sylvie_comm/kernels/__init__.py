@@ -1,19 +1,28 @@
 """Kernel entry points: the compiled ops when they can run, else the references.
 
 Every function here has the semantics of the function of the same name in
-:mod:`sylvie_comm.kernels.reference`; the compiled CPU and CUDA kernels return
-the same bits (scales of one-bit chunks to within one fp32 ulp, since their
-float64 sums run in a different order).
+:mod:`sylvie_comm.kernels.reference`. CPU tensors take the C++ kernels of the extension; CUDA tensors take the
+Triton kernels (:mod:`sylvie_comm.kernels.triton`, compiled by Triton at run time) where Triton is installed; any
+other tensor, or a machine without them, takes the references. The kernels return the references' bits (the
+one-bit scales of the C++ kernels to within one fp32 ulp, their float64 sums running in another order; the
+low-rank products in their own fixed order, :mod:`sylvie_comm.kernels.ordered`, to float rounding).
+
+``SYLVIE_COMM_TRITON_CPU=1`` (or :func:`route_cpu_through_triton`) sends CPU tensors through the Triton kernels
+as well, run by Triton's interpreter: the GPU code path, executed on a machine without a GPU.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from sylvie_comm import _ops
 from sylvie_comm.kernels import reference
+from sylvie_comm.kernels import triton as _triton
 
 __all__ = [
+    "backend",
     "copy_if",
     "lowrank_gram",
     "lowrank_outer_into",
@@ -26,9 +35,55 @@ __all__ = [
     "qbit_decode",
     "qbit_encode",
     "reference",
+    "route_cpu_through_triton",
     "unpack_bits",
     "uses_extension",
 ]
+
+_CPU_TRITON: bool | None = None  # None: read SYLVIE_COMM_TRITON_CPU at the first kernel call
+
+
+def route_cpu_through_triton(enabled: bool | None) -> None:
+    """Send CPU tensors through the Triton kernels (``True``), the C++ kernels (``False``), or as
+    ``SYLVIE_COMM_TRITON_CPU`` says (``None``). ``True`` needs Triton and its interpreter chosen
+    (``TRITON_INTERPRET=1``) before the kernels were first loaded; a RuntimeError says what is missing."""
+    global _CPU_TRITON
+    if enabled and not (_triton.load() and _triton.interpreted()):
+        raise RuntimeError(
+            "CPU tensors run the Triton kernels only through Triton's interpreter: "
+            + (_triton.load_error() or "set TRITON_INTERPRET=1 before sylvie_comm's kernels are first used")
+        )
+    _CPU_TRITON = enabled
+
+
+def _cpu_triton() -> bool:
+    global _CPU_TRITON
+    if _CPU_TRITON is None:
+        route_cpu_through_triton(_triton.cpu_requested())
+    return bool(_CPU_TRITON)
+
+
+def _ops_for(device: torch.device) -> Any:
+    """The op namespace that runs tensors on ``device`` (``torch.ops.sylvie_comm_triton`` or
+    ``torch.ops.sylvie_comm``), or None for the references."""
+    if device.type == "cuda":
+        if _triton.load():
+            return torch.ops.sylvie_comm_triton
+        return torch.ops.sylvie_comm if _ops.WITH_CUDA_OPS else None
+    if device.type == "cpu":
+        if _cpu_triton():
+            return torch.ops.sylvie_comm_triton
+        return torch.ops.sylvie_comm if _ops.HAS_EXTENSION else None
+    return None
+
+
+def backend(t: torch.Tensor) -> str:
+    """Which kernels a tensor on this device runs: ``"triton"``, ``"compiled"`` (the C++ extension) or
+    ``"reference"``."""
+    ns = _ops_for(t.device)
+    if ns is None:
+        return "reference"
+    return "triton" if ns is torch.ops.sylvie_comm_triton else "compiled"
 
 
 def _as_int64(value: int) -> int:
@@ -38,29 +93,28 @@ def _as_int64(value: int) -> int:
 
 
 def uses_extension(t: torch.Tensor) -> bool:
-    """Whether a tensor on this device runs through the compiled kernels."""
-    if not _ops.HAS_EXTENSION:
-        return False
-    if t.device.type == "cpu":
-        return True
-    return t.device.type == "cuda" and _ops.WITH_CUDA_OPS
+    """Whether a tensor on this device runs through compiled kernels (C++ or Triton), not the references."""
+    return _ops_for(t.device) is not None
 
 
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
-    if uses_extension(values):
-        return torch.ops.sylvie_comm.pack_bits(values, bits)  # type: ignore[no-any-return]
+    ns = _ops_for(values.device)
+    if ns is not None:
+        return ns.pack_bits(values, bits)  # type: ignore[no-any-return]
     return reference.pack_bits(values, bits)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
-    if uses_extension(packed):
-        return torch.ops.sylvie_comm.unpack_bits(packed, bits, cols)  # type: ignore[no-any-return]
+    ns = _ops_for(packed.device)
+    if ns is not None:
+        return ns.unpack_bits(packed, bits, cols)  # type: ignore[no-any-return]
     return reference.unpack_bits(packed, bits, cols)
 
 
 def onebit_encode(x: torch.Tensor, chunk_size: int, norm_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if uses_extension(x):
-        packed, scales = torch.ops.sylvie_comm.onebit_encode(x, chunk_size, norm_scale)
+    ns = _ops_for(x.device)
+    if ns is not None:
+        packed, scales = ns.onebit_encode(x, chunk_size, norm_scale)
         return packed, scales
     return reference.onebit_encode(x, chunk_size, norm_scale)
 
@@ -74,11 +128,12 @@ def onebit_decode(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode into a new flat tensor, or into ``out`` (contiguous, ``numel`` elements)."""
-    if out is not None and uses_extension(packed) and out.is_contiguous():
-        torch.ops.sylvie_comm.onebit_decode_into(packed, scales, chunk_size, out.view(-1))
+    ns = _ops_for(packed.device)
+    if out is not None and ns is not None and out.is_contiguous():
+        ns.onebit_decode_into(packed, scales, chunk_size, out.view(-1))
         return out
-    if uses_extension(packed):
-        result = torch.ops.sylvie_comm.onebit_decode(packed, scales, numel, chunk_size, dtype)
+    if ns is not None:
+        result = ns.onebit_decode(packed, scales, numel, chunk_size, dtype)
     else:
         result = reference.onebit_decode(packed, scales, numel, chunk_size, dtype)
     if out is None:
@@ -89,10 +144,9 @@ def onebit_decode(
 def qbit_encode(
     x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if uses_extension(x):
-        packed, scale, minimum = torch.ops.sylvie_comm.qbit_encode(
-            x, bits, _as_int64(seed), _as_int64(offset), meta_dtype
-        )
+    ns = _ops_for(x.device)
+    if ns is not None:
+        packed, scale, minimum = ns.qbit_encode(x, bits, _as_int64(seed), _as_int64(offset), meta_dtype)
         return packed, scale, minimum
     return reference.qbit_encode(x, bits, seed, offset, meta_dtype)
 
@@ -107,11 +161,12 @@ def qbit_decode(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode into a new ``(rows, cols)`` tensor, or into ``out`` of that shape."""
-    if out is not None and uses_extension(packed) and out.is_contiguous() and out.dim() == 2:
-        torch.ops.sylvie_comm.qbit_decode_into(packed, scale, minimum, bits, out)
+    ns = _ops_for(packed.device)
+    if out is not None and ns is not None and out.is_contiguous() and out.dim() == 2:
+        ns.qbit_decode_into(packed, scale, minimum, bits, out)
         return out
-    if uses_extension(packed):
-        result = torch.ops.sylvie_comm.qbit_decode(packed, scale, minimum, bits, cols, dtype)
+    if ns is not None:
+        result = ns.qbit_decode(packed, scale, minimum, bits, cols, dtype)
     else:
         result = reference.qbit_decode(packed, scale, minimum, bits, cols, dtype)
     if out is None:
@@ -119,26 +174,19 @@ def qbit_decode(
     return out.copy_(result.view(out.shape))
 
 
-def _fused(*tensors: torch.Tensor | None) -> bool:
-    """Whether the fused kernels take these tensors: fp32, contiguous, all on one device that has them.
-
-    CPU tensors take the CPU kernels where the extension is built; CUDA tensors take the CUDA
-    kernels where the extension was built with them (``_ops.WITH_CUDA_OPS``). Anything else
-    (another device, another dtype, a strided view, tensors on different devices) runs the
-    pure-torch reference.
-    """
-    if not _ops.HAS_EXTENSION:
-        return False
+def _fused(*tensors: torch.Tensor | None) -> Any:
+    """The op namespace whose fused kernels take these tensors (fp32, contiguous, all on one device that has
+    kernels; see :func:`_ops_for`), or None: anything else (another device, another dtype, a strided view,
+    tensors on different devices) runs the pure-torch reference."""
     present = [t for t in tensors if t is not None]
     if not present:
-        return False
+        return None
     device = present[0].device
-    if device.type == "cuda":
-        if not _ops.WITH_CUDA_OPS:
-            return False
-    elif device.type != "cpu":
-        return False
-    return all(t.device == device and t.dtype == torch.float32 and t.is_contiguous() for t in present)
+    ns = _ops_for(device)
+    if ns is None:
+        return None
+    ok = all(t.device == device and t.dtype == torch.float32 and t.is_contiguous() for t in present)
+    return ns if ok else None
 
 
 def onebit_feedback_encode(
@@ -154,8 +202,9 @@ def onebit_feedback_encode(
 
     With ``saved`` (as many fp32 elements) the residual as it was is written there in the same pass (what a
     step skipped for a non-finite input restores; the same for the residual-updating ops below)."""
-    if _fused(residual, grad, scales, saved) and packed.is_contiguous():
-        torch.ops.sylvie_comm.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales, saved)
+    ns = _fused(residual, grad, scales, saved)
+    if ns is not None and packed.is_contiguous():
+        ns.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales, saved)
     else:
         reference.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales, saved)
 
@@ -175,8 +224,9 @@ def onebit_mean_feedback_encode(
     rows_ok = parts_packed.dim() == 2 and parts_scales.dim() == 2
     rows_ok = rows_ok and parts_packed.stride(-1) == 1 and parts_scales.stride(-1) == 1
     same = parts_packed.device == residual.device and parts_scales.device == residual.device
-    if rows_ok and same and _fused(residual, scales, saved) and packed.is_contiguous():
-        torch.ops.sylvie_comm.onebit_mean_feedback_encode(
+    ns = _fused(residual, scales, saved)
+    if rows_ok and same and ns is not None and packed.is_contiguous():
+        ns.onebit_mean_feedback_encode(
             residual, parts_packed, parts_scales, chunk_size, norm_scale, packed, scales, saved
         )
     else:
@@ -201,8 +251,9 @@ def lowrank_project(
     on the same tensors, whichever path the rest takes (an fp16 ``grad`` sends the rest to the reference).
     """
     pp, pq = pending if pending is not None else (None, None)
-    if _fused(residual, grad, q, p, pp, pq, saved):
-        torch.ops.sylvie_comm.lowrank_project(residual, grad, q, p, subtract, pp, pq, saved)
+    ns = _fused(residual, grad, q, p, pp, pq, saved)
+    if ns is not None:
+        ns.lowrank_project(residual, grad, q, p, subtract, pp, pq, saved)
         return
     if saved is not None:
         saved.view(-1).copy_(residual.view(-1))
@@ -219,8 +270,9 @@ def lowrank_gram(
     saved: torch.Tensor | None = None,
 ) -> None:
     """``residual += grad``, ``q = residual^T p``: one pass (``saved``: the residual before)."""
-    if _fused(residual, grad, p, q, saved):
-        torch.ops.sylvie_comm.lowrank_gram(residual, grad, p, q, saved)
+    ns = _fused(residual, grad, p, q, saved)
+    if ns is not None:
+        ns.lowrank_gram(residual, grad, p, q, saved)
     else:
         reference.lowrank_gram(residual, grad, p, q, saved)
 
@@ -238,8 +290,9 @@ def lowrank_outer_into(
     With ``when`` (a one-element bool tensor on ``out``'s device) nothing changes unless it is true; the
     kernel reads it on the device, so the host never waits for it, and a false one costs no pass over ``out``.
     """
-    if _fused(out, p, q) and (when is None or _flag_on(when, out)):
-        torch.ops.sylvie_comm.lowrank_outer_into(out, p, q, alpha, accumulate, when)
+    ns = _fused(out, p, q)
+    if ns is not None and (when is None or _flag_on(when, out)):
+        ns.lowrank_outer_into(out, p, q, alpha, accumulate, when)
     else:
         reference.lowrank_outer_into(out, p, q, alpha, accumulate, when)
 
@@ -256,7 +309,8 @@ def copy_if(dst: torch.Tensor, src: torch.Tensor | None, flag: torch.Tensor) -> 
     same = src is None or (
         src.device == dst.device and src.dtype == dst.dtype and src.shape == dst.shape and src.is_contiguous()
     )
-    if uses_extension(dst) and dst.is_contiguous() and same and _flag_on(flag, dst):
-        torch.ops.sylvie_comm.copy_if(dst, src, flag)
+    ns = _ops_for(dst.device)
+    if ns is not None and dst.is_contiguous() and same and _flag_on(flag, dst):
+        ns.copy_if(dst, src, flag)
     else:
         reference.copy_if(dst, src, flag)

@@ -57,7 +57,7 @@ def test_onebit_fused_same_bits(world: int, scale: str, monkeypatch: pytest.Monk
 @pytest.mark.parametrize("name", ["acpsgd", "powersgd"])
 def test_lowrank_fused_matches_reference(world: int, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     fused = run(name, world, 4)
-    monkeypatch.setattr(kernels, "_fused", lambda *a: False)
+    monkeypatch.setattr(kernels, "_fused", lambda *a: None)
     plain = run(name, world, 4)
     for (out_f, state_f), (out_p, state_p) in zip(fused, plain, strict=True):
         for a, b in zip(out_f, out_p, strict=True):
@@ -74,11 +74,11 @@ def test_fused_kernels_take_fp32_contiguous_tensors_on_one_device_that_has_them(
     from sylvie_comm import _ops
 
     a, b = torch.zeros(4, 3), torch.zeros(3, 2)
-    assert kernels._fused(a, None, b) == _ops.HAS_EXTENSION
-    assert not kernels._fused(a.double(), b)  # another dtype: the reference
-    assert not kernels._fused(a.t(), b)  # a strided view: the reference
-    assert not kernels._fused(torch.zeros(4, 3, device="meta"), torch.zeros(3, 2, device="meta"))
+    assert (kernels._fused(a, None, b) is not None) == _ops.HAS_EXTENSION
+    assert kernels._fused(a.double(), b) is None  # another dtype: the reference
+    assert kernels._fused(a.t(), b) is None  # a strided view: the reference
+    assert kernels._fused(torch.zeros(4, 3, device="meta"), torch.zeros(3, 2, device="meta")) is None
     assert not kernels._fused(None, None)
     if torch.cuda.is_available():  # mixed devices never reach a kernel; CUDA ones only where built
         assert not kernels._fused(a, b.cuda())
-        assert kernels._fused(a.cuda(), b.cuda()) == _ops.WITH_CUDA_OPS
+        assert kernels._fused(a.cuda(), b.cuda()) is not None

@@ -1,0 +1,124 @@
+"""Every algorithm on the GPU code path, executed here: CPU tensors routed through the Triton kernels (run by
+Triton's interpreter) at 2 in-process ranks, against the same run on the pure-torch references.
+
+The Triton kernels return the references' bits for packing, one-bit and q-bit codes, so those algorithms must give
+the same bits end to end, outputs and state alike. The low-rank kernels sum their products in their own fixed order
+(:mod:`sylvie_comm.kernels.ordered`), which differs from ``torch.matmul``'s by float rounding: the low-rank
+algorithms (continuous in their inputs) agree to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from sylvie_comm import kernels
+from sylvie_comm.algorithms import ALGORITHMS, Group, Member, make_algorithm
+from sylvie_comm.collectives.local import run_local
+from sylvie_comm.kernels import triton as kt
+
+# Rows of whole one-bit chunks, rows shorter than 64, vectors, a 3-D tensor, one long row.
+SHAPES = {"w1": (12, 64), "w2": (4, 300), "w3": (10, 24), "b1": (64,), "b2": (10,), "w4": (3, 5, 8)}
+LOW_RANK = {"acpsgd", "powersgd"}
+# auto times its candidates on the wire and picks by the clock: the same choice in two runs is not given.
+NAMES = sorted(n for n in ALGORITHMS if n != "auto")
+
+
+def run(name: str, steps: int = 2) -> list[Any]:
+    def body(tr: Any) -> list[Any]:
+        alg = make_algorithm(name, tr, None)
+        out = []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(100 * step + tr.rank)
+            members = [Member(n, torch.randn(s, generator=g)) for n, s in SHAPES.items()]
+            alg(Group(0, members), step).wait()
+            out.append({m.name: m.tensor.clone() for m in members})
+        state = alg.state_dict()
+        alg.close()
+        return [out, state]
+
+    return run_local(2, body)
+
+
+@pytest.fixture
+def routes(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Run a body with CPU tensors on the Triton kernels, then on the references; count the Triton routings."""
+    if torch.cuda.is_available():  # no interpreter there: CUDA tensors take the compiled kernels (tests/gpu)
+        pytest.skip("a GPU machine: the Triton kernels compile for the GPU, CPU tensors cannot take them")
+    assert kt.load() and kt.interpreted(), kt.load_error()
+    real = kernels._ops_for
+    calls = {"triton": 0}
+
+    def triton_route(device: torch.device) -> Any:
+        calls["triton"] += 1
+        return torch.ops.sylvie_comm_triton if device.type == "cpu" else real(device)
+
+    def go(fn: Any) -> tuple[Any, Any, int]:
+        monkeypatch.setattr(kernels, "_ops_for", triton_route)
+        on_triton = fn()
+        monkeypatch.setattr(kernels, "_ops_for", lambda device: None)
+        on_reference = fn()
+        monkeypatch.setattr(kernels, "_ops_for", real)
+        return on_triton, on_reference, calls["triton"]
+
+    return go
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.is_floating_point():
+        return a.dtype == b.dtype and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+    return torch.equal(a, b)
+
+
+def _pairs(state: Any, other: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if isinstance(state, torch.Tensor):
+        return [(state, other)]
+    if isinstance(state, dict):
+        assert state.keys() == other.keys()
+        return [p for k in state for p in _pairs(state[k], other[k])]
+    if isinstance(state, list | tuple):
+        assert len(state) == len(other)
+        return [p for a, b in zip(state, other, strict=True) for p in _pairs(a, b)]
+    assert state == other
+    return []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_algorithm_runs_the_triton_kernels_as_the_references(name: str, routes: Any) -> None:
+    on_triton, on_reference, routed = routes(lambda: run(name))
+    if name not in ("none", "fp16", "bf16"):  # the codecs without a kernel of their own
+        assert routed > 0, f"{name}: no kernel call reached the Triton route"
+    for (out_t, state_t), (out_r, state_r) in zip(on_triton, on_reference, strict=True):
+        for a, b in zip(out_t, out_r, strict=True):
+            assert a.keys() == b.keys()
+            for n in a:
+                if name in LOW_RANK:
+                    torch.testing.assert_close(a[n], b[n], rtol=1e-4, atol=1e-4 * float(b[n].abs().max()))
+                else:
+                    assert _same(a[n], b[n]), f"{name}: {n} differs between the Triton and reference kernels"
+        for x, y in _pairs(state_t, state_r):
+            if name in LOW_RANK:
+                # Orthogonalization amplifies rounding in the factors step by step: compare at the gradients' scale.
+                torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-4)
+            else:
+                assert _same(x, y), f"{name}: its state differs between the Triton and reference kernels"
+
+
+def test_the_cpu_switch_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kt, "interpreted", lambda: False)
+    with pytest.raises(RuntimeError, match="only through Triton's interpreter"):
+        kernels.route_cpu_through_triton(True)
+    monkeypatch.undo()
+    try:
+        kernels.route_cpu_through_triton(True)
+        assert kernels.backend(torch.zeros(1)) == "triton"
+        packed = kernels.pack_bits(torch.tensor([[1, 0, 1]], dtype=torch.uint8), 1)
+        assert packed.tolist() == [[5]]
+    finally:
+        kernels.route_cpu_through_triton(None)
+    assert kernels.backend(torch.zeros(1)) in ("compiled", "reference")
+    assert kernels.backend(torch.zeros(1, device="meta")) == "reference"

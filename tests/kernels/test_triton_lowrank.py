@@ -1,0 +1,553 @@
+"""The Triton low-rank kernels (``torch.ops.sylvie_comm_triton.lowrank_*``) against their two references.
+
+On CPU tensors they run through Triton's interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1`` on a machine
+without CUDA); on a CUDA machine they compile for the GPU and run on CUDA tensors. Either way:
+
+* **The same bits as** :mod:`sylvie_comm.kernels.ordered` (``torch.equal`` on int32 views: every output, every
+  shape, tile size, rank block and split tried, each run again); NaN where it has NaN.
+* **Within a derived float-rounding bound of** :mod:`sylvie_comm.kernels.reference`, whose ``torch.matmul`` sums
+  in an undefined order. With ``u = 2**-24`` (fp32 unit roundoff), ``g32(m) = m u / (1 - m u)``,
+  ``g64(m) = m 2**-53 / (1 - m 2**-53)``, ``tiny = 2**-149`` (the smallest fp32 subnormal), for a dot product of
+  ``m`` terms ``a_j b_j`` with ``T = sum |a_j b_j|``:
+
+  - the kernel's float64 sum (exact products, chunked, every term through at most ``m + 1`` adds) is within
+    ``g64(m + 1) T`` of the exact sum ``S``, and its fp32 rounding within ``u |result|`` of that (``tiny / 2``
+    more if it is subnormal);
+  - ``torch.matmul`` in fp32 is within ``g32(m) T`` of ``S`` in whatever order it adds, fma or not (plus
+    ``tiny / 2`` per product that underflows);
+
+  so ``|kernel - reference| <= u |kernel| + g64(m + 1) T + g32(m) T + (m + 1) tiny`` (:func:`dot_bound`). When
+  the two sides start from inputs that already differ (the reference's residual after its own pending update,
+  its own ``p`` before the subtraction), the difference of the exact sums, ``sum |a_kernel - a_ref| |b|``, is
+  added, measured from the actual intermediates (the kernel's are those of ``ordered``, the same bits). The
+  outer product ``out + p (alpha q)^T`` (:func:`outer_bound`) is the same with ``m = r``, plus
+  ``u |reference|`` for the reference's second rounding (``out + fp32(sum)``), plus ``|out_kernel - out_ref|``.
+  Each bound is computed in float64 and widened by ``(1 + (m + 8) 2**-52)`` for the rounding of that
+  computation itself. Nothing here is a tolerance picked to pass: every term is a rounding one side makes.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from sylvie_comm import _ops
+from sylvie_comm.kernels import ordered
+from sylvie_comm.kernels import reference as ref
+from sylvie_comm.kernels.triton import NAMESPACE, interpreted, unavailable_reason
+
+_REASON = unavailable_reason()
+if _REASON is None and not torch.cuda.is_available() and not interpreted():
+    _REASON = "no CUDA device and Triton's interpreter not selected (TRITON_INTERPRET=1)"
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"Triton kernels cannot run here: {_REASON}")
+
+if _REASON is None:
+    from sylvie_comm.kernels.triton import lowrank as tlr
+
+    OPS = getattr(torch.ops, NAMESPACE)
+
+DEVICE = "cuda" if torch.cuda.is_available() and not interpreted() else "cpu"
+U = 2.0**-24
+TINY = 2.0**-149
+ROOT = Path(__file__).resolve().parents[2]
+
+# (n, k, r): one element; tiny; rank 1; a sum over k across chunks (k > CHUNK = 256); a sum over n across chunks
+# (n > 256); a rank above the project and gram kernels' rank block (16: two passes); rows past one program.
+SHAPES = [(1, 1, 1), (7, 5, 2), (40, 40, 1), (33, 70, 4), (9, 260, 9), (300, 20, 3), (5, 20, 17), (130, 17, 5)]
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+def g32(m: int) -> float:
+    return m * U / (1 - m * U)
+
+
+def g64(m: int) -> float:
+    return m * 2.0**-53 / (1 - m * 2.0**-53)
+
+
+def slack(m: int) -> float:
+    """The most a bound computed in float64 (sums of ``m`` terms) can fall short of its exact value."""
+    return 1 + (m + 8) * 2.0**-52
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+    """Equal bits, NaN for NaN (a NaN's payload is the one thing the devices may choose differently)."""
+    assert got.shape == want.shape and got.dtype == want.dtype, what
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), f"{what}: NaN in different places"
+    g, w = got.masked_fill(nan, 0.0), want.masked_fill(nan, 0.0)
+    if not torch.equal(bits(g), bits(w)):
+        idx = (bits(g) != bits(w)).nonzero()[0].tolist()
+        raise AssertionError(
+            f"{what}: bits differ first at {idx}: {g[tuple(idx)].item()!r} != {w[tuple(idx)].item()!r}"
+        )
+
+
+def within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, what: str = "") -> None:
+    diff = (got.double() - want.double()).abs()
+    excess = diff - bound
+    assert bool((excess <= 0).all()), f"{what}: exceeds its bound by {float(excess.max())!r}"
+
+
+def dot_bound(ours: torch.Tensor, a_ours: torch.Tensor, a_ref: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``|ours - reference|`` at most, for ``ours`` = the ordered ``a_ours @ b`` and the reference
+    ``torch.matmul(a_ref, b)`` in fp32 (module docstring)."""
+    m = a_ours.shape[1]
+    ab, bb = a_ours.double().abs(), b.double().abs()
+    t_ours, t_ref = ab @ bb, a_ref.double().abs() @ bb
+    moved = (a_ours.double() - a_ref.double()).abs() @ bb
+    bound = U * ours.double().abs() + g64(m + 1) * t_ours + g32(m) * t_ref + moved + (m + 1) * TINY
+    return bound * slack(m)
+
+
+def outer_bound(
+    ours: torch.Tensor,
+    theirs: torch.Tensor,
+    base_ours: torch.Tensor | None,
+    base_ref: torch.Tensor | None,
+    p_ours: torch.Tensor,
+    p_ref: torch.Tensor,
+    qa_ours: torch.Tensor,
+    qa_ref: torch.Tensor,
+) -> torch.Tensor:
+    """``|ours - theirs|`` at most, for ``ours = fp32(base + sum_t p qa)`` (float64 sum) and ``theirs =
+    fp32(base + fp32(torch.matmul(p, qa^T)))`` (without ``base``: ``theirs = fp32(matmul)``)."""
+    r = p_ours.shape[1]
+    pa, qa = p_ours.double().abs(), qa_ours.double().abs()
+    t_ours, t_ref = pa @ qa.T, p_ref.double().abs() @ qa_ref.double().abs().T
+    moved = (p_ours.double() - p_ref.double()).abs() @ qa.T
+    moved += p_ref.double().abs() @ (qa_ours.double() - qa_ref.double()).abs().T
+    bound = U * ours.double().abs() + g32(r) * t_ref + moved + (r + 2) * TINY
+    if base_ours is None or base_ref is None:
+        bound += g64(r + 1) * t_ours
+    else:
+        bound += g64(r + 1) * (base_ours.double().abs() + t_ours)
+        bound += U * theirs.double().abs() + (base_ours.double() - base_ref.double()).abs()
+    return bound * slack(r)
+
+
+def randn(*shape: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DEVICE)
+
+
+def data(n: int, k: int, r: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Residual, gradient, factors and a pending update (rank 2) of mixed magnitudes."""
+    e = randn(n, k, seed=seed)
+    if n * k:  # magnitudes across six orders in every row and column: sums with cancellation
+        perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
+        e = e * torch.logspace(-3, 3, n * k, dtype=torch.float32).view(n, k)[:, perm].to(DEVICE)
+    return {
+        "e": e,
+        "g": randn(n, k, seed=seed + 1),
+        "q": randn(k, r, seed=seed + 2),
+        "p": randn(n, r, seed=seed + 3),
+        "pp": randn(n, 2, seed=seed + 4),
+        "pq": randn(k, 2, seed=seed + 5),
+    }
+
+
+def empty(*shape: int) -> torch.Tensor:
+    """Filled with NaN: an element the kernel forgets to write shows."""
+    return torch.full(shape, float("nan"), device=DEVICE)
+
+
+# ---------------------------------------------------------------------------------------------------- ordered
+
+
+def _f32(x: float) -> float:
+    return float(struct.unpack("f", struct.pack("f", x))[0])
+
+
+@pytest.mark.parametrize(("m", "kk", "r"), [(1, 1, 1), (3, 7, 2), (2, 256, 1), (2, 257, 2), (1, 600, 3)])
+def test_ordered_matmul_is_the_documented_order(m: int, kk: int, r: int) -> None:
+    """:func:`ordered.ordered_matmul` (vectorized over chunks) against the definition written out with Python
+    floats (IEEE doubles): per chunk a partial from 0.0, indices in order; partials in order; one rounding."""
+    a, b = randn(m, kk, seed=7).cpu(), randn(kk, r, seed=8).cpu()
+    got = ordered.ordered_matmul(a, b)
+    al, bl = a.tolist(), b.tolist()
+    for i in range(m):
+        for c in range(r):
+            total = 0.0
+            for c0 in range(0, kk, ordered.CHUNK):
+                part = 0.0
+                for j in range(c0, min(kk, c0 + ordered.CHUNK)):
+                    part += al[i][j] * bl[j][c]
+                total += part
+            assert struct.pack("f", got[i, c].item()) == struct.pack("f", _f32(total)), (i, c)
+
+
+def test_ordered_outer_is_the_documented_order() -> None:
+    p, q, out = randn(3, 5, seed=1).cpu(), randn(4, 5, seed=2).cpu(), randn(3, 4, seed=3).cpu()
+    alpha = 0.1  # not an fp32 value: rounded to fp32 first, then q * alpha rounded to fp32
+    got = out.clone()
+    ordered.lowrank_outer_into(got, p, q, alpha, True)
+    a32 = _f32(alpha)
+    for i in range(3):
+        for j in range(4):
+            s = 0.0
+            for t in range(5):
+                s += p[i, t].item() * _f32(q[j, t].item() * a32)
+            want = _f32(out[i, j].item() + s)
+            assert struct.pack("f", got[i, j].item()) == struct.pack("f", want), (i, j)
+
+
+def test_ordered_matches_the_reference_within_the_bound() -> None:
+    """The ordered references are the reference's arithmetic in another order: within the dot bound."""
+    d = data(33, 300, 4)
+    e1, e2, p1, p2 = d["e"].clone(), d["e"].clone(), empty(33, 4), empty(33, 4)
+    ordered.lowrank_project(e1, d["g"], d["q"], p1, False)
+    ref.lowrank_project(e2, d["g"], d["q"], p2, False)
+    assert_same_bits(e1, e2, "residual + grad")
+    within(p1, p2, dot_bound(p1, e1, e2, d["q"]), "p")
+
+
+# ---------------------------------------------------------------------------------------------------- schemas
+
+
+def _compiled_schemas() -> dict[str, str]:
+    """The ``m.def`` strings of csrc/ops/ops.cpp (adjacent C string literals joined)."""
+    src = (ROOT / "csrc" / "ops" / "ops.cpp").read_text()
+    schemas = {}
+    for literals in re.findall(r'm\.def\(((?:\s*"[^"]*")+)\s*\)', src):
+        schema = "".join(re.findall(r'"([^"]*)"', literals))
+        schemas[schema.split("(", 1)[0]] = schema
+    return schemas
+
+
+def test_schemas_are_the_compiled_ops() -> None:
+    compiled = _compiled_schemas()
+    for name, schema in tlr.SCHEMAS.items():
+        assert schema == compiled[name], name
+        got = str(getattr(OPS, name).default._schema)
+        assert got.startswith(f"{NAMESPACE}::{name}(")
+        if _ops.HAS_EXTENSION:
+            want = str(getattr(torch.ops.sylvie_comm, name).default._schema)
+            assert got.split("::", 1)[1] == want.split("::", 1)[1], name
+
+
+# ---------------------------------------------------------------------------------------------------- project
+
+PROJECT_CASES = [  # (subtract, grad, pending, saved)
+    (False, False, False, False),
+    (True, True, False, True),
+    (False, True, True, False),
+    (True, False, True, True),
+]
+
+
+def _project(d: dict[str, torch.Tensor], run: Callable[..., None], subtract: bool, grad: bool, pending: bool,
+             saved: bool, **kw: object) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    n, k = d["e"].shape
+    r = d["q"].shape[1]
+    e, p, s = d["e"].clone(), empty(n, r), empty(n, k) if saved else None
+    pend = (d["pp"], d["pq"]) if pending else None
+    if run is ordered.lowrank_project or run is ref.lowrank_project:
+        run(e, d["g"] if grad else None, d["q"], p, subtract, pend, s)
+    else:
+        run(e, d["g"] if grad else None, d["q"], p, subtract, *(pend or (None, None)), s, **kw)
+    return e, p, s
+
+
+@pytest.mark.parametrize(("n", "k", "r"), SHAPES)
+@pytest.mark.parametrize(("subtract", "grad", "pending", "saved"), PROJECT_CASES)
+def test_project(n: int, k: int, r: int, subtract: bool, grad: bool, pending: bool, saved: bool) -> None:
+    d = data(n, k, r)
+    got = _project(d, OPS.lowrank_project, subtract, grad, pending, saved)
+    want = _project(d, ordered.lowrank_project, subtract, grad, pending, saved)
+    for name, g, w in zip(("residual", "p", "saved"), got, want, strict=True):
+        if w is not None:
+            assert_same_bits(g, w, name)
+    if saved:
+        assert_same_bits(got[2], d["e"], "saved")
+    if DEVICE == "cuda":  # (the interpreter runs one program at a time)
+        again = _project(d, OPS.lowrank_project, subtract, grad, pending, saved)
+        for g, a in zip(got, again, strict=True):
+            if g is not None:
+                assert_same_bits(a, g, "run again")
+
+    # Against the reference, stage by stage (the kernel's intermediates are ordered's: the same bits).
+    e_ref, p_ref, _ = _project(d, ref.lowrank_project, subtract, grad, pending, saved)
+    v_ours, v_ref = d["e"].clone(), d["e"].clone()
+    if pending:
+        ordered.lowrank_outer_into(v_ours, d["pp"], d["pq"], -1.0, True)
+        ref.lowrank_outer_into(v_ref, d["pp"], d["pq"], -1.0, True)
+        neg = -d["pq"]
+        within(v_ours, v_ref, outer_bound(v_ours, v_ref, d["e"], d["e"], d["pp"], d["pp"], neg, neg), "pending")
+    if grad:
+        v_ours, v_ref = v_ours + d["g"], v_ref + d["g"]  # one fp32 add each: equal bits without pending
+        if not pending:
+            assert_same_bits(v_ours, v_ref, "residual + grad")
+    p_ours = got[1]
+    within(p_ours, p_ref, dot_bound(p_ours, v_ours, v_ref, d["q"]), "p")
+    if subtract:
+        neg = -d["q"]
+        bound = outer_bound(got[0], e_ref, v_ours, v_ref, p_ours, p_ref, neg, neg)
+        within(got[0], e_ref, bound, "residual - p q^T")
+    else:
+        assert_same_bits(got[0], v_ours, "residual")
+
+
+VARIANTS = [
+    {"split": True},
+    {"split": False, "block_n": 32, "block_k": 8, "rank_block": 4},
+    {"split": True, "block_n": 64, "block_k": 2, "rank_block": 8},
+]
+
+
+@pytest.mark.parametrize(("n", "k", "r"), [(20, 260, 3), (9, 40, 9), (130, 17, 5)])
+@pytest.mark.parametrize("kw", VARIANTS, ids=["split", "small-tiles", "split-small-tiles"])
+def test_project_bits_do_not_depend_on_tiles_or_split(n: int, k: int, r: int, kw: dict[str, object]) -> None:
+    d = data(n, k, r, seed=3)
+    for subtract, grad, pending, saved in PROJECT_CASES[1:3]:
+        got = _project(d, tlr.lowrank_project, subtract, grad, pending, saved, **kw)
+        want = _project(d, ordered.lowrank_project, subtract, grad, pending, saved)
+        for g, w in zip(got, want, strict=True):
+            if w is not None:
+                assert_same_bits(g, w, str((subtract, grad, pending, kw)))
+
+
+# ---------------------------------------------------------------------------------------------------- gram
+
+
+@pytest.mark.parametrize(("n", "k", "r"), SHAPES)
+@pytest.mark.parametrize(("grad", "saved"), [(False, False), (True, True)])
+def test_gram(n: int, k: int, r: int, grad: bool, saved: bool) -> None:
+    d = data(n, k, r)
+    outs = []
+    for run in (OPS.lowrank_gram, ordered.lowrank_gram, ref.lowrank_gram):
+        e, q, s = d["e"].clone(), empty(k, r), empty(n, k) if saved else None
+        run(e, d["g"] if grad else None, d["p"], q, s)
+        outs.append((e, q, s))
+    (e1, q1, s1), (e2, q2, s2), (e3, q3, _) = outs
+    assert_same_bits(e1, e2, "residual")
+    assert_same_bits(q1, q2, "q")
+    assert_same_bits(e1, e3, "residual against the reference")  # one fp32 add
+    if saved:
+        assert s1 is not None and s2 is not None
+        assert_same_bits(s1, d["e"], "saved")
+    within(q1, q3, dot_bound(q1, e1.T, e3.T, d["p"]), "q")
+
+
+@pytest.mark.parametrize(("n", "k", "r"), [(270, 40, 3), (270, 9, 9), (17, 130, 5)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"split": True},
+        {"split": False, "block_n": 1, "block_k": 32, "rank_block": 2},
+        {"split": True, "block_n": 4, "block_k": 64, "rank_block": 8},
+    ],
+    ids=["split", "small-tiles", "split-small-tiles"],
+)
+def test_gram_bits_do_not_depend_on_tiles_or_split(n: int, k: int, r: int, kw: dict[str, object]) -> None:
+    d = data(n, k, r, seed=5)
+    e1, e2, q1, q2, s1, s2 = d["e"].clone(), d["e"].clone(), empty(k, r), empty(k, r), empty(n, k), empty(n, k)
+    tlr.lowrank_gram(e1, d["g"], d["p"], q1, s1, **kw)
+    ordered.lowrank_gram(e2, d["g"], d["p"], q2, s2)
+    for g, w in ((e1, e2), (q1, q2), (s1, s2)):
+        assert_same_bits(g, w, str(kw))
+
+
+# ---------------------------------------------------------------------------------------------------- outer
+
+OUTER_CASES = [(1.0, False), (0.1, False), (-1.0, True), (0.5, True), (3.0e38, True)]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # alpha = 3e38 (the interpreter)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize(("n", "k", "r"), SHAPES)
+@pytest.mark.parametrize(("alpha", "accumulate"), OUTER_CASES)
+def test_outer(n: int, k: int, r: int, alpha: float, accumulate: bool) -> None:
+    d = data(n, k, r)
+    o1, o2, o3 = d["e"].clone(), d["e"].clone(), d["e"].clone()
+    OPS.lowrank_outer_into(o1, d["p"], d["q"], alpha, accumulate)
+    ordered.lowrank_outer_into(o2, d["p"], d["q"], alpha, accumulate)
+    ref.lowrank_outer_into(o3, d["p"], d["q"], alpha, accumulate)
+    assert_same_bits(o1, o2, "out")
+    if alpha > 1e30:
+        return  # overflows to infinities: the bound has no meaning there (the bits above still hold)
+    qa_ours = d["q"] * torch.tensor(ordered.as_fp32(alpha), device=DEVICE)
+    qa_ref = d["q"] * alpha  # the reference's own rounding of alpha q
+    base = d["e"] if accumulate else None
+    within(o1, o3, outer_bound(o1, o3, base, base, d["p"], d["p"], qa_ours, qa_ref), "out")
+
+
+@pytest.mark.parametrize(("bn", "bk"), [(2, 4), (8, 16), (64, 128)])
+def test_outer_bits_do_not_depend_on_tiles(bn: int, bk: int) -> None:
+    d = data(20, 30, 6, seed=9)
+    o1, o2 = d["e"].clone(), d["e"].clone()
+    tlr.lowrank_outer_into(o1, d["p"], d["q"], -0.75, True, block_n=bn, block_k=bk)
+    ordered.lowrank_outer_into(o2, d["p"], d["q"], -0.75, True)
+    assert_same_bits(o1, o2)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_outer_when(flag: bool) -> None:
+    """With ``when`` nothing changes unless it is true (the kernel reads it; the host never does)."""
+    d = data(33, 70, 4)
+    o1, o2 = d["e"].clone(), d["e"].clone()
+    when = torch.tensor(flag, device=DEVICE)
+    OPS.lowrank_outer_into(o1, d["p"], d["q"], 0.5, True, when)
+    ordered.lowrank_outer_into(o2, d["p"], d["q"], 0.5, True, when)
+    assert_same_bits(o1, o2)
+    assert torch.equal(bits(o1), bits(d["e"])) != flag
+
+
+# ---------------------------------------------------------------------------------------------------- edges
+
+
+def test_empty_sums_are_zero_and_empty_matrices_launch_nothing() -> None:
+    # k == 0: p = 0 (a sum of nothing); n == 0: nothing to do.
+    p = empty(4, 3)
+    OPS.lowrank_project(empty(4, 0), None, empty(0, 3), p, True)
+    assert torch.equal(bits(p), bits(torch.zeros(4, 3, device=DEVICE)))
+    OPS.lowrank_project(empty(0, 5), None, empty(5, 3), empty(0, 3), True, empty(0, 1), empty(5, 1), empty(0, 5))
+    # n == 0: q = 0; k == 0: nothing.
+    q = empty(5, 2)
+    OPS.lowrank_gram(empty(0, 5), empty(0, 5), empty(0, 2), q, empty(0, 5))
+    assert torch.equal(bits(q), bits(torch.zeros(5, 2, device=DEVICE)))
+    OPS.lowrank_gram(empty(4, 0), None, empty(4, 2), empty(0, 2))
+    for n, k in ((0, 5), (4, 0)):
+        OPS.lowrank_outer_into(empty(n, k), empty(n, 2), empty(k, 2), 2.0, True)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf - inf (the interpreter)
+def test_non_finite_values_propagate_as_in_the_references() -> None:
+    """Infinities and NaN in the residual, the gradient and a pending factor: the ordered bits (NaN for NaN),
+    and NaN and infinities where the reference has them (their places do not depend on the order of a sum)."""
+    d = data(40, 260, 3)
+    d["e"][3, 7] = float("inf")
+    d["e"][5, 200] = float("nan")
+    d["g"][9, 1] = float("-inf")
+    d["pp"][11, 0] = float("inf")
+    for subtract in (False, True):
+        got = _project(d, OPS.lowrank_project, subtract, True, True, False)
+        want = _project(d, ordered.lowrank_project, subtract, True, True, False)
+        theirs = _project(d, ref.lowrank_project, subtract, True, True, False)
+        for g, w, t in zip(got[:2], want[:2], theirs[:2], strict=True):
+            assert_same_bits(g, w)
+            assert torch.equal(torch.isnan(g), torch.isnan(t)) and torch.equal(torch.isinf(g), torch.isinf(t))
+    outs = []
+    for run in (OPS.lowrank_gram, ordered.lowrank_gram, ref.lowrank_gram):
+        e, q = d["e"].clone(), empty(260, 3)
+        run(e, d["g"], d["p"], q)
+        outs.append((e, q))
+    assert_same_bits(outs[0][1], outs[1][1])
+    assert torch.equal(torch.isnan(outs[0][1]), torch.isnan(outs[2][1]))
+    assert torch.equal(torch.isinf(outs[0][1]), torch.isinf(outs[2][1]))
+
+
+def _guarded(t: torch.Tensor, guard: int = 37) -> tuple[torch.Tensor, torch.Tensor]:
+    """A contiguous view of ``t``'s values inside a buffer with NaN guards on both sides, and the buffer."""
+    buf = torch.full((t.numel() + 2 * guard,), float("nan"), device=t.device)
+    view = buf[guard : guard + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view, buf
+
+
+def test_kernels_touch_nothing_outside_their_tensors() -> None:
+    """Every tensor a view inside NaN guards: the guards unchanged (no stray store) and the results those of
+    plain tensors (no unmasked load of a guard)."""
+    n, k, r = 300, 37, 5  # rows past one program, a partial column tile, two row chunks (gram's split)
+    d = data(n, k, r)
+    plain = _project(d, OPS.lowrank_project, True, True, True, True)
+    views, bufs = {}, {}
+    for name in ("e", "g", "q", "pp", "pq"):
+        views[name], bufs[name] = _guarded(d[name])
+    p, p_buf = _guarded(empty(n, r))
+    s, s_buf = _guarded(empty(n, k))
+    before = {name: b.clone() for name, b in bufs.items()}
+    OPS.lowrank_project(views["e"], views["g"], views["q"], p, True, views["pp"], views["pq"], s)
+    for got, want in zip((views["e"], p, s), plain, strict=True):
+        assert_same_bits(got, want)
+    for buf in (*bufs.values(), p_buf, s_buf):
+        assert bool(torch.isnan(buf[:37]).all() and torch.isnan(buf[-37:]).all())
+    for name in ("g", "q", "pp", "pq"):
+        assert torch.equal(bits(bufs[name]), bits(before[name])), f"{name} changed"
+
+    e, e_buf = _guarded(d["e"])
+    q, q_buf = _guarded(empty(k, r))
+    pg, _ = _guarded(d["p"])
+    e_plain, q_plain = d["e"].clone(), empty(k, r)
+    OPS.lowrank_gram(e_plain, d["g"], d["p"], q_plain)
+    tlr.lowrank_gram(e, views["g"], pg, q, split=True)
+    assert_same_bits(e, e_plain)
+    assert_same_bits(q, q_plain)
+    o, o_buf = _guarded(d["e"])
+    o_plain = d["e"].clone()
+    OPS.lowrank_outer_into(o_plain, d["p"], views["q"], 0.5, True)
+    OPS.lowrank_outer_into(o, pg, views["q"], 0.5, True)
+    assert_same_bits(o, o_plain)
+    for buf in (e_buf, q_buf, o_buf):
+        assert bool(torch.isnan(buf[:37]).all() and torch.isnan(buf[-37:]).all())
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+
+
+def test_arguments_are_checked_with_the_rule_named() -> None:
+    e, q, p = empty(6, 5), empty(5, 2), empty(6, 2)
+    with pytest.raises(RuntimeError, match=r"the same number \(> 0\) of columns"):
+        OPS.lowrank_project(e, None, empty(5, 0), empty(6, 0), False)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        OPS.lowrank_project(e.double(), None, q, p, False)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        OPS.lowrank_gram(empty(5, 6).T, None, p, q)
+    with pytest.raises(RuntimeError, match="needs q of 5 rows and p of 6 rows"):
+        OPS.lowrank_project(e, None, empty(4, 2), p, False)
+    with pytest.raises(RuntimeError, match="go together"):
+        OPS.lowrank_project(e, None, q, p, False, empty(6, 1), None)
+    with pytest.raises(RuntimeError, match="grad has 29 elements"):
+        OPS.lowrank_gram(e, empty(29), p, q)
+    with pytest.raises(RuntimeError, match="must not be the residual itself"):
+        OPS.lowrank_gram(e, None, p, q, e)
+    with pytest.raises(RuntimeError, match="one-element bool"):
+        OPS.lowrank_outer_into(e, p, q, 1.0, False, torch.tensor(1.0, device=DEVICE))
+    with pytest.raises(ValueError, match="power of two"):
+        tlr.lowrank_project(e, None, q, p, False, block_k=3)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors")
+def test_cpu_tensors_need_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="only under Triton's interpreter"):
+        OPS.lowrank_outer_into(empty(2, 2), empty(2, 1), empty(2, 1), 1.0, False)
+
+
+# ---------------------------------------------------------------------------------------------------- dispatcher
+
+
+def _op_cases() -> dict[str, tuple[object, ...]]:
+    d = data(9, 7, 3)
+    return {
+        "lowrank_project": (d["e"], d["g"], d["q"], empty(9, 3), True, d["pp"], d["pq"], empty(9, 7)),
+        "lowrank_gram": (d["e"], d["g"], d["p"], empty(7, 3), empty(9, 7)),
+        "lowrank_outer_into": (d["e"], d["p"], d["q"], -1.0, True, torch.tensor(True, device=DEVICE)),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(tlr.SCHEMAS) if _REASON is None else [])
+def test_opcheck(name: str) -> None:
+    """Schema (declared mutations), fake, autograd registration and AOT dispatch, as for the compiled ops."""
+    torch.library.opcheck(getattr(OPS, name), _op_cases()[name])
+
+
+@pytest.mark.parametrize("name", sorted(tlr.SCHEMAS) if _REASON is None else [])
+def test_ops_run_on_fake_tensors(name: str) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = _op_cases()[name]
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        assert getattr(OPS, name)(*fake) is None
