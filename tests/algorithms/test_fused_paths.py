@@ -22,13 +22,16 @@ from sylvie_comm.collectives.local import run_local
 SHAPES = {"w1": (48, 256), "w2": (16, 4096), "w3": (10, 24), "b1": (256,), "b2": (10,), "w4": (3, 5, 8)}
 
 
-def run(name: str, world: int, steps: int, options: dict[str, Any] | None = None) -> list[Any]:
+def run(name: str, world: int, steps: int, options: dict[str, Any] | None = None,
+        shapes: dict[str, tuple[int, ...]] = SHAPES) -> list[Any]:  # fmt: skip
+    """Per rank: the averaged tensors of each step (one group of ``shapes``) and the algorithm's final state."""
+
     def body(tr: Any) -> list[Any]:
         alg = make_algorithm(name, tr, options)
         out = []
         for step in range(steps):
             g = torch.Generator().manual_seed(100 * step + tr.rank)
-            members = [Member(n, torch.randn(s, generator=g)) for n, s in SHAPES.items()]
+            members = [Member(n, torch.randn(s, generator=g)) for n, s in shapes.items()]
             alg(Group(0, members), step).wait()
             out.append({m.name: m.tensor.clone() for m in members})
         state = alg.state_dict()

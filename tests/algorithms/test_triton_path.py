@@ -17,9 +17,9 @@ import torch
 pytest.importorskip("triton")
 
 from sylvie_comm import kernels
-from sylvie_comm.algorithms import ALGORITHMS, Group, Member, make_algorithm
-from sylvie_comm.collectives.local import run_local
+from sylvie_comm.algorithms import ALGORITHMS
 from sylvie_comm.kernels import triton as kt
+from tests.algorithms.test_fused_paths import run as run_algorithm
 
 # Rows of whole one-bit chunks, rows shorter than 64, vectors, a 3-D tensor, one long row.
 SHAPES = {"w1": (12, 64), "w2": (4, 300), "w3": (10, 24), "b1": (64,), "b2": (10,), "w4": (3, 5, 8)}
@@ -28,20 +28,8 @@ LOW_RANK = {"acpsgd", "powersgd"}
 NAMES = sorted(n for n in ALGORITHMS if n != "auto")
 
 
-def run(name: str, steps: int = 2) -> list[Any]:
-    def body(tr: Any) -> list[Any]:
-        alg = make_algorithm(name, tr, None)
-        out = []
-        for step in range(steps):
-            g = torch.Generator().manual_seed(100 * step + tr.rank)
-            members = [Member(n, torch.randn(s, generator=g)) for n, s in SHAPES.items()]
-            alg(Group(0, members), step).wait()
-            out.append({m.name: m.tensor.clone() for m in members})
-        state = alg.state_dict()
-        alg.close()
-        return [out, state]
-
-    return run_local(2, body)
+def run(name: str) -> list[Any]:
+    return run_algorithm(name, 2, 2, shapes=SHAPES)
 
 
 @pytest.fixture
