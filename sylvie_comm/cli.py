@@ -305,7 +305,18 @@ def _info(args: argparse.Namespace) -> int:
     print(f"sylvie-comm {sylvie_comm.__version__}, torch {torch.__version__}")
     print(f"compiled kernels: {'yes' if _ops.HAS_EXTENSION else 'no (' + str(_ops.LOAD_ERROR) + ')'}")
     print(f"CPU instruction set: {_ops.cpu_isa()} (available: {', '.join(_ops.available_cpu_isas()) or 'none'})")
-    print(f"CUDA kernels: {'yes' if _ops.WITH_CUDA_OPS else 'no'}")
+    print(f"CUDA C++ kernels: {'yes' if _ops.WITH_CUDA_OPS else 'no'}")
+    from sylvie_comm.kernels import triton as kt
+
+    reason = kt.unavailable_reason()
+    if reason is None:
+        import importlib.metadata
+
+        version = importlib.metadata.version("triton")
+        where = "CUDA tensors" + (", CPU tensors through the interpreter" if kt.cpu_requested() else "")
+        print(f"Triton GPU kernels: yes (triton {version}; taken by {where})")
+    else:
+        print(f"Triton GPU kernels: no ({reason})")
     print("names (one namespace: a name means the same thing in every role it has):")
     for name, roles in registry.table():
         print(f"  {name:10s} {', '.join(roles)}")

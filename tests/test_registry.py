@@ -50,3 +50,15 @@ def test_info_prints_every_name(capsys):
     out = capsys.readouterr().out
     for name, _ in registry.table():
         assert f"  {name} " in out
+
+
+def test_info_says_which_gpu_kernels_there_are(capsys, monkeypatch):
+    from sylvie_comm.cli import main
+    from sylvie_comm.kernels import triton as kt
+
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert ("Triton GPU kernels: yes (triton " in out) == (kt.unavailable_reason() is None)
+    monkeypatch.setattr(kt, "unavailable_reason", lambda: "triton is not installed (pip install triton)")
+    assert main(["info"]) == 0
+    assert "Triton GPU kernels: no (triton is not installed (pip install triton))" in capsys.readouterr().out
