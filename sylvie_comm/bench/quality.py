@@ -313,8 +313,9 @@ def train(
         if state is not None or copt is not None:
             stats = (state or copt).stats()  # type: ignore[union-attr]
             out["compression_ratio"] = stats["compression_ratio"]
-            if "monitor" in stats:
-                out["monitor"] = stats["monitor"]
+            for key in ("monitor", "auto"):  # the monitor's figures and decisions, auto's choices and probe times
+                if key in stats:
+                    out[key] = stats[key]
             sent = stats["bytes_sent"] - (half["bytes_sent"] if half else 0)
             plain = stats["bytes_uncompressed"] - (half["bytes_uncompressed"] if half else 0)
             out["compression_ratio_last"] = plain / sent if sent else float("nan")  # the run's second half
