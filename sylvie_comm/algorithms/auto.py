@@ -213,12 +213,20 @@ class AutoAlgorithm(Algorithm):
 
     def demote(self, key: int) -> tuple[str, str] | None:
         """The group's next-fastest candidate (by the probe's agreed times) not yet found over the monitor's
-        bound; ``none`` last of all. Every rank computes the same from the same figures."""
+        bound; ``none`` last of all. Every rank computes the same from the same figures.
+
+        A candidate that needs the monitor (the lossy error-feedback codecs: ACP-SGD, PowerSGD, one-bit, sign,
+        top-k) found over the bound takes the others that need it out of the group's choices too: their residual
+        grows on the same gradients (on every tensor measured, one-bit's lag was above ACP-SGD's), and each
+        further try costs the model the steps until the monitor's next decision (on the byte LM, one-bit then
+        ACP-SGD spent 120 of 300 steps before qsgd)."""
         current = self._choice.get(key)
         if current is None or current == "none":
             return None
         rejected = self._rejected.setdefault(key, [])
         rejected.append(current)
+        if self.candidates[current].needs_monitor:
+            rejected += [n for n in self.names if self.candidates[n].needs_monitor and n not in rejected]
         totals = self._totals.get(key, {})
         left = [n for n in self.names if n not in rejected]
         new = min(left, key=lambda n: (totals.get(n, math.inf), self.names.index(n)))

@@ -385,6 +385,34 @@ def test_auto_moves_a_bucket_off_a_candidate_over_the_bound_to_the_next_fastest(
         torch.testing.assert_close(got + owed, want, rtol=0, atol=1e-4)
 
 
+def test_auto_leaves_every_codec_that_needs_the_monitor_once_one_is_over_the_bound() -> None:
+    """topk (timed fastest) over the bound, onebit next by the clock: the bucket skips onebit (it needs the monitor
+    too) for qsgd, the fastest of the candidates that do not."""
+    config = Config("auto", warmup_steps=0, options={"candidates": ["none", "fp16", "qsgd", "onebit", "topk"]},
+                    monitor={"period": 3, "max_lag": 0.3, "patience": 2})  # fmt: skip
+
+    def body(tr: Any) -> list[str]:
+        session = Session("test", config, tr)
+        alg = session.algorithm
+        alg.load_state_dict({"auto": {"choices": {0: "topk"}, "timings": {},
+                                      "totals": {0: {"none": 3.0, "fp16": 2.0, "qsgd": 1.0, "onebit": 0.7,
+                                                     "topk": 0.5}}, "rejected": {}},
+                             "candidates": {}})  # fmt: skip
+        choices = []
+        for step in range(12):
+            session.step = step
+            values = grads(tr.rank, step)
+            members = [Member(n, values[n].clone(), *session.policy.member_options(n, SHAPES[n])) for n in SHAPES]
+            session.run(Group(0, members)).wait()
+            choices.append(alg.choices()[0])
+            session.step = step + 1
+        session.close()
+        return choices
+
+    for choices in run_local(2, body):
+        assert choices[:6] == ["topk"] * 6 and choices[6:] == ["qsgd"] * 6, choices
+
+
 def test_auto_resumes_with_its_demotions() -> None:
     config = Config("auto", warmup_steps=0, options={"candidates": ["none", "fp16", "qsgd", "topk"]},
                     monitor={"period": 3, "max_lag": 0.3, "patience": 2})  # fmt: skip
