@@ -32,6 +32,7 @@ import contextlib
 import importlib.util
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -59,8 +60,19 @@ INTERPRETER_LOCK = threading.RLock()
 
 def launch_context(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """What every launch runs in: the tensors' CUDA device made current (Triton launches on the current one), or,
-    for CPU tensors (the interpreter), :data:`INTERPRETER_LOCK`."""
-    return torch.cuda.device(device) if device.type == "cuda" else INTERPRETER_LOCK
+    for CPU tensors (the interpreter), :data:`INTERPRETER_LOCK` with numpy's float warnings off (the interpreter
+    computes in numpy, which warns about what a GPU does silently: ``inf * 0``, an overflowing ``1 / scale``)."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return _interpreted_launch()
+
+
+@contextlib.contextmanager
+def _interpreted_launch() -> Iterator[None]:
+    import numpy as np
+
+    with INTERPRETER_LOCK, np.errstate(all="ignore"):
+        yield
 
 
 FAMILIES = ("bits", "onebit", "qbit", "lowrank")

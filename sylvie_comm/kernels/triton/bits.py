@@ -26,7 +26,6 @@ module was imported; otherwise the op refuses it with that reason.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -157,11 +156,6 @@ def _packed_cols(cols: int, bits: int) -> int:
     return (cols * bits + 7) // 8
 
 
-def _on(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """Triton launches on the current CUDA device: make it the tensors'."""
-    return launch_context(device)
-
-
 def _pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     """``(rows, cols)`` uint8 values (any strides) -> ``(rows, ceil(cols * bits / 8))`` packed bytes; as
     :func:`sylvie_comm.kernels.reference.pack_bits`."""
@@ -182,7 +176,7 @@ def _pack_into(values: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     pc = out.shape[1]
     total = rows * pc
     if total:
-        with _on(values.device):
+        with launch_context(values.device):
             _pack_kernel[(triton.cdiv(total, _PACK_BLOCK),)](
                 values, out, total, cols, pc, values.stride(0), values.stride(1), BITS=bits, BLOCK=_PACK_BLOCK
             )
@@ -211,7 +205,7 @@ def _unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     rows, pc = packed.shape
     total = rows * pc
     if total:
-        with _on(packed.device):
+        with launch_context(packed.device):
             _unpack_kernel[(triton.cdiv(total, _PACK_BLOCK),)](
                 packed,
                 out,
@@ -255,7 +249,7 @@ def _copy_if(dst: torch.Tensor, src: torch.Tensor | None, flag: torch.Tensor) ->
         return
     out = _bytes(dst)
     programs = min(triton.cdiv(nbytes, _COPY_BLOCK), _COPY_PROGRAMS)
-    with _on(dst.device):
+    with launch_context(dst.device):
         _copy_if_kernel[(programs,)](
             out,
             _bytes(src) if src is not None else out,  # not read without a source

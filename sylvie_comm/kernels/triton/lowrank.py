@@ -47,7 +47,6 @@ loops); they have not been timed on a GPU yet.
 # (triton.jit kernels take untyped tensors and constexprs; torch.library.Library is untyped)
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -386,12 +385,6 @@ def _target_programs(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * PROGRAMS_PER_SM
 
 
-def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
-    """The launch context: the tensors' CUDA device made current (Triton launches on the current one), or, for
-    CPU tensors (the interpreter), the interpreter's lock."""
-    return launch_context(device)
-
-
 def _f64_transposed(x: torch.Tensor) -> torch.Tensor:
     """A (rows, cols) fp32 factor as a contiguous (cols, rows) float64 copy (exact)."""
     out = torch.empty((x.shape[1], x.shape[0]), dtype=torch.float64, device=x.device)
@@ -461,7 +454,7 @@ def lowrank_project(
     pqt = _f64_transposed(pending_q) if pending_q is not None else q64
     pt = torch.empty((r, n), dtype=torch.float64, device=q.device) if fused_subtract else q64
     work = torch.empty((chunks, n, r), dtype=torch.float64, device=q.device) if split else q64
-    with _on(residual.device):
+    with launch_context(residual.device):
         _project_kernel[(triton.cdiv(n, bn), chunks if split else 1)](
             residual, grad if grad is not None else residual, q64, p, ppt, pqt,
             saved if saved is not None else residual, pt, work, n, k, r, rp, CHUNK if split else k,
@@ -510,7 +503,7 @@ def lowrank_gram(
     chunks = triton.cdiv(n, CHUNK)
     split = _split(chunks, triton.cdiv(k, bk), residual.device, split)
     work = torch.empty((chunks, k, r), dtype=torch.float64, device=residual.device) if split else q
-    with _on(residual.device):
+    with launch_context(residual.device):
         _gram_kernel[(triton.cdiv(k, bk), chunks if split else 1)](
             residual, grad if grad is not None else residual, p.to(torch.float64), q, work,
             saved if saved is not None else residual, n, k, r, CHUNK if split else n,
@@ -553,7 +546,7 @@ def lowrank_outer_into(
     alpha32 = as_fp32(alpha)
     qa = q if alpha32 == 1.0 else q * torch.tensor(alpha32, dtype=torch.float32, device=q.device)  # fp32, once
     flag = when.reshape(1).view(torch.uint8) if when is not None else out
-    with _on(out.device):
+    with launch_context(out.device):
         _outer_kernel[(triton.cdiv(n, bn) * col_blocks,)](
             out, _f64_transposed(p), _f64_transposed(qa), flag, n, k, p.shape[1], col_blocks,
             HAS_WHEN=when is not None, ACCUMULATE=bool(accumulate), BN=bn, BK=bk, num_warps=4,

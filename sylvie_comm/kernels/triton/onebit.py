@@ -69,7 +69,6 @@ range), exact midpoints, subnormals, values near the fp32 maximum, signed zeros,
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -445,12 +444,6 @@ def _check(ok: bool, *message: object) -> None:
         raise RuntimeError("".join(str(m) for m in message))
 
 
-def _device_of(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
-    """What a launch on ``t`` runs in: its GPU made current (Triton launches on the current device), or, for a CPU
-    tensor, the interpreter's process-wide lock (:func:`sylvie_comm.kernels.triton.launch_context`)."""
-    return launch_context(t.device)
-
-
 def _kernel_device(t: torch.Tensor, op: str) -> str:
     """The device type the op runs on, from its main tensor: CUDA (ROCm included), or CPU under the interpreter."""
     if t.device.type == "cpu" and not _INTERPRETED:
@@ -550,7 +543,7 @@ def onebit_encode(x: torch.Tensor, chunk_size: int, norm_scale: bool) -> tuple[t
         return packed, scales
     kind = _KINDS[x.dtype]
     data = flat.view(torch.int16) if kind == _BF16 else flat
-    with _device_of(x):
+    with launch_context(x.device):
         _encode_launch(data, kind, _PLAIN, n, chunk_size, norm_scale, packed, scales)
     return packed, scales
 
@@ -578,7 +571,7 @@ def onebit_decode_into(packed: torch.Tensor, scales: torch.Tensor, chunk_size: i
     kind = _KINDS[out.dtype]
     target = out.view(-1)
     target = target.view(torch.int16) if kind == _BF16 else target
-    with _device_of(out):
+    with launch_context(out.device):
         _decode_kernel[(-(-n // _BLOCK),)](
             packed.reshape(-1).contiguous(), scales.reshape(-1).contiguous(), target, n, chunk_size,
             KIND=kind, BLOCK=_BLOCK,
@@ -620,7 +613,7 @@ def onebit_feedback_encode(
     if n == 0:
         return
     mode = _RESIDUAL if grad is None else _GRAD
-    with _device_of(residual):
+    with launch_context(residual.device):
         _encode_launch(
             residual.view(-1), _F32, mode, n, chunk_size, norm_scale, packed.view(-1), scales.view(-1),
             grad=None if grad is None else grad.view(-1), saved=None if saved is None else saved.view(-1),
@@ -649,7 +642,7 @@ def onebit_mean_feedback_encode(
     _check_saved(saved, residual, device_type, op)
     if n == 0:
         return
-    with _device_of(residual):
+    with launch_context(residual.device):
         _encode_launch(
             residual.view(-1), _F32, _MEAN, n, chunk_size, norm_scale, packed.view(-1), scales.view(-1),
             parts=(parts_packed, parts_scales), saved=None if saved is None else saved.view(-1),

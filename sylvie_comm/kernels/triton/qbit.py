@@ -35,12 +35,10 @@ launches the same kernel and the interpreter types them as a GPU does.
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -425,17 +423,6 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-@contextlib.contextmanager
-def _launching(t: torch.Tensor) -> Iterator[None]:
-    """Around a launch: the tensor's CUDA device current; under the interpreter, numpy's float warnings off
-    (inf * 0 on a non-finite row, 1 / scale overflowing: the arithmetic the GPU does silently)."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(launch_context(t.device))
-        if t.device.type != "cuda":
-            stack.enter_context(np.errstate(all="ignore"))
-        yield
-
-
 def _check_device(t: torch.Tensor, op: str, what: str) -> None:
     if t.device.type == "cuda":
         return
@@ -495,7 +482,7 @@ def qbit_encode(
         keys = tuple(_signed32(k) for k in reference.seed_keys(seed))
         off = offset & _U64
         words = (_signed32(off & _U32), _signed32(off >> 32))
-        with _launching(x):
+        with launch_context(x.device):
             _encode(x, bits, words + keys, meta_dtype == torch.bfloat16, packed, scale, minimum)
     # With bf16 metadata the values are bf16-representable: the cast is exact (a NaN converts as torch does).
     return packed, scale.to(meta_dtype), minimum.to(meta_dtype)
@@ -587,7 +574,7 @@ def qbit_decode_into(
     col_tiles = triton.cdiv(pcols, nb)
     kind = _FLOATS.index(out.dtype)
     target = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
-    with _launching(out):
+    with launch_context(out.device):
         _decode_kernel[(triton.cdiv(rows, r) * col_tiles,)](
             packed, scale, minimum, target, rows, cols, pcols, col_tiles,
             BITS=bits, R=r, NB=nb, OUT=kind, NAN_BF16=_nan_bf16(out.device), enable_fp_fusion=False,
