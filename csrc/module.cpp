@@ -1,26 +1,13 @@
 // Python module of the extension. The ops themselves live in the torch
 // dispatcher (torch.ops.sylvie_comm.*); importing this module registers them.
-// pybind11 carries only what the dispatcher does not fit: build facts and the
-// CPU instruction-set switch the tests use to check every code path.
+// pybind11 carries only what the dispatcher does not fit: the CPU
+// instruction-set switch the tests use to check every code path.
 #include <torch/extension.h>
 
 #include "cpu/isa.h"
 
-namespace {
-
-bool built_with_cuda() {
-#ifdef SC_WITH_CUDA
-  return true;
-#else
-  return false;
-#endif
-}
-
-}  // namespace
-
 PYBIND11_MODULE(_C, m) {
   m.doc() = "sylvie_comm compiled kernels (ops are registered under torch.ops.sylvie_comm)";
-  m.def("built_with_cuda", &built_with_cuda, "Whether the CUDA kernels were compiled into this build.");
   m.def("available_cpu_isas", &sylvie_comm::cpu::available_isas,
         "CPU instruction sets this build can use on this machine, best last.");
   m.def("cpu_isa", &sylvie_comm::cpu::current_isa, "The CPU instruction set the kernels use now.");

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test suite: the data sets, lint, types, the docs, CUDA sources compile (where nvcc exists), pytest over
+# The test suite: the data sets, lint, types, the docs, pytest over
 # every tier (unit, integration, quality, lab, gpu: tests/conftest.py; a tier without its machine skips, saying why).
 # Usage: scripts/test.sh [pytest options]   (e.g. --tier unit for the unit tier alone; a later --tier adds one)
 set -euo pipefail

@@ -86,7 +86,6 @@ def _register_fakes() -> None:
 
 if _C is not None:
     _register_fakes()
-WITH_CUDA_OPS: bool = bool(_C is not None and _C.built_with_cuda())
 
 
 def cpu_isa() -> str:

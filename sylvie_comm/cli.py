@@ -305,7 +305,6 @@ def _info(args: argparse.Namespace) -> int:
     print(f"sylvie-comm {sylvie_comm.__version__}, torch {torch.__version__}")
     print(f"compiled kernels: {'yes' if _ops.HAS_EXTENSION else 'no (' + str(_ops.LOAD_ERROR) + ')'}")
     print(f"CPU instruction set: {_ops.cpu_isa()} (available: {', '.join(_ops.available_cpu_isas()) or 'none'})")
-    print(f"CUDA C++ kernels: {'yes' if _ops.WITH_CUDA_OPS else 'no'}")
     from sylvie_comm.kernels import triton as kt
 
     reason = kt.unavailable_reason()

@@ -2,7 +2,7 @@
 
 Every test belongs to one tier, read from its markers (the first that applies):
 
-* ``gpu``: needs a CUDA device and the CUDA kernels (marker ``gpu``);
+* ``gpu``: needs a CUDA device and Triton (marker ``gpu``);
 * ``lab``: needs root for the network lab's namespaces and shaped links (marker ``lab``);
 * ``quality``: trains to an accuracy, or soaks a behaviour over many runs (marker ``quality``);
 * ``integration``: starts processes: ranks over gloo, a launcher, a command, a build (marker ``multiprocess``);
@@ -141,11 +141,3 @@ def cpu_isa(request: pytest.FixtureRequest):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-def devices() -> list[str]:
-    """Devices with compiled kernels to compare against the reference."""
-    out = ["cpu"]
-    if torch.cuda.is_available() and _ops.WITH_CUDA_OPS:
-        out.append("cuda")
-    return out

@@ -1,6 +1,5 @@
-// Element math shared by the CPU and CUDA kernels: the counter-based noise, the
-// bf16 directed rounding and the quantizer. Plain C++ with no torch dependency
-// so `nvcc -c` and the host compiler both take it. The pure-torch reference
+// Element math of the CPU kernels: the counter-based noise, the bf16 directed
+// rounding and the quantizer. Plain C++ with no torch dependency. The pure-torch reference
 // (sylvie_comm/kernels/reference.py) defines the same functions; the kernels
 // must agree with it bit for bit.
 #pragma once
@@ -8,11 +7,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__CUDACC__)
-#define SC_HD __host__ __device__ __forceinline__
-#else
 #define SC_HD static inline
-#endif
 
 namespace sylvie_comm {
 
@@ -60,23 +55,15 @@ SC_HD float sc_uniform(ScSeedKeys k, uint64_t counter) {
 }
 
 SC_HD uint32_t sc_float_bits(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
   uint32_t w;
   memcpy(&w, &x, sizeof(w));
   return w;
-#endif
 }
 
 SC_HD float sc_bits_float(uint32_t w) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(w);
-#else
   float x;
   memcpy(&x, &w, sizeof(x));
   return x;
-#endif
 }
 
 // Round an fp32 value to a bf16-representable value toward +inf (up) or -inf.
@@ -114,11 +101,7 @@ SC_HD ScQMeta sc_qbit_meta(float mn, float mx, int levels, bool bf16_meta) {
     m.inv = 0.0f;
     return m;
   }
-#if defined(__CUDA_ARCH__)
-  float inv = __fdiv_rn(1.0f, scale);
-#else
   float inv = 1.0f / scale;
-#endif
   m.scale = scale;
   m.minimum = mn;
   m.inv = (scale > 0.0f && sc_isfinite(inv)) ? inv : 0.0f;
@@ -127,11 +110,7 @@ SC_HD ScQMeta sc_qbit_meta(float mn, float mx, int levels, bool bf16_meta) {
 
 // floor((x - mn) * inv + u), clamped to [0, levels]; NaN -> 0. One rounding per op.
 SC_HD uint32_t sc_quantize(float x, float mn, float inv, float u, float levels) {
-#if defined(__CUDA_ARCH__)
-  float t = __fadd_rn(__fmul_rn(__fsub_rn(x, mn), inv), u);
-#else
   float t = (x - mn) * inv + u;
-#endif
   t = floorf(t);
   t = t >= 0.0f ? t : 0.0f;  // also maps NaN to 0
   t = t <= levels ? t : levels;
@@ -139,11 +118,7 @@ SC_HD uint32_t sc_quantize(float x, float mn, float inv, float u, float levels) 
 }
 
 SC_HD float sc_dequantize(uint32_t q, float scale, float mn) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(__fmul_rn(static_cast<float>(q), scale), mn);
-#else
   return static_cast<float>(q) * scale + mn;
-#endif
 }
 
 SC_HD int64_t sc_packed_cols(int64_t cols, int bits) { return (cols * bits + 7) / 8; }

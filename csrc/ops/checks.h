@@ -1,6 +1,6 @@
-// Argument checks shared by the CPU (csrc/cpu/kernels.cpp) and CUDA
-// (csrc/cuda/glue.cpp) registrations of every op, so both devices accept the
-// same inputs and reject the rest with the same messages.
+// Argument checks of every op's CPU registration (csrc/cpu/kernels.cpp). The
+// Triton ops (sylvie_comm/kernels/triton/) check the same conditions with the
+// same messages, so every device accepts the same inputs.
 #pragma once
 
 #include <ATen/ATen.h>

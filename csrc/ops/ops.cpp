@@ -1,6 +1,7 @@
 // Operator schemas of the sylvie_comm kernels. CPU kernels register in
-// csrc/cpu/kernels.cpp, CUDA kernels in csrc/cuda/glue.cpp; the pure-torch
-// reference of each op is sylvie_comm/kernels/reference.py.
+// csrc/cpu/kernels.cpp; the GPU kernels are the Triton ops of the same names and
+// schemas (torch.ops.sylvie_comm_triton, sylvie_comm/kernels/triton/); the
+// pure-torch reference of each op is sylvie_comm/kernels/reference.py.
 #include <torch/library.h>
 
 TORCH_LIBRARY(sylvie_comm, m) {
@@ -18,7 +19,7 @@ TORCH_LIBRARY(sylvie_comm, m) {
   // out: a contiguous (rows, cols) tensor.
   m.def("qbit_decode_into(Tensor packed, Tensor scale, Tensor minimum, int bits, Tensor(a!) out) -> ()");
   // Error-fed one-bit encode in place: residual += grad (when given), encode it into packed and scales,
-  // residual -= its decode. CPU and CUDA kernels (fp32, contiguous).
+  // residual -= its decode. CPU kernels (fp32, contiguous).
   // With `saved`, the residual as it was is written there first, while it is read (one write, no extra read):
   // what a step skipped for a non-finite input restores, for this op and the three below.
   m.def("onebit_feedback_encode(Tensor(a!) residual, Tensor? grad, int chunk_size, bool norm_scale, "
@@ -27,7 +28,7 @@ TORCH_LIBRARY(sylvie_comm, m) {
   // (w, chunks) fp32, each row contiguous, any row stride): decoded, summed in fp32 in row order, divided by w.
   m.def("onebit_mean_feedback_encode(Tensor(a!) residual, Tensor parts_packed, Tensor parts_scales, int chunk_size, "
         "bool norm_scale, Tensor(b!) packed, Tensor(c!) scales, Tensor(d!)? saved=None) -> ()");
-  // Low-rank steps (CPU and CUDA kernels, fp32): residual -= pending_p pending_q^T (when given; the same bits
+  // Low-rank steps (CPU kernels, fp32): residual -= pending_p pending_q^T (when given; the same bits
   // as lowrank_outer_into(residual, pending_p, pending_q, -1, true)), residual += grad (when given),
   // p = residual q, and with subtract residual -= p q^T, all in one pass over the residual.
   // (saved: the residual before the pending update.)

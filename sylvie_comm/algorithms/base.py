@@ -414,6 +414,15 @@ class Algorithm:
         ``(from, to)``, or None where the algorithm cannot (then the monitor adapts tensor by tensor)."""
         return None
 
+    def settles_after(self) -> int:
+        """Compressed steps before what this algorithm sends is its choice for the run (``auto``: its probe steps);
+        the monitor's checks count from there."""
+        return 0
+
+    def patience(self, key: int, default: int) -> int:
+        """Checks in a row over the bound before the monitor acts on group ``key`` (default: its ``patience``)."""
+        return default
+
     def report(self) -> dict[str, Any]:
         """What the integrations' ``stats()`` add beyond bytes and seconds: ``skipped_nonfinite``, the steps
         skipped because their input was not finite on some rank (``auto`` adds its choices)."""

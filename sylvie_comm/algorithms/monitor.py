@@ -110,8 +110,9 @@ class Monitor:
         # The checks: at ``first`` compressed steps, then at gaps that double up to ``period`` (10, 30, 70, 120,
         # 170, ... at the defaults), so a codec that is hurting a model is caught in its first steps, when the
         # harm is largest, and the steady state costs what ``period`` says.
+        # (Counted from the step the algorithm's choice settles: after auto's probe.)
         self.first: int = min(s["first"], self.period) if self.period else 0
-        self._ramp: list[int] = [self.first] if self.period else []
+        self._ramp: list[int] = [algorithm.settles_after() + self.first] if self.period else []
         gap = self.first
         while self.period and gap < self.period:
             gap = min(2 * gap, self.period)
@@ -399,6 +400,7 @@ class Monitor:
         figures = (summed / self.algorithm.world_size).tolist()  # the host reads once per check
         self.checks += 1
         over = []
+        patience = self.algorithm.patience(key, self.patience)
         for n, (lag, err, count, ex_rel, ex_cos, has) in zip(names, figures, strict=True):
             t = self._tensors[n]
             fresh = {
@@ -409,7 +411,7 @@ class Monitor:
             }
             # The report keeps a figure not measured since the last check (a tensor not sampled this time).
             t.last = {k: v if v is not None else t.last.get(k) for k, v in fresh.items()}
-            verdict = self._judge(n, t, fresh)
+            verdict = self._judge(n, t, fresh, patience)
             if verdict is not None:
                 over.append((n, t, *verdict))
         if not over:
@@ -426,9 +428,11 @@ class Monitor:
                 self._escalate(n, t, figure, bound)
                 t.over = 0
 
-    def _judge(self, name: str, t: _Tensor, fresh: Mapping[str, float | None]) -> tuple[float, float] | None:
+    def _judge(
+        self, name: str, t: _Tensor, fresh: Mapping[str, float | None], patience: int
+    ) -> tuple[float, float] | None:
         """Count the check for or against ``name`` (on the figures measured since the last check), warn once;
-        ``(figure, bound)`` where it is to be adapted."""
+        ``(figure, bound)`` where it is to be adapted (over the bound at ``patience`` checks in a row)."""
         lag, exact = fresh["lag"], fresh["exact_error"]
         if lag is not None:
             figure, bound, what = lag, self.max_lag, "lag (residual / gradient)"
@@ -442,11 +446,11 @@ class Monitor:
             t.over, t.under = 0, t.under + 1
         else:
             t.over = t.under = 0
-        if t.over >= self.patience:
+        if t.over >= patience:
             if not t.warned:
                 t.warned = True
                 LOG.warning(
-                    "sylvie_comm %s: '%s' %s is %.3g, over the bound %.3g at %d checks in a row%s",
+                    "sylvie_comm %s: '%s' %s is %.3g, over the bound %.3g at %d check(s) in a row%s",
                     self.algorithm.name, name, what, figure, bound, t.over,
                     "" if self.adapt else ": compression is likely costing accuracy here (monitor adapt=True "
                     "adapts it, or send it raw with a rule)",

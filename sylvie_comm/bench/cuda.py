@@ -1,4 +1,4 @@
-"""The fused CUDA kernels' throughput, next to a device-to-device copy measured in the same run.
+"""The GPU kernels' (Triton's) throughput, next to a device-to-device copy measured in the same run.
 
 For fp32 tensors on the current CUDA device, each op is timed with CUDA events (median of ``repeats`` calls
 after warm-up) and reported as GB/s of the bytes it must move at the least (its memory-traffic floor), next
@@ -12,7 +12,7 @@ to the copy rate (``y.copy_(x)``: read + write) of the same run:
 * ``lowrank_gram`` and ``lowrank_outer_into``: read (and write) the matrix once.
 
 Run ``python -m sylvie_comm.bench.cuda --out DIR`` (what ``scripts/gpu-check.sh`` does): it writes
-``DIR/cuda-kernels.json`` and ``DIR/cuda-kernels.md``. Needs a GPU and the CUDA kernels; says so otherwise.
+``DIR/cuda-kernels.json`` and ``DIR/cuda-kernels.md``. Needs a GPU and Triton; says so otherwise.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from sylvie_comm import _ops, kernels
+from sylvie_comm import kernels
+from sylvie_comm.kernels import triton as kernels_triton
 
 GOALS = {"onebit_encode": 0.5, "qbit_encode": 0.4}  # fraction of the copy rate
 FLOOR_GOAL = {"lowrank_project": 1.5}  # time / floor time at the copy rate
@@ -52,12 +53,15 @@ def _time(fn: Callable[[], Any], repeats: int) -> float:
 
 def measure(rows: int = 8192, cols: int = 8192, rank: int = 4, repeats: int = 20) -> dict[str, Any]:
     """Every fused op on a ``rows x cols`` fp32 matrix, with the copy rate of the same run."""
-    if not torch.cuda.is_available() or not _ops.WITH_CUDA_OPS:
+    why = kernels_triton.unavailable_reason()
+    if not torch.cuda.is_available() or why is not None:
         raise RuntimeError(
-            f"bench cuda: needs a CUDA device and the extension built with its CUDA kernels (CUDA device: "
-            f"{torch.cuda.is_available()}, CUDA kernels: {_ops.WITH_CUDA_OPS})"
+            f"bench cuda: needs a CUDA device and Triton (CUDA device: {torch.cuda.is_available()}, "
+            f"Triton: {why or 'yes'})"
         )
     dev = torch.device("cuda")
+    if kernels.backend(torch.empty(0, device=dev)) != "triton":
+        raise RuntimeError(f"bench cuda: the Triton kernels did not load: {kernels_triton.load_error()}")
     g = torch.Generator(device=dev).manual_seed(0)
     n = rows * cols
     x = torch.randn(rows, cols, device=dev, generator=g)
@@ -103,7 +107,7 @@ def measure(rows: int = 8192, cols: int = 8192, rank: int = 4, repeats: int = 20
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [
-        f"CUDA kernels on {result['device']} (torch {result['torch']}), fp32 {result['shape'][0]} x "
+        f"Triton kernels on {result['device']} (torch {result['torch']}), fp32 {result['shape'][0]} x "
         f"{result['shape'][1]}, rank {result['rank']}; device-to-device copy {result['copy_gb_s']:.0f} GB/s "
         "(read + write) in the same run.",
         "",

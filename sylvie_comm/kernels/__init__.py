@@ -2,8 +2,8 @@
 
 Every function here has the semantics of the function of the same name in
 :mod:`sylvie_comm.kernels.reference`. CPU tensors take the C++ kernels of the extension; CUDA tensors take the
-Triton kernels (:mod:`sylvie_comm.kernels.triton`, compiled by Triton at run time) where Triton is installed; any
-other tensor, or a machine without them, takes the references. The kernels return the references' bits (the
+Triton kernels (:mod:`sylvie_comm.kernels.triton`, compiled by Triton at run time; torch's CUDA wheels install
+Triton); any other tensor, or a machine without them, takes the references. The kernels return the references' bits (the
 one-bit scales of the C++ kernels to within one fp32 ulp, their float64 sums running in another order; the
 low-rank products in their own fixed order, :mod:`sylvie_comm.kernels.ordered`, to float rounding).
 
@@ -67,9 +67,7 @@ def _ops_for(device: torch.device) -> Any:
     """The op namespace that runs tensors on ``device`` (``torch.ops.sylvie_comm_triton`` or
     ``torch.ops.sylvie_comm``), or None for the references."""
     if device.type == "cuda":
-        if _triton.load():
-            return torch.ops.sylvie_comm_triton
-        return torch.ops.sylvie_comm if _ops.WITH_CUDA_OPS else None
+        return torch.ops.sylvie_comm_triton if _triton.load() else None
     if device.type == "cpu":
         if _cpu_triton():
             return torch.ops.sylvie_comm_triton

@@ -1,9 +1,10 @@
 """Pure-torch references for every compiled kernel.
 
 These functions define the exact semantics of the ops registered under
-``torch.ops.sylvie_comm``: the C++ (CPU) and CUDA kernels must return the same
-bits for the same inputs, and the test suite checks that they do. They are also
-the fallback when the extension is not built, so they run on any device.
+``torch.ops.sylvie_comm`` (the C++ CPU kernels) and ``torch.ops.sylvie_comm_triton``
+(the Triton GPU kernels): both must return the same bits for the same inputs,
+and the test suite checks that they do. They are also the fallback when the
+extension is not built, so they run on any device.
 
 Conventions shared with ``csrc/common/sc_math.h``:
 

@@ -336,12 +336,14 @@ def test_the_reduce_scatter_form_is_monitored_per_segment(codec: str) -> None:
 
 def _auto_run(config: _Config, steps: int, choice: str, state: Any = None, save_at: int | None = None,
               ) -> list[dict[str, Any]]:  # fmt: skip
-    """auto on one bucket, its choice set to ``choice`` as if the probe had timed it fastest (qsgd next)."""
+    """auto on one bucket, its choice set to ``choice`` as if the probe had timed it fastest (qsgd next), for
+    ``steps`` steps from the probe's end (where the monitor's checks start counting); ``save_at`` counts from there
+    too."""
 
     def body(tr: Any) -> dict[str, Any]:
         session = Session("test", config, tr)
         alg = session.algorithm
-        first = 0
+        first = probe = alg.settles_after()
         if state is not None:
             first = session.load_state_dict(state[tr.rank], list(SHAPES.items()))
         else:
@@ -350,7 +352,7 @@ def _auto_run(config: _Config, steps: int, choice: str, state: Any = None, save_
                                           "rejected": {}},
                                  "candidates": {}})  # fmt: skip
         outs, choices, saved = [], [], None
-        for step in range(first, steps):
+        for step in range(first, probe + steps):
             session.step = step
             values = grads(tr.rank, step)
             members = [Member(n, values[n].clone(), *session.policy.member_options(n, SHAPES[n])) for n in SHAPES]
@@ -358,9 +360,9 @@ def _auto_run(config: _Config, steps: int, choice: str, state: Any = None, save_
             outs.append({m.name: m.tensor for m in members})
             choices.append(alg.choices()[0])
             session.step = step + 1
-            if save_at is not None and step + 1 == save_at:
+            if save_at is not None and step + 1 == probe + save_at:
                 saved = session.state_dict()
-        result = {"outs": outs, "choices": choices, "stats": session.stats(), "saved": saved}
+        result = {"outs": outs, "choices": choices, "stats": session.stats(), "saved": saved, "probe": probe}
         session.close()
         return result
 
@@ -368,19 +370,20 @@ def _auto_run(config: _Config, steps: int, choice: str, state: Any = None, save_
 
 
 def test_auto_moves_a_bucket_off_a_candidate_over_the_bound_to_the_next_fastest() -> None:
-    """auto on topk (timed fastest) with a bound topk cannot meet: after `patience` checks the bucket moves to
-    qsgd (the next fastest), every rank at the same step; topk's residual travels with the next gradient, so
+    """auto on topk (timed fastest) with a bound topk cannot meet: at the first check (topk needs the monitor: one
+    check is enough, whatever ``patience`` says) the bucket moves to qsgd (the next fastest), every rank at the same
+    step; topk's residual travels with the next gradient, so
     over the run every rank received what every rank sent, less what qsgd still owes at the end."""
     config = Config("auto", warmup_steps=0, options={"candidates": ["none", "fp16", "qsgd", "topk"]},
                     monitor={"period": 3, "max_lag": 0.3, "patience": 2})  # fmt: skip
     res = _auto_run(config, 12, "topk", save_at=12)
     assert res[0]["choices"] == res[1]["choices"]
-    assert res[0]["choices"][:6] == ["topk"] * 6 and res[0]["choices"][6:] == ["qsgd"] * 6
+    assert res[0]["choices"][:3] == ["topk"] * 3 and res[0]["choices"][3:] == ["qsgd"] * 9
     adapted = res[0]["stats"]["monitor"]["adapted"]
     assert len(adapted) == 1 and adapted[0].endswith("topk -> qsgd"), adapted
     for n in ("w1", "w2"):
         got = sum(res[0]["outs"][s][n] for s in range(12))
-        want = sum(mean(2, s)[n] for s in range(12))
+        want = sum(mean(2, res[0]["probe"] + s)[n] for s in range(12))
         owed = sum(r["saved"]["params"]["candidates"]["qsgd"][n]["residual"] for r in res) / 2
         torch.testing.assert_close(got + owed, want, rtol=0, atol=1e-4)
 
@@ -390,27 +393,38 @@ def test_auto_leaves_every_codec_that_needs_the_monitor_once_one_is_over_the_bou
     too) for qsgd, the fastest of the candidates that do not."""
     config = Config("auto", warmup_steps=0, options={"candidates": ["none", "fp16", "qsgd", "onebit", "topk"]},
                     monitor={"period": 3, "max_lag": 0.3, "patience": 2})  # fmt: skip
+    totals = {"none": 3.0, "fp16": 2.0, "qsgd": 1.0, "onebit": 0.7, "topk": 0.5}
+    for choices in run_local(2, lambda tr: _auto_choices(tr, config, "topk", totals)):
+        assert choices[:3] == ["topk"] * 3 and choices[3:] == ["qsgd"] * 9, choices
 
-    def body(tr: Any) -> list[str]:
-        session = Session("test", config, tr)
-        alg = session.algorithm
-        alg.load_state_dict({"auto": {"choices": {0: "topk"}, "timings": {},
-                                      "totals": {0: {"none": 3.0, "fp16": 2.0, "qsgd": 1.0, "onebit": 0.7,
-                                                     "topk": 0.5}}, "rejected": {}},
-                             "candidates": {}})  # fmt: skip
-        choices = []
-        for step in range(12):
-            session.step = step
-            values = grads(tr.rank, step)
-            members = [Member(n, values[n].clone(), *session.policy.member_options(n, SHAPES[n])) for n in SHAPES]
-            session.run(Group(0, members)).wait()
-            choices.append(alg.choices()[0])
-            session.step = step + 1
-        session.close()
-        return choices
 
-    for choices in run_local(2, body):
-        assert choices[:6] == ["topk"] * 6 and choices[6:] == ["qsgd"] * 6, choices
+def test_auto_waits_the_monitors_patience_on_a_candidate_that_needs_no_monitor() -> None:
+    """qsgd over an unmeetable bound moves the bucket to fp16 only after ``patience`` (2) checks: it keeps the model
+    by itself on every workload measured, so one check over the bound is not enough to give up its speed."""
+    config = Config("auto", warmup_steps=0, options={"candidates": ["none", "fp16", "qsgd"]},
+                    monitor={"period": 3, "max_lag": 1e-6, "patience": 2})  # fmt: skip
+    totals = {"none": 3.0, "fp16": 2.0, "qsgd": 1.0}
+    for choices in run_local(2, lambda tr: _auto_choices(tr, config, "qsgd", totals)):
+        assert choices[:6] == ["qsgd"] * 6 and choices[6:] == ["fp16"] * 6, choices
+
+
+def _auto_choices(tr: Any, config: Config, start: str, totals: dict[str, float]) -> list[str]:
+    """auto's choice at each of 12 steps after its probe, the probe's agreed times given and ``start`` chosen."""
+    session = Session("test", config, tr)
+    alg = session.algorithm
+    alg.load_state_dict({"auto": {"choices": {0: start}, "timings": {}, "totals": {0: totals}, "rejected": {}},
+                         "candidates": {}})  # fmt: skip
+    choices = []
+    probe = alg.settles_after()
+    for step in range(probe, probe + 12):
+        session.step = step
+        values = grads(tr.rank, step)
+        members = [Member(n, values[n].clone(), *session.policy.member_options(n, SHAPES[n])) for n in SHAPES]
+        session.run(Group(0, members)).wait()
+        choices.append(alg.choices()[0])
+        session.step = step + 1
+    session.close()
+    return choices
 
 
 def test_auto_resumes_with_its_demotions() -> None:
@@ -472,3 +486,18 @@ def test_the_first_checks_come_early_then_every_period() -> None:
     assert every[0] == list(range(1, 400)) and every[1] == list(range(80))
     assert small[0] == [1, 3, *range(6, 400, 3)]
     assert small[1] == [0, 2, *range(5, 80, 3)]
+
+
+def test_auto_checks_count_from_the_end_of_its_probe() -> None:
+    """auto probes 5 candidates for 2 steps each: a check in the probe would judge candidates that are not the
+    choice, so the first comes 10 steps into the choice (step 20), then at the doubling gaps (40, 80, 130)."""
+
+    def body(tr: Any) -> list[int]:
+        session = Session("t", Config("auto"), tr)
+        mon = session.policy.monitor
+        assert mon is not None and session.algorithm.settles_after() == 10
+        due = [s for s in range(140) if mon.due(s)]
+        session.close()
+        return due
+
+    assert run_local(1, body)[0] == [20, 40, 80, 130]

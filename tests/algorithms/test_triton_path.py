@@ -4,7 +4,8 @@ Triton's interpreter) at 2 in-process ranks, against the same run on the pure-to
 The Triton kernels return the references' bits for packing, one-bit and q-bit codes, so those algorithms must give
 the same bits end to end, outputs and state alike. The low-rank kernels sum their products in their own fixed order
 (:mod:`sylvie_comm.kernels.ordered`), which differs from ``torch.matmul``'s by float rounding: the low-rank
-algorithms (continuous in their inputs) agree to it.
+algorithms (continuous in their inputs) agree to it. ``auto`` runs with its clock stopped and its pick fixed, so
+both runs probe every default candidate (ACP-SGD among them, hence the low-rank tolerance) and then take the same.
 """
 
 from __future__ import annotations
@@ -18,18 +19,29 @@ pytest.importorskip("triton")
 
 from sylvie_comm import kernels
 from sylvie_comm.algorithms import ALGORITHMS
+from sylvie_comm.algorithms import auto as auto_mod
 from sylvie_comm.kernels import triton as kt
 from tests.algorithms.test_fused_paths import run as run_algorithm
 
 # Rows of whole one-bit chunks, rows shorter than 64, vectors, a 3-D tensor, one long row.
 SHAPES = {"w1": (12, 64), "w2": (4, 300), "w3": (10, 24), "b1": (64,), "b2": (10,), "w4": (3, 5, 8)}
-LOW_RANK = {"acpsgd", "powersgd"}
-# auto times its candidates on the wire and picks by the clock: the same choice in two runs is not given.
-NAMES = sorted(n for n in ALGORITHMS if n != "auto")
+LOW_RANK = {"acpsgd", "powersgd", "auto"}
+NAMES = sorted(ALGORITHMS)
+AUTO_CHOICE = "qsgd"  # after one probe step of each default candidate
 
 
 def run(name: str) -> list[Any]:
+    if name == "auto":
+        candidates = auto_mod.AutoAlgorithm.option_defaults["candidates"]
+        return run_algorithm(name, 2, len(candidates) + 2, {"probe_steps": 1}, shapes=SHAPES)
     return run_algorithm(name, 2, 2, shapes=SHAPES)
+
+
+@pytest.fixture
+def fixed_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto times its candidates and picks by the clock: both stopped here, so two runs choose alike."""
+    monkeypatch.setattr(auto_mod, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: 0.0)}))
+    monkeypatch.setattr(auto_mod, "pick", lambda names, seconds: AUTO_CHOICE)
 
 
 @pytest.fixture
@@ -76,8 +88,10 @@ def _pairs(state: Any, other: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_every_algorithm_runs_the_triton_kernels_as_the_references(name: str, routes: Any) -> None:
+def test_every_algorithm_runs_the_triton_kernels_as_the_references(name: str, routes: Any, fixed_auto: None) -> None:
     on_triton, on_reference, routed = routes(lambda: run(name))
+    if name == "auto":
+        assert on_triton[0][1]["auto"]["choices"] == {0: AUTO_CHOICE}, on_triton[0][1]["auto"]
     if name not in ("none", "fp16", "bf16"):  # the codecs without a kernel of their own
         assert routed > 0, f"{name}: no kernel call reached the Triton route"
     for (out_t, state_t), (out_r, state_r) in zip(on_triton, on_reference, strict=True):

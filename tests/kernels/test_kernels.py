@@ -155,31 +155,3 @@ def test_kernel_checks(call, message):
 def test_isa_switch_rejects_unknown():
     with pytest.raises(ValueError, match="available"):
         _ops.set_cpu_isa("sse9")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() and _ops.WITH_CUDA_OPS), reason="needs a GPU and the CUDA kernels")
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_kernels_match_reference(dtype):
-    for bits in (1, 2, 4, 8):
-        for rows, cols in [(0, 3), (5, 0), (33, 129), (2, 300_000)]:
-            x = torch.randn(rows, cols).to(dtype)
-            for meta in (torch.float32, torch.bfloat16):
-                got = OPS.qbit_encode(x.cuda(), bits, 77, 2**32 - 5, meta)
-                want = ref.qbit_encode(x, bits, 77, 2**32 - 5, meta)
-                for g, w in zip(got, want, strict=True):
-                    assert_same(g.cpu(), w)
-                assert_same(OPS.qbit_decode(*got, bits, cols, dtype).cpu(), ref.qbit_decode(*want, bits, cols, dtype))
-        v = torch.randint(0, 1 << bits, (7, 45), dtype=torch.uint8)
-        assert_same(OPS.pack_bits(v.cuda(), bits).cpu(), ref.pack_bits(v, bits))
-        assert_same(OPS.unpack_bits(ref.pack_bits(v, bits).cuda(), bits, 45).cpu(), v)
-    for n in (0, 9, 4096, 1_000_003):
-        x = torch.randn(n).to(dtype)
-        packed, scales = OPS.onebit_encode(x.cuda(), 2048, False)
-        rpacked, rscales = ref.onebit_encode(x, 2048, False)
-        assert_same(packed.cpu(), rpacked)
-        assert_scales(scales.cpu(), rscales)
-        assert_same(
-            OPS.onebit_decode(packed, scales, n, 2048, dtype).cpu(),
-            ref.onebit_decode(rpacked, scales.cpu(), n, 2048, dtype),
-        )

@@ -178,7 +178,7 @@ def test_nonfinite_and_degenerate_rows(bits, dtype):
 
 
 def test_signed_zero_minimum():
-    # Min and max are taken on order keys, -0.0 below +0.0, as the CUDA kernels do (torch's amin returns
+    # Min and max are taken on order keys, -0.0 below +0.0 (torch's amin returns
     # whichever zero comes first, so the reference is compared only where it agrees).
     x = torch.tensor([[0.0, -0.0, 1.0], [-0.0, 0.0, 1.0], [-0.0, -0.0, -0.0], [0.0, 0.0, 0.0]], device=DEVICE)
     packed, scale, minimum = OPS.qbit_encode(x, 4, 3, 0, torch.float32)

@@ -2,7 +2,7 @@
 # (Triton reads the annotations of a jit function's parameters: its kernels keep only the constexpr ones.)
 """The one-bit codec in Triton: ``sylvie_comm_triton::onebit_encode``, ``onebit_decode``, ``onebit_decode_into``,
 ``onebit_feedback_encode`` and ``onebit_mean_feedback_encode``, with the schemas, argument checks and error messages
-of the compiled ``sylvie_comm`` ops (``csrc/ops/ops.cpp``, ``csrc/ops/checks.h``, ``csrc/cuda/glue.cpp``) and the
+of the compiled ``sylvie_comm`` ops (``csrc/ops/ops.cpp``, ``csrc/ops/checks.h``) and the
 semantics of :mod:`sylvie_comm.kernels.reference`.
 
 Layout of the work (see :func:`_geometry`). A program owns a tile of ``rows`` chunks by ``cols`` elements and steps
@@ -57,7 +57,7 @@ that midpoint. Hence:
   about ``2**±25``) in chunks of 64 to 16384 elements: where the two float64 means differ at all (in up to 60 %
   of chunks) they differ by about ``1e-16`` relative on average, which makes a disagreement about one chunk in
   ``1e9``; none occurred in ``1e7`` chunks. A disagreement would be one fp32 ulp of that chunk's scale (the
-  tolerance the compiled CPU and CUDA kernels are tested to, their float64 sums also running in their own
+  tolerance the compiled CPU kernels are tested to, their float64 sums also running in their own
   order), carried into that chunk's residual; the packed bits, the decode and the mean never depend on it;
 * a chunk holding NaN or Inf has a non-finite sum in every order: NaN (``0x7FC00000``) in both.
 

@@ -15,11 +15,11 @@ Encode, by row length:
   workspace; (2) a program per block of rows combines a row's segment keys (exact, in a fixed order) into its
   scale, minimum and inverse scale; (3) a program per segment quantizes and packs it with its row's metadata.
 
-Min and max are taken on order-preserving uint32 keys of the fp32 values, as the CUDA kernels do
-(``csrc/cuda/qbit.cu``): exact, independent of the order, ``-0.0 < +0.0``, and a NaN or Inf marks its row as not
-finite. The noise is :func:`~sylvie_comm.kernels.reference.uniform`'s hash in uint32 arithmetic on the 64-bit
-unsigned counter ``offset + row * cols + col``; the seed keys come from
-:func:`~sylvie_comm.kernels.reference.seed_keys` on the host.
+Min and max are taken on order-preserving uint32 keys of the fp32 values: exact, independent of the order,
+``-0.0 < +0.0``, and a NaN or Inf marks its row as not finite. The noise is
+:func:`~sylvie_comm.kernels.reference.uniform`'s hash in uint32 arithmetic on the 64-bit unsigned counter
+``offset + row * cols + col``; the seed keys come from :func:`~sylvie_comm.kernels.reference.seed_keys` on the
+host.
 
 Conversions done by hand, because the interpreter does them differently from a GPU and from torch: bf16 inputs
 are widened from their bits (the interpreter misreads bf16 subnormals), and decoded values rounded to bf16 to
