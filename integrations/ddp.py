@@ -22,6 +22,7 @@ this one is on the wire.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -60,10 +61,14 @@ class _Entry:
 
 @dataclass
 class _Plan:
-    """A bucket's parameters; rebuilt when DDP rebuilds its buckets."""
+    """A bucket's parameters and the group of views into its buffer, built once: again only when DDP rebuilds its
+    buckets (its parameters change) or hands over another buffer."""
 
     signature: tuple[str, ...]
     entries: list[_Entry]
+    buffer: tuple[int, int] = (0, -1)  # data_ptr and numel of the buffer the group's views are of
+    group: Group | None = None
+    final: bool = False  # checked against the bucket's parameters after DDP's buckets became final
 
 
 class HookState:
@@ -106,6 +111,9 @@ class HookState:
             self.policy.check_parameters(named_parameters, "ddp")
             self.bind(named_parameters)
         self._plans: dict[int, _Plan] = {}
+        # DDP's model, where given: once it has rebuilt its buckets (after the first iteration; DDP does it once),
+        # a bucket's parameters are final and a plan is reused without reading them again.
+        self._ddp: weakref.ref[nn.parallel.DistributedDataParallel] | None = None
 
     def __getattr__(self, attr: str) -> Any:
         if attr in ("algorithm", "session"):  # not set yet: __init__ failed or is still running
@@ -162,16 +170,33 @@ class HookState:
         plan = self._plans[bucket.index()] = _Plan(names, entries)
         return plan
 
+    def watch(self, ddp_model: nn.parallel.DistributedDataParallel) -> None:
+        """Read ``ddp_model``'s bucket rebuild, so a bucket's plan is checked against its parameters only until
+        DDP's buckets are final (:func:`make_state` does this when given the DDP model)."""
+        self._ddp = weakref.ref(ddp_model)
+
+    def _buckets_final(self) -> bool:
+        ddp = self._ddp() if self._ddp is not None else None
+        return ddp is not None and bool(getattr(ddp, "_has_rebuilt_buckets", False))
+
     def _group(self, bucket: GradBucket, step: int) -> Group:
         buf = bucket.buffer()
         if step < self.config.warmup_steps:
             # Plain averaging of the whole buffer: parameters are named once DDP's buckets are final.
             return Group(bucket.index(), [], flat=buf)
-        members = [
-            Member(e.name, buf[e.offset : e.offset + e.numel].view(e.shape), e.compress, e.options)
-            for e in self._plan(bucket).entries
-        ]
-        return Group(bucket.index(), members, flat=buf)
+        where = (buf.data_ptr(), buf.numel())
+        plan = self._plans.get(bucket.index())
+        if plan is None or not plan.final or plan.group is None or plan.buffer != where:
+            plan = self._plan(bucket)  # the bucket's parameters read and named: a new plan where they changed
+            if plan.group is None or plan.buffer != where:
+                members = [
+                    Member(e.name, buf[e.offset : e.offset + e.numel].view(e.shape), e.compress, e.options)
+                    for e in plan.entries
+                ]
+                plan.group, plan.buffer = Group(bucket.index(), members, flat=buf), where
+            plan.final = self._buckets_final()
+        assert plan.group is not None
+        return plan.group
 
     def communicate(self, bucket: GradBucket) -> Future[torch.Tensor]:
         step = self.step
@@ -267,10 +292,13 @@ def make_state(
         return HookState(merge_config("ddp", codec, config, options), transport, named)
 
     try:
-        return agree(transport, build, lambda state: state.describe(), "sylvie_comm.ddp")
+        state = agree(transport, build, lambda state: state.describe(), "sylvie_comm.ddp")
     except BaseException:
         transport.close()  # no hook will use its group
         raise
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        state.watch(model)
+    return state
 
 
 def make_hook(

@@ -11,6 +11,7 @@ from which step, is policy (:mod:`sylvie_comm.algorithms.policy`), not here.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -102,8 +103,10 @@ class Group:
             return self.flat.device
         return self.members[0].tensor.device if self.members else torch.device("cpu")
 
-    @property
+    @functools.cached_property
     def signature(self) -> tuple[tuple[str, bool], ...]:
+        """The members' names and whether each compresses: what a layout is built for (computed once per group;
+        a group's members are not changed after it is made: a changed membership is a new group)."""
         return tuple((m.name, m.compress) for m in self.members)
 
     @property

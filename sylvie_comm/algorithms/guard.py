@@ -192,8 +192,7 @@ class StepGuard:
         if device is not None and failed:  # a collective failed mid-step: whatever it changed goes back
             bad = torch.ones((), dtype=torch.bool, device=device)
         if device is not None and bad is not None:
-            for state, copy in saved:
-                kernels.copy_if(state, copy, bad)
+            kernels.copy_if_many(saved, bad)
             for action in actions:
                 action(bad)
             count = bad.to(torch.int64)

@@ -10,7 +10,8 @@ the median over ``steps`` steps after warm-up is reported per hook and layout, n
 one-bucket layout only: with two or more buckets on gloo it launches its second all-reduce from a
 callback and deadlocks.
 
-Run ``python -m sylvie_comm.bench.hooks`` (``--layers``, ``--steps``, ``--out`` for JSON).
+Run ``python -m sylvie_comm.bench.hooks`` (``--layers``, ``--steps``; ``--out FILE.json`` writes the record and
+``FILE.md``, its table with the ratios to PyTorch's hooks of the same run).
 """
 
 from __future__ import annotations
@@ -90,17 +91,44 @@ def measure(layers: int = 32, steps: int = 20) -> dict[str, Any]:
             port = sock.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     layouts = {"many": (1e-4, ("torch-fp16", *OURS)), "one": (100.0, ("torch-fp16", "torch-powersgd", *OURS))}
-    out: dict[str, Any] = {"layers": layers, "steps": steps, "threads": torch.get_num_threads(), "layouts": {}}
+    import datetime
+    import platform
+
+    out: dict[str, Any] = {
+        "benchmark": "hooks", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.platform(), "torch": torch.__version__, "layers": layers, "steps": steps,
+        "threads": torch.get_num_threads(), "layouts": {},
+    }  # fmt: skip
     try:
         for layout, (bucket_mb, names) in layouts.items():
             rows = {name: _run(name, layers, steps, bucket_mb) for name in names}
             for r in rows.values():
                 r["x_torch_fp16"] = r["us_per_bucket"] / rows["torch-fp16"]["us_per_bucket"]
+                if "torch-powersgd" in rows:
+                    r["x_torch_powersgd"] = r["us_per_bucket"] / rows["torch-powersgd"]["us_per_bucket"]
             out["layouts"][layout] = rows
     finally:
         if init:
             dist.destroy_process_group()
     return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The record as a table: µs per bucket and the ratios to PyTorch's hooks of the same run."""
+    many, one = result["layouts"]["many"], result["layouts"]["one"]
+    lines = [
+        f"Host time per bucket, {result['layers']} x Linear(16, 16), median of {result['steps']} steps, one process "
+        f"(gloo, world size 1), {result['threads']} thread(s), torch {result['torch']}, {result['date']}.",
+        "",
+        "| hook | µs, a bucket per parameter | x torch fp16 | µs, one bucket | x torch fp16 | x torch PowerSGD |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in one.items():
+        m = many.get(name)
+        left = f"{m['us_per_bucket']:.0f} | {m['x_torch_fp16']:.2f}" if m else "(deadlocks on gloo) | "
+        lines.append(f"| {name} | {left} | {r['us_per_bucket']:.0f} | {r['x_torch_fp16']:.2f} | "
+                     f"{r['x_torch_powersgd']:.2f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         left = f"{m['us_per_bucket']:19.1f} {m['x_torch_fp16']:13.2f}" if m else f"{'(deadlocks)':>19s} {'':13s}"
         print(f"{name:16s} {left} {one[name]['us_per_bucket']:11.1f} {one[name]['x_torch_fp16']:13.2f}")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        out = Path(args.out)
+        out.write_text(json.dumps(result, indent=2))
+        out.with_suffix(".md").write_text(markdown(result))
     return 0
 
 

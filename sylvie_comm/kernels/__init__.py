@@ -13,6 +13,7 @@ as well, run by Triton's interpreter: the GPU code path, executed on a machine w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from sylvie_comm.kernels import triton as _triton
 __all__ = [
     "backend",
     "copy_if",
+    "copy_if_many",
     "lowrank_gram",
     "lowrank_outer_into",
     "lowrank_project",
@@ -312,3 +314,20 @@ def copy_if(dst: torch.Tensor, src: torch.Tensor | None, flag: torch.Tensor) -> 
         ns.copy_if(dst, src, flag)
     else:
         reference.copy_if(dst, src, flag)
+
+
+def copy_if_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor | None]], flag: torch.Tensor) -> None:
+    """:func:`copy_if` for every ``(dst, src)`` of ``pairs`` with one ``flag`` (a step's restore). CPU tensors
+    with a CPU flag: the flag is read once (memory on the host, nothing to wait for) and only a set flag moves
+    any; elsewhere (CUDA, the Triton route, ``meta``) one :func:`copy_if` per pair, decided on the device."""
+    cpu = flag.device.type == "cpu" and _ops_for(flag.device) is not getattr(torch.ops, _triton.NAMESPACE)
+    if cpu and all(dst.device.type == "cpu" for dst, _ in pairs):
+        if bool(flag.reshape(())):
+            for dst, src in pairs:
+                if src is None:
+                    dst.zero_()
+                else:
+                    dst.copy_(src)
+        return
+    for dst, src in pairs:
+        copy_if(dst, src, flag)

@@ -45,3 +45,6 @@ def test_the_hook_host_time_bench_runs_every_hook_next_to_pytorchs(tmp_path) -> 
     assert set(result["layouts"]["many"]) == {"torch-fp16", *OURS}
     assert all(r["us_per_bucket"] > 0 and r["buckets"] >= 1 for r in result["layouts"]["one"].values())
     assert result["layouts"]["many"]["none"]["buckets"] > result["layouts"]["one"]["none"]["buckets"]
+    assert all(r["x_torch_powersgd"] > 0 for r in result["layouts"]["one"].values())
+    table = out.with_suffix(".md").read_text()
+    assert all(f"| {name} |" in table for name in result["layouts"]["one"])
