@@ -219,8 +219,8 @@ class AutoAlgorithm(Algorithm):
     def patience(self, key: int, default: int) -> int:
         """One check over the bound moves a group off a candidate that needs the monitor: each further step on a
         codec that hurts the model costs the model (under Adam, early errors stay in the second moment for
-        hundreds of steps; on the byte LM, 30 steps of one-bit left the run 1.3% over plain's loss at the end),
-        while moving on costs only speed. The monitor's patience for the rest."""
+        hundreds of steps; on the byte LM, 20 steps of one-bit after the probe left the run 1.3% over plain's
+        loss at the end), while moving on costs only speed. The monitor's patience for the rest."""
         current = self._choice.get(key)
         return 1 if current is not None and self.candidates[current].needs_monitor else default
 

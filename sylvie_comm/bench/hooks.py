@@ -23,12 +23,15 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from sylvie_comm.bench.link import machine
 
 OURS = ("none", "fp16", "acpsgd", "powersgd", "onebit", "topk", "qsgd", "sign")
 
@@ -91,13 +94,9 @@ def measure(layers: int = 32, steps: int = 20) -> dict[str, Any]:
             port = sock.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     layouts = {"many": (1e-4, ("torch-fp16", *OURS)), "one": (100.0, ("torch-fp16", "torch-powersgd", *OURS))}
-    import datetime
-    import platform
-
     out: dict[str, Any] = {
-        "benchmark": "hooks", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.platform(), "torch": torch.__version__, "layers": layers, "steps": steps,
-        "threads": torch.get_num_threads(), "layouts": {},
+        "benchmark": "hooks", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+        "layers": layers, "steps": steps, "threads": torch.get_num_threads(), "layouts": {},
     }  # fmt: skip
     try:
         for layout, (bucket_mb, names) in layouts.items():
@@ -118,7 +117,7 @@ def markdown(result: dict[str, Any]) -> str:
     many, one = result["layouts"]["many"], result["layouts"]["one"]
     lines = [
         f"Host time per bucket, {result['layers']} x Linear(16, 16), median of {result['steps']} steps, one process "
-        f"(gloo, world size 1), {result['threads']} thread(s), torch {result['torch']}, {result['date']}.",
+        f"(gloo, world size 1), {result['threads']} thread(s), torch {result['machine']['torch']}, {result['date']}.",
         "",
         "| hook | µs, a bucket per parameter | x torch fp16 | µs, one bucket | x torch fp16 | x torch PowerSGD |",
         "|---|---:|---:|---:|---:|---:|",

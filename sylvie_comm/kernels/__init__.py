@@ -320,8 +320,7 @@ def copy_if_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor | None]], flag
     """:func:`copy_if` for every ``(dst, src)`` of ``pairs`` with one ``flag`` (a step's restore). CPU tensors
     with a CPU flag: the flag is read once (memory on the host, nothing to wait for) and only a set flag moves
     any; elsewhere (CUDA, the Triton route, ``meta``) one :func:`copy_if` per pair, decided on the device."""
-    cpu = flag.device.type == "cpu" and _ops_for(flag.device) is not getattr(torch.ops, _triton.NAMESPACE)
-    if cpu and all(dst.device.type == "cpu" for dst, _ in pairs):
+    if flag.device.type == "cpu" and backend(flag) != "triton" and all(dst.device.type == "cpu" for dst, _ in pairs):
         if bool(flag.reshape(())):
             for dst, src in pairs:
                 if src is None:
