@@ -19,12 +19,12 @@ from typing import Any
 import torch
 
 from sylvie_comm.algorithms import Group, Member
-from sylvie_comm.algorithms.session import Session, merge_config
+from sylvie_comm.algorithms.session import Session, SessionHolder, merge_config
 from sylvie_comm.collectives import Transport
 from sylvie_comm.config import Config
 
 
-class GradientAverage:
+class GradientAverage(SessionHolder):
     """A model's gradients averaged across a transport's ranks by a named algorithm, after backward.
 
     Building one is a collective call: every rank must build it, and ranks with another configuration fail
@@ -39,10 +39,8 @@ class GradientAverage:
             self.what, transport, lambda: merge_config(self.what, codec, None, options, default="none"),
             prepare=lambda session: session.policy.check_parameters(self.params, self.what),
         )  # fmt: skip
-        self.config, self.policy, self.algorithm = self.session.config, self.session.policy, self.session.algorithm
         # Whether each parameter compresses, and with which options: fixed by its name and shape.
         self.plan = [self.policy.member_options(n, p.shape) for n, p in self.params]
-        self.world_size = self.session.world_size
 
     @property
     def step(self) -> int:
@@ -59,14 +57,6 @@ class GradientAverage:
         self.session.run(Group(0, members)).wait()
         self.session.step += 1
 
-    def stats(self) -> dict[str, Any]:
-        """Wire bytes, the fp32 all-reduce equivalent, their ratio and seconds (see the DDP hook's)."""
-        return self.session.stats()
-
-    def memory_bytes(self) -> int:
-        """Bytes of tensors the algorithm keeps between steps."""
-        return self.session.memory_bytes()
-
     def state_dict(self) -> dict[str, Any]:
         """This rank's state in every integration's checkpoint format."""
         return self.session.state_dict()
@@ -79,10 +69,6 @@ class GradientAverage:
             state = {**state, "config": _default_config(state["codec"]), "world_size": self.world_size,
                      "rank": self.session.rank}  # fmt: skip
         self.session.load_state_dict(state, ((n, p.shape) for n, p in self.params), agreed=agreed)
-
-    def close(self) -> None:
-        """Stop the algorithm's thread and close the transport (idempotent)."""
-        self.session.close()
 
 
 def _default_config(codec: Any) -> dict[str, Any]:

@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sylvie_comm.algorithms import ALGORITHMS, Group, Member, algorithm_class, then
+from sylvie_comm.algorithms import ALGORITHMS, Group, Member, then
 from sylvie_comm.algorithms.base import real_view
-from sylvie_comm.algorithms.session import Session, merge_config
-from sylvie_comm.collectives import ProcessGroupTransport, agree
+from sylvie_comm.algorithms.session import Session, SessionHolder, merge_config
+from sylvie_comm.collectives import ProcessGroupTransport
 from sylvie_comm.config import Config
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class _Plan:
     final: bool = False  # checked against the bucket's parameters after DDP's buckets became final
 
 
-class HookState:
+class HookState(SessionHolder):
     """The hook's :class:`~sylvie_comm.algorithms.session.Session` (configuration, algorithm, statistics,
     step, checkpoint) and DDP's buckets as groups of named gradients.
 
@@ -84,32 +84,27 @@ class HookState:
         config: Config,
         transport: ProcessGroupTransport,
         named_parameters: Iterable[tuple[str, nn.Parameter]] | None = None,
+        *,
+        session: Session | None = None,
     ) -> None:
-        # hyperparameters (no collectives here: make_state() agrees across ranks around this)
-        cls = algorithm_class(config.codec, "hook")
-        cls.validate_options(config.options)
-        if cls.error_feedback and config.warmup_steps < 2:
-            raise ValueError(
-                f"ddp[{cls.name}]: warmup_steps must be >= 2 with error feedback (got {config.warmup_steps}), "
-                "because DDP rebuilds its buckets after the first iteration and the hook's per-bucket "
-                "buffers should be laid out once the buckets are final"
-            )
-        self.session = Session(f"ddp[{cls.name}]", config, transport, kind="hook")
-        self.name = cls.name
-        self.config = config
+        # hyperparameters (no collectives here: make_state() agrees across ranks, through Session.agreed)
+        named = list(named_parameters) if named_parameters is not None else None
+        if session is None:
+            session = Session("ddp", config, transport, kind="hook")
+            try:
+                _check(session, named)
+            except BaseException:
+                session.close(transport=False)  # its algorithm's thread: no one will use it
+                raise
+        session.what = f"ddp[{session.name}]"
+        self.session = session
         self.transport = transport
-        self.world_size = transport.world_size
-        self.algorithm = self.session.algorithm
-        self.options = self.algorithm.options
-        self.policy = self.session.policy
         # internal state
         self._names: dict[int, str] = {}
         self._shapes: dict[str, torch.Size] = {}
-        self._auto_names = named_parameters is None
-        if named_parameters is not None:
-            named_parameters = list(named_parameters)
-            self.policy.check_parameters(named_parameters, "ddp")
-            self.bind(named_parameters)
+        self._auto_names = named is None
+        if named is not None:
+            self.bind(named)
         self._plans: dict[int, _Plan] = {}
         # DDP's model, where given: once it has rebuilt its buckets (after the first iteration; DDP does it once),
         # a bucket's parameters are final and a plan is reused without reading them again.
@@ -207,15 +202,6 @@ class HookState:
 
     # ------------------------------------------------------------------ public
 
-    def stats(self) -> dict[str, Any]:
-        """Cumulative wire bytes, the plain fp32 all-reduce equivalent, their ratio and
-        encode/decode seconds; ``last_step`` holds the same for the last completed step."""
-        return self.session.stats()
-
-    def memory_bytes(self) -> int:
-        """Bytes of tensors the hook keeps between steps (residuals, factors, buffers)."""
-        return self.session.memory_bytes()
-
     def state_dict(self) -> dict[str, Any]:
         """Step counter and per-parameter state, keyed by parameter name, of this rank (``rank``: residuals
         are per rank, so every rank saves its own), in the one format of every integration
@@ -249,6 +235,19 @@ _PYTHON_REDUCER = (
     "DDP's C++ reducer and its buckets under torch.compile): set torch._dynamo.config.optimize_ddp = True before "
     "building DistributedDataParallel, and leave compiled autograd off for the backward pass"
 )
+
+
+def _check(session: Session, named: list[tuple[str, nn.Parameter]] | None) -> None:
+    """What the hook adds to the session's own checks: error feedback's warm-up and the parameters' dtypes."""
+    alg = session.algorithm
+    if alg.error_feedback and session.config.warmup_steps < 2:
+        raise ValueError(
+            f"ddp[{alg.name}]: warmup_steps must be >= 2 with error feedback (got {session.config.warmup_steps}), "
+            "because DDP rebuilds its buckets after the first iteration and the hook's per-bucket "
+            "buffers should be laid out once the buckets are final"
+        )
+    if named is not None:
+        session.policy.check_parameters(named, "ddp")
 
 
 def check_reducer(ddp_model: nn.Module) -> None:
@@ -287,15 +286,11 @@ def make_state(
     transport = ProcessGroupTransport(process_group, timeout=timeout)  # a collective: every rank gets here
     module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     named = list(module.named_parameters()) if module is not None else None
-
-    def build() -> HookState:
-        return HookState(merge_config("ddp", codec, config, options), transport, named)
-
-    try:
-        state = agree(transport, build, lambda state: state.describe(), "sylvie_comm.ddp")
-    except BaseException:
-        transport.close()  # no hook will use its group
-        raise
+    session = Session.agreed(
+        "sylvie_comm.ddp", transport, lambda: merge_config("ddp", codec, config, options), kind="hook",
+        describe=lambda session: {"hook": session.name}, prepare=lambda session: _check(session, named),
+    )  # fmt: skip
+    state = HookState(session.config, transport, named, session=session)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         state.watch(model)
     return state

@@ -34,7 +34,7 @@ from torch import nn
 
 from sylvie_comm.algorithms import Group, Member
 from sylvie_comm.algorithms.base import Segment, ShardLayout
-from sylvie_comm.algorithms.session import Session, merge_config
+from sylvie_comm.algorithms.session import Session, SessionHolder, merge_config
 from sylvie_comm.collectives import ProcessGroupTransport
 from sylvie_comm.collectives.local import LocalGroup
 from sylvie_comm.config import Config
@@ -58,7 +58,8 @@ def _fsdp() -> Any:
 
 
 class _Unit:
-    """One FSDP unit: its parameter group, the names of its parameters and, once seen, its shard layout."""
+    """One FSDP unit: its parameter group, the names of its parameters and, once seen, its shard layout and the
+    plan of its reduce-scatter."""
 
     def __init__(self, index: int, fqn: str, module: nn.Module, names: dict[int, str]) -> None:
         groups = module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
@@ -77,6 +78,8 @@ class _Unit:
         self.world = dist.get_world_size(self.shard_group)  # what the flat buffer is laid out for
         self.step = 0
         self.layout: ShardLayout | None = None
+        self.plan: _Plan | None = None  # built at the unit's first reduce-scatter, rebuilt only if its call changes
+        self.shard = -1  # the elements per rank the replica hook last checked the layout against
 
     @property
     def shard_group(self) -> Any:
@@ -99,8 +102,45 @@ class _Unit:
         return ShardLayout(self.key, tuple(segs))
 
 
+class _Plan:
+    """One unit's reduce-scatter as FSDP calls it, checked once: the group and op, the buffers' sizes, dtypes
+    and device, the layout (every parameter's segment, the tiling checked) and what the op asks the average to
+    be multiplied by. A later call is checked against it in O(1) (:meth:`fits`, and the unit's layout still
+    the plan's object) and runs it; a call that differs (another group, op, size, dtype or device, another
+    layout) builds a new plan, and its checks run again there. The algorithms find their row plans by the
+    layout's identity too, so the layout object a plan keeps is what keeps theirs."""
+
+    __slots__ = ("device", "dtype", "group", "in_dtype", "layout", "numel", "op", "scale", "shard")
+
+    def __init__(self, layout: ShardLayout, output: torch.Tensor, flat: torch.Tensor, group: Any, op: Any,
+                 scale: float) -> None:  # fmt: skip
+        self.layout = layout
+        self.group = group
+        self.op = op
+        self.scale = scale
+        self.shard = output.numel()
+        self.numel = flat.numel()
+        self.dtype = output.dtype
+        self.in_dtype = flat.dtype
+        self.device = output.device
+
+    def fits(self, output: torch.Tensor, flat: torch.Tensor, group: Any, op: Any) -> bool:
+        """Tell whether a call with these arguments is the one this plan was built for (no value is read)."""
+        return (
+            group is self.group
+            and (op is self.op or op == self.op)
+            and output.numel() == self.shard
+            and flat.numel() == self.numel
+            and output.dtype == self.dtype
+            and flat.dtype == self.in_dtype
+            and output.device == self.device
+        )
+
+
 class _ReduceScatter:
     """The comm object FSDP calls for one unit: ``allocate`` (plain buffers) and ``__call__``."""
+
+    __slots__ = ("state", "unit")
 
     def __init__(self, state: FSDPState, unit: _Unit) -> None:
         self.state = state
@@ -116,7 +156,7 @@ class _ReduceScatter:
         self.state._reduce_scatter(self.unit, output_tensor, input_tensor, group, op)
 
 
-class FSDPState:
+class FSDPState(SessionHolder):
     """The :class:`~sylvie_comm.algorithms.session.Session` of one model's FSDP units, and their comms."""
 
     def __init__(self, model: nn.Module, session: Session, units: list[_Unit], replicas: bool) -> None:
@@ -124,18 +164,12 @@ class FSDPState:
         self.session = session
         self.units = units
         self.replicas = replicas
-        self.name = session.name
-        self.config = session.config
-        self.algorithm = session.algorithm
-        self.policy = session.policy
-        self.world_size = session.world_size
 
     # ------------------------------------------------------------------ FSDP's calls
 
     def _layout(self, unit: _Unit, numel: int) -> ShardLayout:
-        layout = unit.layout
-        if layout is None:
-            layout = unit.layout = unit.segments(unit.world, self.policy)
+        """Return the unit's layout (built once), checked against the ``numel`` elements per rank FSDP hands over."""
+        layout = self._unit_layout(unit)
         full = sum(s.numel for s in layout.segments)
         if numel != full:
             raise ValueError(
@@ -146,46 +180,57 @@ class FSDPState:
             )
         return layout
 
+    def _plan(self, unit: _Unit, output: torch.Tensor, flat: torch.Tensor, group: Any, op: Any) -> _Plan:
+        """Check a unit's reduce-scatter call and keep what it needs (:class:`_Plan`): once, at its first call,
+        and again only where a call differs from the plan's."""
+        world = self.session.transport.world_size
+        if group is not None and dist.get_world_size(group) != world:
+            raise ValueError(f"{WHAT}: the unit '{unit.key}' reduce-scatters over {dist.get_world_size(group)} "
+                             f"ranks, this state's transport has {world}")  # fmt: skip
+        scale = _op_scale(op, world)
+        layout = self._layout(unit, output.numel())
+        self.algorithm.check_reduce_scatter(flat, output, layout)  # sizes, dtypes, device and tiling, here once
+        plan = unit.plan = _Plan(layout, output, flat, group, op, scale)
+        return plan
+
     def _reduce_scatter(
         self, unit: _Unit, output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup, op: Any
     ) -> None:
-        transport = self.session.transport
-        if group is not None and dist.get_world_size(group) != transport.world_size:
-            raise ValueError(f"{WHAT}: the unit '{unit.key}' reduce-scatters over {dist.get_world_size(group)} "
-                             f"ranks, this state's transport has {transport.world_size}")  # fmt: skip
-        scale = _op_scale(op, transport.world_size)
-        layout = self._layout(unit, output.numel())
-        self.session.reduce_scatter(flat, output, layout, unit.step).wait()
-        if scale != 1:
-            output.mul_(scale)
+        """Run one unit's reduce-scatter: its plan checked in O(1) (built where it does not fit), the session's
+        reduce-scatter waited for (FSDP reads ``output`` once this returns), the op's scale, the step counted."""
+        plan = unit.plan
+        if plan is None or plan.layout is not unit.layout or not plan.fits(output, flat, group, op):
+            plan = self._plan(unit, output, flat, group, op)
+        self.session.reduce_scatter(flat, output, plan.layout, unit.step).wait()
+        if plan.scale != 1:
+            output.mul_(plan.scale)
+        self._stepped(unit)
+
+    def _stepped(self, unit: _Unit) -> None:
+        """Count a unit's step. The session's step is the most steps any unit has taken: units step one at a
+        time by one, so it moves when a unit passes it (once per training step, by the first unit to reduce),
+        in O(1), where a maximum over every unit would cost each unit as many as there are units."""
         unit.step += 1
-        self.session.step = max(u.step for u in self.units)
+        if unit.step > self.session.step:
+            self.session.step = unit.step
 
     def _replica_hook(self, unit: _Unit) -> Callable[[torch.Tensor], None]:
         def hook(reduce_output: torch.Tensor) -> None:
-            layout = self._layout(unit, reduce_output.numel())
+            layout = unit.layout
+            if layout is None or reduce_output.numel() != unit.shard:
+                layout = self._layout(unit, reduce_output.numel())
+                unit.shard = reduce_output.numel()
             flat = reduce_output.view(-1)
             members = [
                 Member(s.name, flat[s.offset : s.offset + s.numel].view(-1, s.row), s.compress, s.options)
                 for s in layout.segments
             ]
             self.session.run(Group(unit.index, members, flat=flat), unit.step).wait()
-            unit.step += 1
-            self.session.step = max(u.step for u in self.units)
+            self._stepped(unit)
 
         return hook
 
     # ------------------------------------------------------------------ public
-
-    def stats(self) -> dict[str, Any]:
-        """Cumulative wire bytes, the plain fp32 equivalent (the reduce-scatter's, or the replica all-reduce's
-        with ``replicas``), their ratio and encode/decode seconds; ``last_step`` for the last step."""
-        return self.session.stats()
-
-    def memory_bytes(self) -> int:
-        """Bytes this rank keeps between steps for the codec (residuals of its units' unsharded gradients for
-        the error-feedback codecs; nothing for the casts and for ``qsgd`` with ``error_feedback=False``)."""
-        return self.session.memory_bytes()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's codec state (its residuals), per unit steps, in every integration's checkpoint format."""

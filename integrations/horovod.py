@@ -35,7 +35,7 @@ from torch import nn
 
 from sylvie_comm.algorithms import Group, Member
 from sylvie_comm.algorithms.base import real_view
-from sylvie_comm.algorithms.session import Session, merge_config
+from sylvie_comm.algorithms.session import Session, SessionHolder, merge_config
 from sylvie_comm.collectives.horovod import HorovodTransport
 from sylvie_comm.config import Config
 from sylvie_comm.integrations.horovod_compression import (
@@ -65,19 +65,8 @@ _HOROVOD_ONLY = {
 # ---------------------------------------------------------------------------------------------------------------------
 # Our optimizer: every algorithm, launched from gradient hooks on a HorovodTransport
 
-# Bytes per element on the wire, for sizing fusion groups (low-rank algorithms report their own rate).
-_WIRE_BYTES: dict[str, Callable[[Mapping[str, Any]], float]] = {
-    "none": lambda o: 4.0,
-    "fp16": lambda o: 2.0,
-    "bf16": lambda o: 2.0,
-    "sign": lambda o: 1 / 8,
-    "onebit": lambda o: 1 / 8,
-    "topk": lambda o: 8.0 * float(o.get("ratio", 0.1)),
-    "qsgd": lambda o: float(o.get("bits", 4)) / 8,
-}
 
-
-class DistributedOptimizer:
+class DistributedOptimizer(SessionHolder):
     """Average gradients with a sylvie_comm algorithm over Horovod, then step the wrapped optimizer.
 
     Each parameter's gradient hook (``register_post_accumulate_grad_hook``)
@@ -151,11 +140,7 @@ class DistributedOptimizer:
             what, self.transport, lambda: merge_config(what, codec, config, options), describe=describe,
             prepare=lambda session: session.policy.check_parameters(self._params, what),
         )  # fmt: skip
-        self.config, self.policy = self.session.config, self.session.policy
-        self.algorithm = self.policy.algorithm
-        self.name = self.algorithm.name
         self.session.what = f"{what}[{self.name}]"
-        self.world_size = self.transport.world_size
         # internal state
         self._groups = self._form_groups()
         self._group_of = {id(p): g for g, members in enumerate(self._groups) for _, p, _, _ in members}
@@ -169,14 +154,15 @@ class DistributedOptimizer:
     # ------------------------------------------------------------------ groups
 
     def _wire_bytes(self, shape: torch.Size, compress: bool, options: Mapping[str, Any]) -> float:
+        """The bytes a tensor sends, for sizing groups: fp32 raw, else the algorithm's rate for its shape (the
+        low-rank ones) or its bytes per element with the tensor's options."""
         numel = math.prod(shape)
         if not compress:
             return 4.0 * numel
         rate = self.algorithm.compression_rate(shape, options)
         if math.isfinite(rate):
             return 4.0 * numel / rate
-        per_element = _WIRE_BYTES.get(self.name)
-        return numel * (per_element(options) if per_element is not None else 4.0)
+        return numel * self.algorithm.wire_bytes_per_element(options)
 
     def _form_groups(self) -> list[list[tuple[str, nn.Parameter, bool, Mapping[str, Any]]]]:
         """Greedy: parameters in reverse registration order (about backward's), ``bucket_cap_mb`` per group."""
@@ -272,15 +258,6 @@ class DistributedOptimizer:
     def step_count(self) -> int:
         """Communication rounds done (the policy's step)."""
         return self.session.step
-
-    def stats(self) -> dict[str, Any]:
-        """Cumulative wire bytes, the fp32 all-reduce equivalent, their ratio and encode/decode seconds;
-        ``last_step`` holds the same for the last completed step."""
-        return self.session.stats()
-
-    def memory_bytes(self) -> int:
-        """Bytes of tensors the algorithm keeps between steps (residuals, factors, buffers)."""
-        return self.session.memory_bytes()
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state and the algorithm's per-parameter state, keyed by parameter name."""

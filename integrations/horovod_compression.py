@@ -2,8 +2,9 @@
 
 Horovod all-reduces whatever ``compress`` returns, so only all-reduce-compatible algorithms fit its
 contract: ``none``, ``fp16``, ``bf16`` and ``acpsgd`` (whose factors add up). :func:`named_parameter_list`
-serves :class:`~sylvie_comm.integrations.horovod.DistributedOptimizer` too; the configuration, statistics and
-checkpoint are a :class:`~sylvie_comm.algorithms.session.Session`'s, as for every integration.
+serves :class:`~sylvie_comm.integrations.horovod.DistributedOptimizer` too; the configuration, the warm-up, the
+statistics and the checkpoint are a :class:`~sylvie_comm.algorithms.session.Session`'s, as for every integration:
+each gradient is a group of one that :meth:`Session.run <sylvie_comm.algorithms.session.Session.run>` averages.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from torch import nn
 
 from sylvie_comm.algorithms import Group, Member
 from sylvie_comm.algorithms.base import real_view
-from sylvie_comm.algorithms.guard import nonfinite
-from sylvie_comm.algorithms.session import Session, merge_config
+from sylvie_comm.algorithms.session import Session, SessionHolder, merge_config
 from sylvie_comm.collectives.horovod import import_horovod, supports
 from sylvie_comm.config import Config
 
@@ -160,7 +160,7 @@ class _Deferred:
 
 
 class _Pending:
-    """What ``decompress`` needs: the buffer Horovod reduced, the future that decodes it, the gradient."""
+    """What ``decompress`` needs: the buffer Horovod reduces, the future that decodes it, the gradient."""
 
     __slots__ = ("buffer", "grad", "result", "wire")
 
@@ -171,19 +171,17 @@ class _Pending:
         self.grad = grad
 
 
-# ``decompress`` context of a tensor Horovod averages uncompressed (a vector, a warm-up step).
-_PASSED = object()
-
-
-class ACPSGDCompressor:
+class ACPSGDCompressor(SessionHolder):
     """ACP-SGD behind Horovod's ``compress``/``decompress`` (made by :meth:`Compression.acpsgd`).
 
     ``compress(grad)`` finds the parameter whose ``.grad`` is ``grad`` (Horovod
-    passes no name), runs ACP-SGD's encoding for that parameter (one group per
-    parameter, state keyed by name) and returns the factor buffer for Horovod
-    to all-reduce; ``decompress(buffer, ctx)`` decodes into the gradient and
-    returns it. Vectors, matrices below ``min_compression_rate`` and the first
-    ``warmup_steps`` of each parameter pass through uncompressed.
+    passes no name) and hands that gradient, a group of one (state keyed by
+    name), to :meth:`Session.run <sylvie_comm.algorithms.session.Session.run>`
+    at the parameter's own step: the policy's warm-up, then ACP-SGD's
+    encoding, whose one all-reduce is returned for Horovod to perform;
+    ``decompress(buffer, ctx)`` completes it, which decodes into the gradient,
+    and returns the gradient. Vectors, matrices below ``min_compression_rate``
+    and the first ``warmup_steps`` of each parameter travel uncompressed.
 
     Works with any ``op`` but ``Adasum`` (which all-reduces parameter deltas, not
     gradients), ``backward_passes_per_step`` (compress runs once, after the last
@@ -201,15 +199,17 @@ class ACPSGDCompressor:
                 f"{what}: warmup {config.warmup!r} is not available in the compressor, whose parameters step "
                 "one by one; use warmup 'fixed', or sylvie_comm.horovod.DistributedOptimizer for 'auto'"
             )
-        self.config = config
         self._params = named_parameter_list(what, named_parameters)
         self._keys = {n: i for i, (n, _) in enumerate(self._params)}
         self.transport = _Deferred()
         # Horovod's world: the checkpoint's and the byte accounting's (the transport has one rank).
         self._world: int | None = None
         self.session = Session(what, config, self.transport, objects=HorovodObjects())
-        self.algorithm = self.session.algorithm
-        self.policy = self.session.policy
+        # No compression monitor: a check all-reduces an exact average beside the compressed one and the ranks
+        # agree on its figures, while Horovod carries one tensor per gradient between them and nothing else (each
+        # rank's figures, and so its decisions, would be its own).
+        self.policy.monitor = None
+        self.algorithm.unmonitored()
         self.policy.check_parameters(self._params, what)
         self._by_grad: dict[int, tuple[str, torch.Tensor]] = {}
         self._steps: dict[str, int] = {}
@@ -241,37 +241,21 @@ class ACPSGDCompressor:
             "the optimizer trains (sparse_as_dense is not supported)"
         )
 
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, _Pending | object | None]:
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, _Pending]:
         name = self._find(tensor)
         step = self._steps.get(name, 0)
         self._steps[name] = step + 1
         self._horovod_world()
-        meter = self.session.meter(step)
-        meter.uncompressed(4 * tensor.numel())
-        compress, options = self.policy.member_options(name, real_view(tensor).shape)
-        if step < self.config.warmup_steps or not compress or not real_view(tensor).dtype.is_floating_point:
-            meter.collective("all_reduce", tensor)
-            if not real_view(tensor).dtype.is_floating_point:
-                return tensor, None
-            # Horovod averages it as it is; its average joins the step's non-finite check in decompress.
-            self.algorithm.guard.begin(step - self.config.warmup_steps)
-            return tensor, _PASSED
-        member = Member(name, tensor, True, options)
-        member = Member(name, real_view(tensor), True, options)  # a complex gradient as its (re, im) pairs
-        result = self.algorithm(Group(self._keys[name], [member]), step - self.config.warmup_steps, meter)
-        ((buffer, wire),) = self.transport.issued
+        view = real_view(tensor)  # a complex gradient as its (re, im) pairs
+        compress, options = self.policy.member_options(name, view.shape)
+        # The gradient is the group's flat buffer: a plain step (the warm-up) hands it to Horovod as it is.
+        flat = view.view(-1) if view.is_contiguous() else None
+        result = self.session.run(Group(self._keys[name], [Member(name, view, compress, options)], flat), step)
+        ((buffer, wire),) = self.transport.issued  # the one all-reduce of the step, for Horovod to perform
         self.transport.issued.clear()
         return buffer, _Pending(buffer, wire, result, tensor)
 
-    def decompress(self, tensor: torch.Tensor, ctx: _Pending | object | None) -> torch.Tensor:
-        if ctx is None:
-            return tensor
-        if ctx is _PASSED:
-            guard = self.algorithm.guard
-            guard.report(nonfinite(tensor))
-            guard.finish()
-            return tensor
-        assert isinstance(ctx, _Pending)
+    def decompress(self, tensor: torch.Tensor, ctx: _Pending) -> torch.Tensor:
         if tensor is not ctx.buffer:
             ctx.buffer.copy_(tensor)
         ctx.wire.set_result(None)  # runs the decoding, here: it writes the gradient
@@ -284,10 +268,6 @@ class ACPSGDCompressor:
         """Cumulative wire bytes, the fp32 equivalent, their ratio, encode/decode seconds and
         ``skipped_nonfinite`` (see the DDP hook)."""
         return self.session.stats(max(self._steps.values(), default=0))
-
-    def memory_bytes(self) -> int:
-        """Bytes of tensors ACP-SGD keeps between steps (factors, residuals)."""
-        return self.session.memory_bytes()
 
     def state_dict(self) -> dict[str, Any]:
         """Per-parameter steps and ACP-SGD state (factors, residuals) of this rank, keyed by parameter name, in
@@ -311,8 +291,19 @@ class ACPSGDCompressor:
                                  "this model")  # fmt: skip
 
         shapes = [(n, real_view(p.detach()).shape) for n, p in self._params]
-        steps = self.session.load_state_dict(state, shapes, check=known)
+        steps = self.session.load_state_dict(_without_idle_monitor(state), shapes, check=known)
         self._steps = dict(steps)
+
+
+def _without_idle_monitor(state: Any) -> Any:
+    """``state`` without a ``monitor`` field that records nothing: what a compressor wrote while it kept a
+    monitor it never ran (this one keeps none), read as none; any other field is left to the checks."""
+    mon = state.get("monitor") if isinstance(state, Mapping) else None
+    if not isinstance(mon, Mapping) or not mon or mon.get("checks") != 0 or mon.get("bytes") != 0:
+        return state
+    if any(mon.get(key) for key in ("tensors", "overrides", "raw", "flush", "carry", "cursor", "events")):
+        return state
+    return {k: v for k, v in state.items() if k != "monitor"}
 
 
 class Compression:

@@ -12,7 +12,7 @@
 #   2. every algorithm at 1, 2 and 4 in-process ranks on CUDA against the same run on the CPU, DDP on
 #      NCCL at world size 1 with every hook (tests/gpu/), and the device-generic tests;
 #   3. the GNN trainer on CUDA against the CPU, a resumed CUDA run, the halo exchange of 2 in-process
-#      ranks on CUDA and its peak memory at fp32 and 1-bit (python -m sylvie_comm.gnn.train --gpu-check);
+#      ranks on CUDA and its peak memory at fp32 and 1-bit (python -m sylvie_comm.gnn.gpu_check --gpu-check);
 #   4. the GPU kernels' GB/s next to a device-to-device copy of the same run
 #      (OUTDIR/cuda-kernels.json and .md).
 # Each part's output goes to OUTDIR (pytest logs, JSON, markdown); the exit status is 0 only if every part
@@ -72,7 +72,7 @@ step triton env -u TRITON_INTERPRET "${PYTEST[@]}" tests/kernels/test_triton_bit
   tests/kernels/test_triton_qbit.py tests/kernels/test_triton_lowrank.py
 step paths "${PYTEST[@]}" tests/gpu tests/algorithms/test_devices.py \
   tests/algorithms/test_nonfinite.py
-step gnn "$PY" -m sylvie_comm.gnn.train --gpu-check "$OUT"
+step gnn "$PY" -m sylvie_comm.gnn.gpu_check --gpu-check "$OUT"
 step bench "$PY" -m sylvie_comm.bench.cuda --out "$OUT"
 cat "$OUT/cuda-kernels.md" 2>/dev/null
 echo "gpu-check: $([ $status -eq 0 ] && echo 'every part passed' || echo 'some part failed') (logs in $OUT)"

@@ -1,14 +1,24 @@
-"""ARCHITECTURE.md's import rules, checked against the code: a layer imports only its own and lower layers.
+"""ARCHITECTURE.md's import rules, checked against the code: a layer imports only its own and lower layers, and no
+module imports itself back through others.
 
 Every ``import``/``from ... import`` of a ``sylvie_comm`` module in the
 package and in ``integrations/`` is read with ``ast`` (nothing is imported).
 An import at module level must point down (or sideways, within the layer); an
 import inside a function may point up only where ARCHITECTURE.md lists it.
+
+Sideways imports can still close a loop within a layer, which the layer rule cannot see, so the imports also
+form a graph that must have no cycle. Every import is an edge of it, at module level or inside a function (one
+in a function is a dependency of the design even where Python tolerates the loop at run time), ``if
+TYPE_CHECKING:`` blocks included; the upward look-ups ARCHITECTURE.md lists (:data:`LAZY_UP`) are the only edges
+left out: the one namespace of names reads the codecs' and the algorithms' names when a name is looked up.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
+from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,3 +117,111 @@ def test_the_check_catches_an_upward_import(tmp_path):
     bad.write_text("from sylvie_comm.integrations.ddp import register\n")
     ((target, nested, _),) = imports(bad, {"sylvie_comm.integrations.ddp"})
     assert layer_of(target) > layer_of("sylvie_comm.codecs.base") and not nested
+
+
+# ---------------------------------------------------------------------------------------------------- import cycles
+
+Graph = Mapping[str, Mapping[str, tuple[Path, int]]]  # module -> imported module -> (file, line of the first import)
+
+
+def import_graph(found: Mapping[str, Path]) -> dict[str, dict[str, tuple[Path, int]]]:
+    """Every import between ``found``'s modules (at module level and inside functions), less a module's imports of
+    itself and the listed upward look-ups (:data:`LAZY_UP`)."""
+    known = set(found)
+    graph: dict[str, dict[str, tuple[Path, int]]] = {m: {} for m in found}
+    for module, path in found.items():
+        for target, _, line in imports(path, known):
+            if target != module and target in known and (module, target) not in LAZY_UP:
+                graph[module].setdefault(target, (path, line))
+    return graph
+
+
+def cycles(graph: Graph) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan's algorithm): the shortest way
+    from the component's first module (by name) back to itself, as ``[a, b, ..., a]``."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    out = []
+    for component in sorted(components, key=min):
+        start = min(component)
+        came: dict[str, str] = {}
+        queue = deque([start])
+        while queue:  # breadth first within the component: the shortest way back to ``start``
+            v = queue.popleft()
+            if start in graph.get(v, {}):
+                path = [start, v]
+                while path[-1] != start:
+                    path.append(came[path[-1]])
+                out.append(path[::-1])
+                break
+            for w in sorted(graph.get(v, {})):
+                if w in component and w not in came and w != start:
+                    came[w] = v
+                    queue.append(w)
+    return out
+
+
+def describe(cycle: list[str], graph: Graph) -> str:
+    """``a -> b (file:line) -> ... -> a (file:line)``: each step with the import that makes it."""
+    steps = [cycle[0]]
+    for a, b in itertools.pairwise(cycle):
+        path, line = graph[a][b]
+        steps.append(f"{b} ({path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{line})")
+    return " -> ".join(steps)
+
+
+def test_no_module_imports_itself_back_through_others():
+    graph = import_graph(modules())
+    found = [describe(c, graph) for c in cycles(graph)]
+    assert not found, "import cycles (an import inside a function counts):\n" + "\n".join(found)
+
+
+def test_the_cycle_check_finds_a_loop_through_a_function_and_a_type_only_import(tmp_path):
+    (tmp_path / "a.py").write_text("from sylvie_comm.x.b import f\n")
+    (tmp_path / "b.py").write_text("def f():\n    from sylvie_comm.x.c import g\n")
+    (tmp_path / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from sylvie_comm.x.a import A\n"
+    )
+    (tmp_path / "d.py").write_text("import sylvie_comm.x.a\n")  # into the loop, not part of it
+    found = {f"sylvie_comm.x.{n}": tmp_path / f"{n}.py" for n in "abcd"}
+    graph = import_graph(found)
+    assert cycles(graph) == [["sylvie_comm.x.a", "sylvie_comm.x.b", "sylvie_comm.x.c", "sylvie_comm.x.a"]]
+    said = describe(cycles(graph)[0], graph)
+    assert said == "sylvie_comm.x.a -> sylvie_comm.x.b (a.py:1) -> sylvie_comm.x.c (b.py:2) -> sylvie_comm.x.a (c.py:3)"
+    (tmp_path / "c.py").write_text("import torch\n")  # the loop broken: d still imports a, which nothing imports back
+    assert cycles(import_graph(found)) == []
+
+
+def test_the_cycle_check_leaves_out_the_listed_upward_look_ups_only():
+    graph = import_graph(modules())
+    for a, b in LAZY_UP:
+        assert b not in graph[a], (a, b)
+    assert "sylvie_comm.registry" in graph["sylvie_comm.algorithms.registry"]  # the way back down is an edge

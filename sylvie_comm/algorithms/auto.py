@@ -31,6 +31,7 @@ import torch
 from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, Segment, then
 from sylvie_comm.codecs import lowrank
 from sylvie_comm.collectives import Meter, Transport
+from sylvie_comm.registry import unknown
 
 LOG = logging.getLogger("sylvie_comm")
 
@@ -63,6 +64,7 @@ class AutoAlgorithm(Algorithm):
     name = "auto"
     codec_name = None
     error_feedback = True  # candidates may keep residuals: the policy's warm-up must cover DDP's bucket rebuild
+    delegates = True  # each group is averaged by a candidate (its wire_bytes stays fp32's: the choice comes later)
     option_defaults: ClassVar[dict[str, Any]] = {
         "candidates": ("none", "fp16", "qsgd", "acpsgd", "onebit"),
         "probe_steps": 2,
@@ -72,9 +74,12 @@ class AutoAlgorithm(Algorithm):
     per_name_options: ClassVar[frozenset[str]] = frozenset({"rank"})  # handed to the low-rank candidates
 
     @classmethod
-    def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
-        from sylvie_comm.algorithms.registry import ALGORITHMS, algorithm_class
+    def takes_rank(cls) -> bool:
+        """Whether a default candidate is low-rank: its ``rank`` option is theirs."""
+        return any(cls.registered[n].low_rank for n in cls.option_defaults["candidates"])
 
+    @classmethod
+    def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
         out = super().validate_options(options)
         names = out["candidates"]
         if isinstance(names, str) or not isinstance(names, Sequence) or not names:
@@ -83,7 +88,8 @@ class AutoAlgorithm(Algorithm):
         for n in names:
             if n == cls.name:
                 raise ValueError("auto: 'auto' cannot be its own candidate")
-            algorithm_class(n, "candidate")  # lists the valid names when wrong
+            if not isinstance(n, str) or n not in cls.registered:
+                raise unknown(n, "algorithm", "candidate")  # lists the valid names
         out["candidates"] = names
         probes = out["probe_steps"]
         if isinstance(probes, bool) or not isinstance(probes, int) or probes < 1:
@@ -93,18 +99,16 @@ class AutoAlgorithm(Algorithm):
             raise ValueError(f"auto: min_compression_rate must be a number >= 1, got {rate!r}")
         lowrank.check_rank("auto", out["rank"])  # here too: the default candidates have no rank to check it
         for n in names:
-            sub = {k: v for k, v in out.items() if k in ALGORITHMS[n].option_defaults}
-            ALGORITHMS[n].validate_options(sub)
+            sub = {k: v for k, v in out.items() if k in cls.registered[n].option_defaults}
+            cls.registered[n].validate_options(sub)
         return out
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
-        from sylvie_comm.algorithms.registry import ALGORITHMS
-
         super().__init__(transport, options, seed=seed)
         self.names: tuple[str, ...] = self.options["candidates"]
         self.candidates: dict[str, Algorithm] = {}
         for n in self.names:  # every rank forks in this order
-            cls = ALGORITHMS[n]
+            cls = self.registered[n]
             sub = {k: v for k, v in self.options.items() if k in cls.option_defaults}
             self.candidates[n] = cls(transport.fork(), sub, seed=seed)
             self.candidates[n].guard = self.guard  # one decision per step, whichever candidates ran it

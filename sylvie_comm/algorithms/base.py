@@ -15,6 +15,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -60,9 +61,15 @@ class ShardLayout:
 
     key: str
     segments: tuple[Segment, ...]
+    # The shard size this layout was found to tile (-1: none yet): a layout is frozen, so a caller that keeps
+    # its layout object (an FSDP unit) has it checked at its first step only.
+    _tiles: int = field(default=-1, init=False, repr=False, compare=False)
 
     def check(self, shard: int, what: str) -> None:
-        """A ValueError unless the segments tile ``shard`` elements, in order, in whole rows, under distinct names."""
+        """A ValueError unless the segments tile ``shard`` elements, in order, in whole rows, under distinct names
+        (checked once per layout object and shard size)."""
+        if shard == self._tiles:
+            return
         names = [s.name for s in self.segments]
         if len(set(names)) != len(names):
             twice = next(n for n in names if names.count(n) > 1)
@@ -78,6 +85,7 @@ class ShardLayout:
             at += seg.numel
         if at != shard:
             raise ValueError(f"{what}: shard layout {self.key!r} covers {at} elements, the shard has {shard}")
+        object.__setattr__(self, "_tiles", shard)  # frozen: the one field a check may set
 
 
 @dataclass
@@ -209,6 +217,36 @@ class Algorithm:
     # quality`` (docs/benchmarks/quality.md): ``auto`` then takes it only with the compression monitor on, which
     # moves a bucket off it when its measured error stays over the bound.
     needs_monitor: ClassVar[bool] = False
+    # Why it has no reduce-scatter form (``shards = False``): the reason :meth:`reduce_scatter` refuses with.
+    no_shards_reason: ClassVar[str] = "its encoding has no reduce-scatter form yet"
+    # Bytes per element it sends, for sizing fusion groups before anything is encoded; read it through
+    # :meth:`wire_bytes_per_element`, which the algorithms whose size follows an option override (topk's ratio,
+    # qsgd's bits). fp32 where it sends values as they are, or where no figure holds before it runs (``auto``: its
+    # choice is measured later). The low-rank algorithms' size follows each matrix's shape: their
+    # :meth:`compression_rate` says it.
+    wire_bytes: ClassVar[float] = 4.0
+    # Whether it can average an optimizer's momentum (:mod:`sylvie_comm.optim`: one dense tensor per parameter,
+    # averaged once per step): what casts and error-feedback codecs do; the low-rank algorithms and ``auto`` are
+    # gradient algorithms only.
+    averages_momentum: ClassVar[bool] = False
+    # Whether it sends each matrix as low-rank factors of the rank its ``rank`` option sets (a benchmark names the
+    # rank beside it); see :meth:`takes_rank` for the algorithms a ``rank`` reaches through others.
+    low_rank: ClassVar[bool] = False
+    # Whether it averages through other registered algorithms (``auto``: one of its candidates per group) and so
+    # has no encoding of its own.
+    delegates: ClassVar[bool] = False
+    # The registered algorithm whose code it runs with another setting (``bf16``: ``fp16``'s cast, to the other
+    # 16-bit format), where it is one; None for an algorithm of its own.
+    variant_of: ClassVar[str | None] = None
+    # Whether it sends the gradient as it is (``none``): nothing to monitor.
+    sends_raw: ClassVar[bool] = False
+    # Whether what it loses is the rounding of a float format alone (``none`` and the 16-bit casts): nothing for an
+    # adaptive warm-up (``warmup: auto``) to wait for.
+    rounds_only: ClassVar[bool] = False
+    # Every registered algorithm by name: :data:`sylvie_comm.algorithms.registry.ALGORITHMS`, set once the
+    # registry has imported them all, so what names the others (the refusal below, ``auto``'s candidates) reads
+    # the one list without importing the module that imports it.
+    registered: ClassVar[Mapping[str, type[Algorithm]]] = MappingProxyType({})
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         self.options = self.validate_options(dict(options or {}))
@@ -296,21 +334,15 @@ class Algorithm:
         input and its tensors (per-name options, rows, per-unit state); without one the input is one unnamed
         tensor of rows of one element, keyed ``""``.
 
-        Algorithms without a reduce-scatter form (``shards = False``) raise a ValueError naming those with one.
+        Algorithms without a reduce-scatter form (``shards = False``) raise a ValueError with their
+        ``no_shards_reason``, naming those with one.
         """
-        from sylvie_comm.algorithms.registry import ALGORITHMS
-
         w = self.world_size
         if not self.shards:
-            having = ", ".join(n for n, cls in ALGORITHMS.items() if cls.shards)
-            why = (
-                "it factors whole matrices and a reduce-scatter's shard is a slice of one: under sharded data "
-                "parallel it belongs on the replica all-reduce of HSDP, where each rank's shard of a weight is "
-                "a block of its rows"
-                if self.name in ("acpsgd", "powersgd")
-                else "its encoding has no reduce-scatter form yet"
+            having = ", ".join(n for n, cls in self.registered.items() if cls.shards)
+            raise ValueError(
+                f"{self.name}: no reduce-scatter form ({self.no_shards_reason}); algorithms with one: {having}"
             )
-            raise ValueError(f"{self.name}: no reduce-scatter form ({why}); algorithms with one: {having}")
         layout = self.check_reduce_scatter(flat, out, layout)
         meter = meter if meter is not None else Meter(w)
         meter.uncompressed(4 * flat.numel(), "reduce_scatter")
@@ -399,9 +431,25 @@ class Algorithm:
         (then the monitor sends a tensor that stays over its bound raw)."""
         return None
 
+    @classmethod
+    def takes_rank(cls) -> bool:
+        """Whether a ``rank`` option sets what it sends: its own low-rank factors' (``low_rank``), or those of
+        the algorithms it averages through (``auto``'s low-rank candidates)."""
+        return cls.low_rank
+
+    @classmethod
+    def wire_bytes_per_element(cls, options: Mapping[str, Any]) -> float:
+        """Bytes per element it sends with ``options`` (a tensor's; the defaults fill in those missing), for
+        sizing before anything is encoded: ``wire_bytes``, unless the size follows an option."""
+        return cls.wire_bytes
+
     def bytes_per_element(self, shape: tuple[int, ...], options: Mapping[str, Any]) -> float:
-        """Wire bytes per element of a tensor of ``shape`` with ``options`` (for the monitor's budget)."""
-        return 4.0 / min(self.compression_rate(shape, options), 32.0)
+        """Wire bytes per element of a tensor of ``shape`` with ``options`` (for the monitor's budget): its
+        compression rate's, at most 32x, where the shape sets it, else :meth:`wire_bytes_per_element`'s."""
+        rate = self.compression_rate(shape, options)
+        if math.isfinite(rate):
+            return 4.0 / min(rate, 32.0)
+        return self.wire_bytes_per_element({**self.options, **options})
 
     def variant(self, name: str) -> str:
         """What averages ``name`` now, where that can change under one algorithm (``auto``: its candidate); the

@@ -20,9 +20,9 @@ class CastAlgorithm(Algorithm):
     codec_cls: ClassVar[type[CastCodec]]
     gradient_dtypes = (torch.float32, torch.float16, torch.bfloat16)
     shards = True
-
-    def bytes_per_element(self, shape: tuple[int, ...], options: Mapping[str, Any]) -> float:
-        return 2.0  # a 16-bit float per element
+    wire_bytes = 2.0  # a 16-bit float per element
+    averages_momentum = True
+    rounds_only = True  # a 16-bit float's rounding
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         super().__init__(transport, options, seed=seed)
@@ -79,6 +79,7 @@ class Bf16Algorithm(CastAlgorithm):
     name = "bf16"
     codec_name = "bf16"
     codec_cls = Bf16Codec
+    variant_of = "fp16"  # the same cast, to the other 16-bit format
 
 
 __all__ = ["Bf16Algorithm", "CastAlgorithm", "Fp16Algorithm"]

@@ -50,18 +50,24 @@ from sylvie_comm import kernels
 Future = torch.futures.Future
 
 
+_SMALL = 1 << 16  # elements: up to here a boolean copy is cheaper than aminmax's two extra small ops
+
+
 def nonfinite(*tensors: torch.Tensor | None) -> torch.Tensor | None:
     """A 0-dim bool tensor, true where any element of ``tensors`` is NaN or Inf (None when all are empty).
 
     One read of each tensor, on its device (``aminmax``: the smallest and the largest value are both finite
-    only when every value is).
+    only when every value is); a tensor of at most ``_SMALL`` elements through a boolean copy, in fewer ops.
     """
     flag: torch.Tensor | None = None
     for t in tensors:
         if t is None or t.numel() == 0:
             continue
-        lo, hi = torch.aminmax(t.reshape(-1))
-        bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
+        if t.numel() <= _SMALL:  # three small ops, where the boolean copy costs less than two more launches
+            bad = torch.isfinite(t).all().logical_not_()
+        else:
+            lo, hi = torch.aminmax(t.reshape(-1))
+            bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
         flag = bad if flag is None else flag | bad
     return flag
 
@@ -77,6 +83,17 @@ def poison(tensors: Iterable[torch.Tensor], bad: torch.Tensor | None) -> None:
         if t.numel():
             t.view(-1)[:1].masked_fill_(bad, float("nan"))
             return
+
+
+def _succeeded(fut: Future[Any]) -> bool:
+    """Whether ``fut`` has completed with a value (one still running, or failed, has not)."""
+    if not fut.done():
+        return False
+    try:
+        fut.value()
+    except Exception:
+        return False
+    return True
 
 
 class StepGuard:
@@ -97,7 +114,8 @@ class StepGuard:
         self._bad: torch.Tensor | None = None
         self._device: torch.device | None = None
         self._begun = 0  # groups of this step
-        self._done = 0  # ... that completed
+        self._done = 0  # ... that completed (counted by :meth:`finish`)
+        self._tracked: list[Future[Any]] = []  # ... whose futures say, at settle, whether they completed
         self._buffers: dict[Hashable, torch.Tensor] = {}  # copies, reused step after step
         self._skipped: torch.Tensor | None = None  # device count of skipped steps
 
@@ -117,14 +135,13 @@ class StepGuard:
             self._done += 1
 
     def track(self, fut: Future[Any]) -> Future[Any]:
-        """``fut``, counting the group as completed (:meth:`finish`) once it succeeds."""
+        """``fut`` itself, the group counted as completed at settle if it has succeeded by then.
 
-        def completed(f: Future[Any]) -> Any:
-            value = f.value()  # raises the group's error: it is not counted
-            self.finish()
-            return value
-
-        return fut.then(completed)
+        Read at settle rather than chained: a ``then`` per group is a future and a callback more on the hot
+        path, and the integration has waited for every group of the step before the next begins."""
+        with self._lock:
+            self._tracked.append(fut)
+        return fut
 
     def save(self, key: Hashable, state: torch.Tensor) -> None:
         """Copy ``state`` (once per step and key) before the step changes it in place."""
@@ -184,11 +201,13 @@ class StepGuard:
         """Decide the last step: put its saved state back if its flag is set (or a group failed); count it."""
         with self._lock:
             saved, actions, bad, device = self._saved, self._actions, self._bad, self._device
-            settled = self._settled
-            failed = self._done < self._begun
+            settled, tracked, finished = self._settled, self._tracked, self._done
             self._saved, self._actions, self._keys, self._bad, self._settled = [], [], set(), None, []
+            self._tracked = []
+            begun = self._begun
             self._begun = self._done = 0
             self._step = None
+        failed = finished + sum(_succeeded(f) for f in tracked) < begun
         if device is not None and failed:  # a collective failed mid-step: whatever it changed goes back
             bad = torch.ones((), dtype=torch.bool, device=device)
         if device is not None and bad is not None:

@@ -37,6 +37,11 @@ class LowRankAlgorithm(Algorithm):
     error_feedback = True
     option_defaults: ClassVar[dict[str, Any]] = {"rank": lowrank.AUTO}
     per_name_options: ClassVar[frozenset[str]] = frozenset({"rank"})
+    low_rank = True
+    no_shards_reason = (
+        "it factors whole matrices and a reduce-scatter's shard is a slice of one: under sharded data parallel it "
+        "belongs on the replica all-reduce of HSDP, where each rank's shard of a weight is a block of its rows"
+    )
     alternate: ClassVar[bool]  # one factor per step (ACP-SGD) or both (PowerSGD): changes the compression rate
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -53,10 +52,11 @@ class NoneAlgorithm(Algorithm):
 
     name = "none"
     codec_name = "none"
+    sends_raw = True
+    rounds_only = True
     shards = True
-
-    def bytes_per_element(self, shape: tuple[int, ...], options: Mapping[str, Any]) -> float:
-        return 4.0  # fp32
+    wire_bytes = 4.0  # fp32
+    averages_momentum = True
 
     def _step(self, group: Group, layout: Any, step: int, meter: Meter) -> Future[None]:
         return plain_all_reduce(self, group, meter)

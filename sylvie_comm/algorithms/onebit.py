@@ -19,6 +19,7 @@ from sylvie_comm.algorithms.shard_rows import (
     decode_rows,
     encode_rows,
     residual_shape,
+    residual_state,
     update_residual,
 )
 from sylvie_comm.codecs import ErrorFeedback
@@ -73,6 +74,7 @@ class _ShardSlot:
     words_at: int
     bits_at: int
     norm: bool = False
+    exact: bool = False  # the layout's units are the segment's elements as they are: the fused kernels serve it
 
     @property
     def n_words(self) -> int:
@@ -86,13 +88,17 @@ class _ShardSlot:
 
 @dataclass
 class _ShardRows:
-    """A layout's peer row: ``words`` fp32 words (scales, uncompressed values), then the sign bits, padded."""
+    """A layout's peer row: ``words`` fp32 words (scales, uncompressed values), then the sign bits, padded.
+    Built once per layout object (the segments' options checked there); ``residuals`` is the residual mapping
+    its segments' residuals were checked in (:func:`~sylvie_comm.algorithms.shard_rows.residual_state`; None:
+    not yet)."""
 
     layout: ShardLayout
     shard: int
     slots: list[_ShardSlot]
     words: int
     row_bytes: int
+    residuals: object = None
 
 
 def _exact_layout(layout: RowLayout) -> bool:
@@ -156,6 +162,8 @@ class OneBitAlgorithm(FeedbackAlgorithm):
     option_defaults: ClassVar[dict[str, Any]] = {"chunk_size": 2048, "scale": "norm"}
     per_name_options: ClassVar[frozenset[str]] = frozenset({"chunk_size", "scale"})
     shards = True
+    wire_bytes = 1 / 8  # a sign bit per element (the scales aside)
+    averages_momentum = True
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         self.server_feedback = ErrorFeedback()
@@ -396,9 +404,11 @@ class OneBitAlgorithm(FeedbackAlgorithm):
     # ------------------------------------------------------------------ the reduce-scatter form
 
     def _shard_row(self, layout: ShardLayout, shard: int) -> _ShardRows:
-        """The peer row of ``layout`` (checked once per layout: valid per-name options)."""
+        """Return the peer row of ``layout``, built and checked (valid per-name options) once per layout object: a
+        caller that keeps its layout (an FSDP unit) finds it by identity, in O(1); another object, even an
+        equal one (the monitor's rewritten options), builds it again."""
         cached = self._shard_rows.get((layout.key, shard))
-        if cached is not None and cached.layout == layout:
+        if cached is not None and cached.layout is layout:
             return cached
         slots, words, bits = [], 0, 0
         for seg in layout.segments:
@@ -413,7 +423,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                     raise ValueError(f"onebit: shard layout {layout.key!r}, segment {seg.name!r}: {exc}") from None
                 shape = (seg.numel // seg.row, seg.row) if seg.row > 1 else (seg.numel,)
                 lay = row_layout(shape, opts["chunk_size"], pieces=1)
-                slots.append(_ShardSlot(seg, lay, words, bits, opts["scale"] == "norm"))
+                slots.append(_ShardSlot(seg, lay, words, bits, opts["scale"] == "norm", _exact_layout(lay)))
             words += slots[-1].n_words
             bits += slots[-1].n_bytes
         row = 4 * words + bits
@@ -425,7 +435,11 @@ class OneBitAlgorithm(FeedbackAlgorithm):
     ) -> Future[None]:
         w, shard = self.world_size, out.numel()
         plan = self._shard_row(layout, shard)
-        check_residuals("onebit", self.feedback, layout.key, (s.segment for s in plan.slots if s.layout is not None), w)
+        if plan.residuals is not residual_state(self.feedback):
+            # Once per plan and per loaded checkpoint: a step's own updates keep the residuals' shapes.
+            compressed = (s.segment for s in plan.slots if s.layout is not None)
+            check_residuals("onebit", self.feedback, layout.key, compressed, w)
+            plan.residuals = residual_state(self.feedback)
         executor = self._executor
         if executor is None:
             raise RuntimeError("onebit: the algorithm is closed; it runs no more steps")
@@ -470,7 +484,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                     continue
                 bt = bits[:, slot.bits_at : slot.bits_at + slot.n_bytes]
                 res = self._shard_residual(seg, x.device)
-                if _exact_layout(lay):  # the fused kernel, one shard at a time, on a copy of the residual
+                if slot.exact:  # the fused kernel, one shard at a time, on a copy of the residual
                     comp = res.clone()  # it leaves the updated residual there: :meth:`_shard_update` redoes it
                     for r in range(w):
                         kernels.onebit_feedback_encode(comp[r], xs[r], lay.chunk, slot.norm, bt[r], sc[r])
@@ -500,9 +514,10 @@ class OneBitAlgorithm(FeedbackAlgorithm):
             sc = words[:, slot.words_at : slot.words_at + slot.n_words]
             bt = bits[:, slot.bits_at : slot.bits_at + slot.n_bytes]
 
-            def subtract(res: torch.Tensor, lay: RowLayout = lay, sc: torch.Tensor = sc, bt: torch.Tensor = bt) -> None:
+            def subtract(res: torch.Tensor, lay: RowLayout = lay, sc: torch.Tensor = sc, bt: torch.Tensor = bt,
+                         exact: bool = slot.exact) -> None:  # fmt: skip
                 for r in range(res.shape[0]):
-                    if _exact_layout(lay):
+                    if exact:
                         res[r].sub_(kernels.onebit_decode(bt[r], sc[r], lay.numel, lay.chunk, torch.float32))
                     else:
                         local = lay.zero_padding_(lay.decode_units(bt[r], sc[r], lay.units))
@@ -527,7 +542,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                 bt = bits[:, slot.bits_at : slot.bits_at + slot.n_bytes]
                 parts = torch.empty(w, seg.numel, device=received.device)
                 for j in range(w):
-                    if _exact_layout(lay):
+                    if slot.exact:
                         kernels.onebit_decode(bt[j], sc[j], seg.numel, lay.chunk, torch.float32, out=parts[j])
                     else:
                         parts[j] = lay.from_units(lay.decode_units(bt[j], sc[j], lay.units))

@@ -26,6 +26,12 @@ from sylvie_comm.collectives import Meter
 from sylvie_comm.config import UNCOMPRESSED, Config
 
 
+def _any_dtype(alg: Algorithm) -> str:
+    """The registered algorithms that take gradients of every floating-point dtype, as a phrase."""
+    names = [n for n, c in alg.registered.items() if c.gradient_dtypes is None and not c.delegates]
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
+
+
 class Policy:
     """Decide per name and per step; delegate the rest to ``algorithm``.
 
@@ -41,11 +47,11 @@ class Policy:
             self._check_rule(i, rule.match, rule.options)
         # The adaptive warm-up, where something compresses (a fork of the transport: a collective call).
         self.warmup: Warmup | None = None
-        if config.warmup == "auto" and algorithm.codec_name not in ("none", "fp16", "bf16"):
+        if config.warmup == "auto" and not algorithm.rounds_only:
             self.warmup = Warmup(algorithm.transport, config.warmup_steps, config.total_steps)
         # The compression-error monitor (a fork of the transport too), unless off or nothing is compressed.
         self.monitor: Monitor | None = None
-        if config.monitor["period"] > 0 and algorithm.name != "none":
+        if config.monitor["period"] > 0 and not algorithm.sends_raw:
             self.monitor = Monitor(algorithm, config.monitor, algorithm.transport, config.min_compression_rate)
         else:
             algorithm.unmonitored()
@@ -118,7 +124,7 @@ class Policy:
                 raise ValueError(
                     f"{what}[{alg.name}]: parameter '{name}' is {str(p.dtype).replace('torch.', '')}; {alg.name} "
                     f"compresses {kinds} gradients. Cast the model (model.float()), send it raw with a rule "
-                    f"({{match: '{name}', codec: uncompressed}}), or use acpsgd, powersgd or none"
+                    f"({{match: '{name}', codec: uncompressed}}), or use {_any_dtype(alg)}"
                 )
 
     def __call__(self, group: Group, step: int, meter: Meter | None = None) -> Future[None]:

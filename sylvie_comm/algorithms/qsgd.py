@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from sylvie_comm import kernels
 from sylvie_comm.algorithms.base import Future, Group, Member, Segment, ShardLayout, then
 from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
 from sylvie_comm.algorithms.guard import nonfinite, poison
@@ -19,9 +20,9 @@ from sylvie_comm.algorithms.shard_rows import (
     decode_rows,
     encode_rows,
     residual_shape,
+    residual_state,
     update_residual,
 )
-from sylvie_comm.codecs.base import Encoded, TensorMeta
 from sylvie_comm.codecs.quant import QBitCodec
 from sylvie_comm.collectives import Meter, Transport
 from sylvie_comm.kernels.reference import mean_in_rank_order, packed_cols
@@ -55,6 +56,49 @@ class _Row:
     parts: list[_Part]
     meta_bytes: int
     row_bytes: int  # 4-byte aligned, so every rank's fp32 section can be viewed in the gathered buffer
+    wire: _Wire | None = None  # the buffers and their views, made at the group's first step on its device
+
+
+@dataclass
+class _Wire:
+    """A group's send and gathered buffers and each tensor's views into them, made once and reused every step
+    (a step's buffers are free again once the integration has waited for it, before the next begins).
+
+    ``send[i]``: part ``i``'s (scales, minimums, packed values) in this rank's row; ``received[i][r]``: the same
+    in rank ``r``'s row of the gathered buffer; ``total[i]``: part ``i``'s fp32 sum over ranks."""
+
+    device: torch.device
+    send: torch.Tensor
+    gathered: torch.Tensor
+    metas: torch.Tensor | None  # every rank's fp32 section, ``(w, meta_bytes / 4)``: the non-finite check reads it
+    sends: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    received: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
+    total: list[torch.Tensor]
+
+    @classmethod
+    def make(cls, layout: _Row, world: int, device: torch.device) -> _Wire:
+        send = torch.zeros(layout.row_bytes, dtype=torch.uint8, device=device)  # padding travels as zeros
+        gathered = torch.empty(world * layout.row_bytes, dtype=torch.uint8, device=device)
+        rows = gathered.view(world, layout.row_bytes)
+
+        def views(row: torch.Tensor, part: _Part) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            metas = row[: layout.meta_bytes].view(torch.float32)
+            values = row[layout.meta_bytes + part.packed_at :][: part.packed_bytes]
+            return (
+                metas[part.meta_at : part.meta_at + part.rows],
+                metas[part.meta_at + part.rows : part.meta_at + 2 * part.rows],
+                values.view(part.rows, part.packed_per_row),
+            )
+
+        return cls(
+            device, send, gathered, rows[:, : layout.meta_bytes].view(torch.float32) if layout.meta_bytes else None,
+            [views(send, part) for part in layout.parts],
+            [[views(rows[r], part) for r in range(world)] for part in layout.parts],
+            [torch.zeros(part.rows, part.cols, device=device) for part in layout.parts],
+        )  # fmt: skip
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.send, self.gathered, *self.total]
 
 
 @dataclass
@@ -92,13 +136,16 @@ class _Piece:
 @dataclass
 class _ShardRow:
     """What each rank sends each peer for a layout: ``words`` fp32 words (scales, minimums and the raw segments'
-    values), then the packed values, padded to whole words."""
+    values), then the packed values, padded to whole words. Built once per layout object (the segments' options
+    checked there); ``residuals`` is the residual mapping its segments' residuals were checked in
+    (:func:`~sylvie_comm.algorithms.shard_rows.residual_state`; None: not yet)."""
 
     layout: ShardLayout
     shard: int
     pieces: list[_Piece]
     words: int
     row_bytes: int
+    residuals: object = None
 
 
 class QSGDAlgorithm(FeedbackAlgorithm):
@@ -146,6 +193,7 @@ class QSGDAlgorithm(FeedbackAlgorithm):
     per_name_options: ClassVar[frozenset[str]] = frozenset({"bits"})
     legacy_state_keys: ClassVar[frozenset[str]] = frozenset({"offset"})  # a noise position, now set by the step
     shards = True
+    averages_momentum = True
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         super().__init__(transport, options, seed=seed)
@@ -177,8 +225,9 @@ class QSGDAlgorithm(FeedbackAlgorithm):
         low = max(2, int((floor or options).get("bits", self.bits)) // 2)
         return {"bits": BITS[i - 1]} if i > 0 and BITS[i - 1] >= low else None
 
-    def bytes_per_element(self, shape: tuple[int, ...], options: Mapping[str, Any]) -> float:
-        return int(options.get("bits", self.bits)) / 8
+    @classmethod
+    def wire_bytes_per_element(cls, options: Mapping[str, Any]) -> float:
+        return int(options.get("bits", cls.option_defaults["bits"])) / 8  # ``bits`` per element (scales aside)
 
     def _codec(self, name: str, bits: int) -> QBitCodec:
         codec = self._codecs.get(name)
@@ -207,24 +256,23 @@ class QSGDAlgorithm(FeedbackAlgorithm):
 
     def _step(self, group: Group, layout: _Row, step: int, meter: Meter) -> Future[None]:
         members, w = self._members(group), self.world_size
+        wire = layout.wire
+        if wire is None or wire.device != group.device:
+            wire = layout.wire = _Wire.make(layout, w, group.device)
 
         def encode() -> torch.Tensor:
-            send = torch.zeros(layout.row_bytes, dtype=torch.uint8, device=group.device)
-            metas = send[: layout.meta_bytes].view(torch.float32)
-            packed = send[layout.meta_bytes :]
-            for m, part in zip(members, layout.parts, strict=True):
+            for m, part, (scales, minimums, packed) in zip(members, layout.parts, wire.sends, strict=True):
                 codec = self._codec(m.name, part.bits)
                 codec.offset = step * m.tensor.numel()  # the step's own noise: no stream position to keep
                 enc = self._feedback_encode(codec, m.name, m.tensor) if self.feedback_on else codec.encode(m.tensor)
                 values, scale, minimum = enc.payload
-                metas[part.meta_at : part.meta_at + part.rows] = scale.reshape(-1)
-                metas[part.meta_at + part.rows : part.meta_at + 2 * part.rows] = minimum.reshape(-1)
-                packed[part.packed_at : part.packed_at + part.packed_bytes] = values.reshape(-1)
-            return send
+                scales.copy_(scale.view(-1))
+                minimums.copy_(minimum.view(-1))
+                packed.copy_(values.view(packed.shape))
+            return wire.send
 
         send = meter.timed("encode", encode)
-        gathered = torch.empty(w * layout.row_bytes, dtype=torch.uint8, device=send.device)
-        futs = [self._all_gather(gathered, send, meter)] if layout.row_bytes else []
+        futs = [self._all_gather(wire.gathered, send, meter)] if layout.row_bytes else []
         raw = self._raw_all_reduce(group, meter)
         if raw is not None:
             futs.append(raw)
@@ -235,31 +283,24 @@ class QSGDAlgorithm(FeedbackAlgorithm):
 
         def decode(_: Future[Any]) -> None:
             def run() -> None:
-                rows = gathered.view(w, layout.row_bytes)
                 # A row with NaN or Inf on any rank has a non-finite scale or minimum.
-                bad = nonfinite(rows[:, : layout.meta_bytes].view(torch.float32)) if layout.meta_bytes else None
+                bad = nonfinite(wire.metas)
                 self.guard.report(bad)
-                for m, part in zip(members, layout.parts, strict=True):
-                    decoder = QBitCodec(bits=part.bits)
-                    total = torch.zeros(part.rows, part.cols, device=gathered.device)
-                    for r in range(w):
-                        metas = rows[r, : layout.meta_bytes].view(torch.float32)
-                        values = rows[r, layout.meta_bytes + part.packed_at :][: part.packed_bytes]
-                        enc = Encoded(
-                            (
-                                values.view(part.rows, part.packed_per_row),
-                                metas[part.meta_at : part.meta_at + part.rows],
-                                metas[part.meta_at + part.rows : part.meta_at + 2 * part.rows],
-                            ),
-                            TensorMeta(torch.Size((part.rows, part.cols)), torch.float32, values.device),
-                        )
-                        total += decoder.decode(enc)
+                for m, part, received, total in zip(members, layout.parts, wire.received, wire.total, strict=True):
+                    total.zero_()
+                    for scale, minimum, values in received:
+                        total += kernels.qbit_decode(values, scale, minimum, part.bits, part.cols, torch.float32)
                     m.tensor.copy_(total.div_(w).view(m.tensor.shape))
                 poison((m.tensor for m in members), bad)
 
             meter.timed("decode", run)
 
         return then(futs, decode)
+
+    def persistent_tensors(self) -> list[torch.Tensor]:
+        """The residuals and the groups' wire buffers (kept from step to step)."""
+        wires = [lay.wire for _, lay in self._layouts.values() if isinstance(lay, _Row) and lay.wire is not None]
+        return super().persistent_tensors() + [t for wire in wires for t in wire.tensors()]
 
     # ------------------------------------------------------------------ state
 
@@ -285,9 +326,11 @@ class QSGDAlgorithm(FeedbackAlgorithm):
     # ------------------------------------------------------------------ the reduce-scatter form
 
     def _shard_row(self, layout: ShardLayout, shard: int) -> _ShardRow:
-        """The peer row of ``layout`` (checked once per layout: valid per-name options)."""
+        """Return the peer row of ``layout``, built and checked (valid per-name options) once per layout object: a
+        caller that keeps its layout (an FSDP unit) finds it by identity, in O(1); another object, even an
+        equal one (the monitor's rewritten options), builds it again."""
         cached = self._shard_rows.get((layout.key, shard))
-        if cached is not None and cached.layout == layout:
+        if cached is not None and cached.layout is layout:
             return cached
         pieces, words, packed = [], 0, 0
         for seg in layout.segments:
@@ -322,10 +365,12 @@ class QSGDAlgorithm(FeedbackAlgorithm):
     ) -> Future[None]:
         w, shard = self.world_size, out.numel()
         plan = self._shard_row(layout, shard)
-        if self.feedback_on:
+        if self.feedback_on and plan.residuals is not residual_state(self.feedback):
+            # Once per plan and per loaded checkpoint: a step's own updates keep the residuals' shapes.
             check_residuals(
                 "qsgd", self.feedback, layout.key, (p.segment for p in plan.pieces if p.segment.compress), w
             )
+            plan.residuals = residual_state(self.feedback)
         self.guard.begin(step)
         x = flat.view(w, shard)
         send = meter.timed("encode", lambda: self._shard_encode(plan, x, step))
@@ -383,18 +428,18 @@ class QSGDAlgorithm(FeedbackAlgorithm):
         return encode_rows(w, plan.row_bytes, plan.words, x.device, fill)
 
     @staticmethod
-    def _blocks_encoded(piece: _Piece, b: _Blocks, words: torch.Tensor, packed: torch.Tensor) -> Encoded:
-        """Block ``b`` of ``piece`` in every row of ``words`` / ``packed`` (one row per rank or per shard), as
-        one encoding of ``(rows * b.rows, b.cols)``."""
+    def _decode_blocks(piece: _Piece, b: _Blocks, words: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """Decode block ``b`` of ``piece`` in every row of ``words`` / ``packed`` (one row per rank or per
+        shard) as one ``(rows * b.rows, b.cols)`` fp32 tensor: the q-bit kernel's decode of the block, which is
+        what :class:`~sylvie_comm.codecs.quant.QBitCodec` returns for that 2-D encoding, with no codec or
+        encoding object made per block and step (the plan holds the bits and the columns)."""
         n = words.shape[0]
-        return Encoded(
-            (
-                packed[:, b.packed_at : b.packed_at + b.packed_bytes].reshape(n * b.rows, b.packed_per_row),
-                words[:, b.meta_at : b.meta_at + b.rows].reshape(-1),
-                words[:, b.meta_at + b.rows : b.meta_at + 2 * b.rows].reshape(-1),
-            ),
-            TensorMeta(torch.Size((n * b.rows, b.cols)), torch.float32, words.device),
-        )
+        return kernels.qbit_decode(
+            packed[:, b.packed_at : b.packed_at + b.packed_bytes].reshape(n * b.rows, b.packed_per_row),
+            words[:, b.meta_at : b.meta_at + b.rows].reshape(-1),
+            words[:, b.meta_at + b.rows : b.meta_at + 2 * b.rows].reshape(-1),
+            piece.bits, b.cols, torch.float32,
+        )  # fmt: skip
 
     def _shard_update(self, plan: _ShardRow, x: torch.Tensor, send: torch.Tensor, bad: torch.Tensor | None) -> None:
         """Every segment's residual ``+= x``, ``-=`` the decode of the codes this rank sent (``send``), unless
@@ -407,11 +452,10 @@ class QSGDAlgorithm(FeedbackAlgorithm):
             seg = piece.segment
             if not seg.compress:
                 continue
-            decoder = QBitCodec(bits=piece.bits)
 
-            def subtract(res: torch.Tensor, piece: _Piece = piece, decoder: QBitCodec = decoder) -> None:
+            def subtract(res: torch.Tensor, piece: _Piece = piece) -> None:
                 for b in piece.blocks:
-                    own = decoder.decode(self._blocks_encoded(piece, b, words, packed))
+                    own = self._decode_blocks(piece, b, words, packed)
                     res[:, b.at : b.at + b.numel].sub_(own.view(w, b.numel))
 
             res = self._shard_residual(seg, x.device).view(w, seg.numel)
@@ -429,9 +473,9 @@ class QSGDAlgorithm(FeedbackAlgorithm):
                 if not seg.compress:
                     dst.copy_(mean_in_rank_order(words[:, piece.raw_at : piece.raw_at + seg.numel]))
                     continue
-                decoder = QBitCodec(bits=piece.bits)
                 for b in piece.blocks:
-                    enc = self._blocks_encoded(piece, b, words, packed)
-                    dst[b.at : b.at + b.numel] = mean_in_rank_order(decoder.decode(enc).view(w, b.numel))
+                    dst[b.at : b.at + b.numel] = mean_in_rank_order(
+                        self._decode_blocks(piece, b, words, packed).view(w, b.numel)
+                    )
 
         return decode_rows(self.guard, plan.shard, plan.row_bytes, plan.words, received, out, fill)

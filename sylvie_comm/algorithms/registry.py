@@ -1,8 +1,15 @@
-"""The algorithms by name (their part of the one namespace, :mod:`sylvie_comm.registry`)."""
+"""The algorithms by name (their part of the one namespace, :mod:`sylvie_comm.registry`).
+
+:data:`ALGORITHMS` is the one list of them; what an algorithm can do is on its class (``shards``,
+``wire_bytes``, ``averages_momentum``, ``low_rank``, ...), and every list of algorithms elsewhere is read from
+the two. The base class sees the list as :attr:`Algorithm.registered <sylvie_comm.algorithms.base.Algorithm>`,
+set here: the modules this one imports read it without importing it back.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from sylvie_comm.algorithms.acpsgd import ACPSGDAlgorithm
@@ -32,6 +39,7 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
         AutoAlgorithm,
     )
 }
+Algorithm.registered = MappingProxyType(ALGORITHMS)
 
 
 def algorithm_class(name: str, what: str = "algorithm") -> type[Algorithm]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from sylvie_comm.algorithms.base import Future, Group, Segment, ShardLayout
+from sylvie_comm.algorithms.base import Algorithm, Future, Group, Segment, ShardLayout
 from sylvie_comm.algorithms.checkpoint import check_checkpoint
 from sylvie_comm.algorithms.monitor import Monitor
 from sylvie_comm.algorithms.policy import Policy
@@ -98,6 +98,7 @@ class Session:
         self.objects: ObjectGather = objects if objects is not None else transport
         self.step = 0
         self._stats = Stats()
+        self._meter: Meter | None = None  # the last step's
 
     @classmethod
     def agreed(
@@ -136,8 +137,12 @@ class Session:
     # ------------------------------------------------------------------ running
 
     def meter(self, step: int | None = None) -> Meter:
-        """The byte and time meter of ``step`` (default: the current one)."""
-        return self._stats.meter(self.step if step is None else step, self.world_size)
+        """The byte and time meter of ``step`` (default: the current one), made once per step."""
+        step = self.step if step is None else step
+        meter = self._meter
+        if meter is None or meter.step != step:
+            meter = self._meter = self._stats.meter(step, self.world_size)
+        return meter
 
     def run(self, group: Group, step: int | None = None) -> Future[None]:
         """Average ``group`` in place through the policy at ``step`` (default: the current one)."""
@@ -243,4 +248,58 @@ class Session:
                 close()
 
 
-__all__ = ["CHECKPOINT_FIELDS", "Session", "merge_config", "upgrade_checkpoint"]
+class SessionHolder:
+    """What every integration's object forwards to its :class:`Session`, written once.
+
+    An integration (the DDP hook's state, the FSDP2 state, the Horovod optimizer and compressor, the gradient
+    average) sets ``self.session`` and inherits the session's figures and lifetime from here; it overrides
+    only what it adds (a checkpoint that holds more than the session's, a close that also unhooks a framework).
+    """
+
+    session: Session
+
+    @property
+    def name(self) -> str:
+        """The algorithm's registered name."""
+        return self.session.name
+
+    @property
+    def config(self) -> Config:
+        """The merged configuration the ranks agreed on."""
+        return self.session.config
+
+    @property
+    def algorithm(self) -> Algorithm:
+        """The algorithm (behind :attr:`policy`)."""
+        return self.session.algorithm
+
+    @property
+    def policy(self) -> Policy:
+        """The warm-up, per-name rules and monitor around the algorithm."""
+        return self.session.policy
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The algorithm's options, defaults merged."""
+        return self.session.options
+
+    @property
+    def world_size(self) -> int:
+        """The run's world size."""
+        return self.session.world_size
+
+    def stats(self) -> dict[str, Any]:
+        """Cumulative wire bytes, the plain fp32 equivalent, their ratio and encode/decode seconds; ``last_step``
+        holds the same for the last completed step (:meth:`Session.stats`)."""
+        return self.session.stats()
+
+    def memory_bytes(self) -> int:
+        """Bytes of tensors kept between steps (residuals, factors, buffers, the step guard's copies)."""
+        return self.session.memory_bytes()
+
+    def close(self) -> None:
+        """Stop the algorithm's thread and close the transport (idempotent)."""
+        self.session.close()
+
+
+__all__ = ["CHECKPOINT_FIELDS", "Session", "SessionHolder", "merge_config", "upgrade_checkpoint"]

@@ -39,6 +39,15 @@ def check_residuals(name: str, feedback: ErrorFeedback, key: str, segments: Iter
             )
 
 
+def residual_state(feedback: ErrorFeedback) -> object:
+    """Return what a check of the residuals against a layout (:func:`check_residuals`) holds for: ``feedback``'s
+    mapping of residuals, compared by identity. A loaded checkpoint replaces that mapping
+    (:meth:`ErrorFeedback.load_state_dict`), with residuals of any shape, so it is checked again; the steps' own
+    updates and resets keep it and write residuals of the layout's shapes (or none), so a plan checked once in
+    this mapping needs no check at the next step."""
+    return feedback._residuals
+
+
 def encode_rows(
     world_size: int, row_bytes: int, words: int, device: torch.device,
     fill: Callable[[torch.Tensor, torch.Tensor], None],
@@ -117,4 +126,12 @@ def update_residual(
     kernels.copy_if(res, new, ~bad)
 
 
-__all__ = ["StepVerdict", "check_residuals", "decode_rows", "encode_rows", "residual_shape", "update_residual"]
+__all__ = [
+    "StepVerdict",
+    "check_residuals",
+    "decode_rows",
+    "encode_rows",
+    "residual_shape",
+    "residual_state",
+    "update_residual",
+]

@@ -28,6 +28,8 @@ class SignAlgorithm(FeedbackAlgorithm):
     codec_name = "sign"
     option_defaults: ClassVar[dict[str, Any]] = {"scale": "norm"}
     per_name_options: ClassVar[frozenset[str]] = frozenset({"scale"})
+    wire_bytes = 1 / 8  # a vote per element, counted as one bit
+    averages_momentum = True
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         super().__init__(transport, options, seed=seed)

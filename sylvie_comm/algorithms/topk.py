@@ -31,6 +31,7 @@ class TopKAlgorithm(FeedbackAlgorithm):
     codec_name = "topk"
     option_defaults: ClassVar[dict[str, Any]] = {"ratio": 0.1}
     per_name_options: ClassVar[frozenset[str]] = frozenset({"ratio"})
+    averages_momentum = True
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         super().__init__(transport, options, seed=seed)
@@ -56,8 +57,9 @@ class TopKAlgorithm(FeedbackAlgorithm):
         new = max(ratio / 2, low)
         return None if new >= ratio else {"ratio": new}
 
-    def bytes_per_element(self, shape: tuple[int, ...], options: Mapping[str, Any]) -> float:
-        return 8.0 * float(options.get("ratio", self.codec.ratio))  # an fp32 value and an int32 index per entry
+    @classmethod
+    def wire_bytes_per_element(cls, options: Mapping[str, Any]) -> float:
+        return 8.0 * float(options.get("ratio", cls.option_defaults["ratio"]))  # an fp32 value, an int32 index
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """DDP hook cost on a 17.9M-parameter MLP: compute time and memory, against PyTorch's PowerSGD hook (and Horovod).
 
-The model is 512 -> 2048, four 2048 x 2048 layers, -> 10 (17.9M parameters).
+The model is 512 -> 2048, four 2048 x 2048 layers, -> 10 (17.9M parameters:
+:func:`~sylvie_comm.bench.workloads.mlp_17m`), each rank on one fixed batch
+(:func:`~sylvie_comm.bench.workloads.fixed_batch`).
 Two measurements, each with every hook in the same invocation:
 
 * ``world=2`` (gloo on loopback): backward time per step (it includes the
@@ -26,25 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from sylvie_comm.algorithms import ALGORITHMS
+from sylvie_comm.bench import horovod
+from sylvie_comm.bench.workloads import fixed_batch
+from sylvie_comm.bench.workloads import mlp_17m as mlp_17m  # also read from here (its home is bench.workloads)
+
 HOOKS = ("none", "acpsgd", "powersgd", "onebit", "torch-powersgd")
-
-
-def mlp_17m(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    layers: list[nn.Module] = [nn.Linear(512, 2048), nn.ReLU()]
-    for _ in range(4):
-        layers += [nn.Linear(2048, 2048), nn.ReLU()]
-    layers.append(nn.Linear(2048, 10))
-    return nn.Sequential(*layers)
-
-
-def batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fixed batch of 32 samples rank ``rank`` trains on in every run."""
-    g = torch.Generator().manual_seed(rank)
-    return torch.randn(32, 512, generator=g), torch.randint(0, 10, (32,), generator=g)
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -71,9 +62,9 @@ def _run_hook(name: str, rank: int, world: int, rank_r: int, steps: int, warmup:
                                     start_powerSGD_iter=warmup, use_error_feedback=True, warm_start=True)  # fmt: skip
         ddp.register_comm_hook(ps_state, ps.powerSGD_hook)
     else:
-        opts: dict[str, Any] = {"rank": rank_r} if name in ("acpsgd", "powersgd") else {}
+        opts: dict[str, Any] = {"rank": rank_r} if ALGORITHMS[name].takes_rank() else {}
         state = sylvie_comm.ddp.register(ddp, name, warmup_steps=warmup, **opts)
-    x, y = batch(rank)
+    x, y = fixed_batch(rank)
     times, enc_dec, sent = [], [], []
     for step in range(warmup + steps):
         ddp.zero_grad()
@@ -140,8 +131,6 @@ def run(rank: int = 4, steps: int = 5, warmup: int = 2) -> dict[str, Any]:
     base1 = one["none"]["backward_s"]
     for name in HOOKS:
         two[name]["compute_s_world1"] = one[name]["backward_s"] - base1
-    from sylvie_comm.bench import horovod
-
     return {"parameters": params, "rank": rank, "steps": steps, "hooks": two,
             "horovod": horovod.run(rank, steps, warmup)}  # fmt: skip
 
@@ -166,8 +155,6 @@ def format_table(res: dict[str, Any]) -> str:
             f"{h['memory_bytes'] / 1e6:>9.1f}{h['memory_bytes'] / model_bytes:>9.2f}"
         )
     if res.get("horovod") is not None:
-        from sylvie_comm.bench import horovod
-
         lines += ["", "under horovodrun (2 ranks, gloo): Horovod's optimizer, and ours (sylvie_comm.horovod)"]
         lines += horovod.format_rows(res["horovod"])
     else:

@@ -11,14 +11,15 @@ root (FSDP2's defaults otherwise) and SGD with momentum 0.9:
 * ``fsdp2``: plain FSDP2, its fp32 reduce-scatter (the baseline of the speedups);
 * ``fsdp2-bf16``: FSDP2 with PyTorch's bf16 reduce, ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``
   (parameters stay fp32);
-* ``none``, ``fp16``, ``bf16``, ``qsgd``, ``onebit``: ours, ``sylvie_comm.fsdp.register(model, codec)``; a codec
-  whose ``register`` raises (no reduce-scatter form yet) is reported as skipped with the error, not run;
+* ``none``, ``fp16``, ``bf16``, ``qsgd``, ``onebit``: ours, ``sylvie_comm.fsdp.register(model, codec)``: every
+  algorithm with a reduce-scatter form (``shards``), from the most wire bytes per element to the fewest; a codec
+  whose ``register`` raises is reported as skipped with the error, not run;
 * ``no-comm``: a bound, not a codec: FSDP2 with an all-gather and a reduce-scatter that send nothing (each a
   local copy; every rank's block of a gathered parameter is its own shard, so this is not the model's
   training): FSDP2's own work with no wire, the least any row's step can take on this machine.
 
 A step is ``zero_grad``, forward (FSDP's all-gathers), backward (its reduce-scatters) and ``optimizer.step()``
-after a barrier (:func:`~sylvie_comm.bench.link.measure_steps`); its time is the slowest rank's. Per row:
+after a barrier (:func:`~sylvie_comm.bench.kit.measure_steps`); its time is the slowest rank's. Per row:
 median and spread of the step time, samples per second, the speedup over ``fsdp2``, the reduce-scatter's
 wire bytes per step and rank (ours: ``state.stats()``; FSDP's rows: :func:`reduce_scatter_bytes`, the
 convention of ``sylvie_comm.collectives.wire_bytes``) and how many times fewer than the fp32
@@ -48,9 +49,20 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
+from sylvie_comm.algorithms import ALGORITHMS
 from sylvie_comm.bench.choices import unique_choices
+from sylvie_comm.bench.kit import (
+    HOOK_WARMUP,
+    LR,
+    MOMENTUM,
+    WARMUP,
+    fmt_mb,
+    fmt_x,
+    machine,
+    measure_steps,
+    merge_rounds,
+)
 from sylvie_comm.bench.lab import Lab, ProgressBar, check_link, leave_worker, start_worker, worker_cli
-from sylvie_comm.bench.link import HOOK_WARMUP, LR, MOMENTUM, WARMUP, _mb, _x, machine, measure_steps, merge_rounds
 from sylvie_comm.bench.workloads import WORKLOADS
 from sylvie_comm.collectives import wire_bytes
 
@@ -58,7 +70,11 @@ FSDP_ROWS: dict[str, str] = {
     "fsdp2": "FSDP2 fully_shard, fp32 reduce-scatter",
     "fsdp2-bf16": "FSDP2, MixedPrecisionPolicy(reduce_dtype=bf16)",
 }
-OURS = ("none", "fp16", "bf16", "qsgd", "onebit")  # the algorithms with a reduce-scatter form (or about to have one)
+# Ours: the algorithms with a reduce-scatter form, from the most wire bytes per element to the fewest (the registry's
+# order among equals), so the table reads from the least compressed to the most.
+OURS = tuple(
+    sorted((n for n, cls in ALGORITHMS.items() if cls.shards), key=lambda n: -ALGORITHMS[n].wire_bytes_per_element({}))
+)
 BOUND = "no-comm"
 ROWS = (*FSDP_ROWS, *OURS, BOUND)
 BASELINE = "fsdp2"
@@ -347,8 +363,6 @@ def record(raw: dict[str, list[list[dict[str, Any]]]], units: Units, *, link: st
            steps: int, warmup: int, rounds: int, lab_info: dict[str, Any], wall: float) -> dict[str, Any]:  # fmt: skip
     """The run's record from each row's figures (``raw``: per row, per round, every rank's), ``units`` of the
     model (:func:`shard_units`) and the lab's description."""
-    from sylvie_comm.algorithms import ALGORITHMS
-
     work = WORKLOADS[model]
     out = {name: merge_row(name, rounds_of, workers, work.batch_size, units) for name, rounds_of in raw.items()}
     for rec in out.values():
@@ -418,7 +432,7 @@ def format_table(rec: dict[str, Any]) -> str:
         f"{len(rec['fsdp_units'])} FSDP units), batch {rec['batch_per_worker']}/worker, {rec['optimizer']}, median "
         f"of {rec['steps']} steps after {rec['warmup']} warm-up{rounds}, each row in fresh processes; "
         f"{m['cpu_count']} CPUs ({m['cpu_model']}), torch {rec['torch']}",
-        f"fp32 reduce-scatter: {_mb(rec['fp32_reduce_scatter_bytes_per_step'])} MB per rank and step",
+        f"fp32 reduce-scatter: {fmt_mb(rec['fp32_reduce_scatter_bytes_per_step'])} MB per rank and step",
         "",
         "| row | step s (median) | min-max s | samples/s | x FSDP2 | RS MB/step | x fewer than fp32 RS "
         "| eth0 MB/step | enc+dec s | codec MB | grad+opt+codec MB | peak RSS MiB per rank |",
@@ -434,9 +448,9 @@ def format_table(rec: dict[str, Any]) -> str:
         rss = "/".join(f"{v:.0f}" for v in c["peak_rss_mib"])
         lines.append(
             f"| {c['label']} | {c['median_s']:.3f} | {c['min_s']:.3f}-{c['max_s']:.3f} | {c['samples_per_s']:.1f} "
-            f"| {_x(c['speedup_vs_fsdp2'])} | {_mb(c['wire_bytes_per_step'])} | {_x(c['wire_ratio_vs_fp32'])} "
-            f"| {_mb(c['eth0_tx_bytes_per_step'])} | {ed} | {_mb(max(c['codec_bytes']))} "
-            f"| {_mb(max(c['grad_opt_codec_bytes']))} | {rss} |"
+            f"| {fmt_x(c['speedup_vs_fsdp2'])} | {fmt_mb(c['wire_bytes_per_step'])} "
+            f"| {fmt_x(c['wire_ratio_vs_fp32'])} | {fmt_mb(c['eth0_tx_bytes_per_step'])} | {ed} "
+            f"| {fmt_mb(max(c['codec_bytes']))} | {fmt_mb(max(c['grad_opt_codec_bytes']))} | {rss} |"
         )
     return "\n".join([*lines, "", *rec["notes"], *skipped])
 

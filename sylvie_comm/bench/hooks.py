@@ -10,8 +10,14 @@ the median over ``steps`` steps after warm-up is reported per hook and layout, n
 one-bucket layout only: with two or more buckets on gloo it launches its second all-reduce from a
 callback and deadlocks.
 
+The record also holds, from the same run, an FSDP2 unit's reduce-scatter next to FSDP2's own
+(:mod:`sylvie_comm.bench.hooks_fsdp`) and a GNN halo layer next to the same layer without an exchange, with an
+epoch of our layers next to PyG's (:mod:`sylvie_comm.bench.hooks_halo`); ``--only ddp`` (or ``fsdp``, ``halo``)
+runs one part.
+
 Run ``python -m sylvie_comm.bench.hooks`` (``--layers``, ``--steps``; ``--out FILE.json`` writes the record and
-``FILE.md``, its table with the ratios to PyTorch's hooks of the same run).
+``FILE.md``, its tables with the ratios to the baselines of the same run). CI runs it after the tests and prints
+the tables: a report of ratios, not a timed test.
 """
 
 from __future__ import annotations
@@ -31,9 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sylvie_comm.bench.link import machine
+from sylvie_comm.algorithms import ALGORITHMS
+from sylvie_comm.bench import hooks_fsdp, hooks_halo
+from sylvie_comm.bench.kit import machine
 
-OURS = ("none", "fp16", "acpsgd", "powersgd", "onebit", "topk", "qsgd", "sign")
+# Every algorithm with an encoding of its own (``auto`` runs one of these per bucket).
+OURS = tuple(name for name, cls in ALGORITHMS.items() if not cls.delegates)
+PARTS = ("ddp", "fsdp", "halo")
 
 
 def _model(layers: int) -> nn.Module:
@@ -85,8 +95,22 @@ def _run(name: str, layers: int, steps: int, bucket_mb: float) -> dict[str, floa
     return {"us_per_bucket": statistics.median(per_step) * 1e6, "buckets": buckets}
 
 
-def measure(layers: int = 32, steps: int = 20) -> dict[str, Any]:
-    """Every hook, one after the other in one process (a group of one rank)."""
+def measure(layers: int = 32, steps: int = 20, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
+    """Every hook, one after the other in one process (a group of one rank), then the FSDP2 and halo parts."""
+    out: dict[str, Any] = {
+        "benchmark": "hooks", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+        "layers": layers, "steps": steps, "threads": torch.get_num_threads(), "layouts": {},
+    }  # fmt: skip
+    if "ddp" in parts:
+        out["layouts"] = _ddp(layers, steps)
+    if "fsdp" in parts:
+        out["fsdp"] = hooks_fsdp.measure((8, 32), steps)
+    if "halo" in parts:
+        out["halo"] = hooks_halo.halo_rows(max(1, steps // 2))
+    return out
+
+
+def _ddp(layers: int, steps: int) -> dict[str, Any]:
     init = not dist.is_initialized()
     if init:
         with socket.socket() as sock:  # a free port on loopback
@@ -94,10 +118,7 @@ def measure(layers: int = 32, steps: int = 20) -> dict[str, Any]:
             port = sock.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     layouts = {"many": (1e-4, ("torch-fp16", *OURS)), "one": (100.0, ("torch-fp16", "torch-powersgd", *OURS))}
-    out: dict[str, Any] = {
-        "benchmark": "hooks", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-        "layers": layers, "steps": steps, "threads": torch.get_num_threads(), "layouts": {},
-    }  # fmt: skip
+    out: dict[str, Any] = {}
     try:
         for layout, (bucket_mb, names) in layouts.items():
             rows = {name: _run(name, layers, steps, bucket_mb) for name in names}
@@ -105,15 +126,15 @@ def measure(layers: int = 32, steps: int = 20) -> dict[str, Any]:
                 r["x_torch_fp16"] = r["us_per_bucket"] / rows["torch-fp16"]["us_per_bucket"]
                 if "torch-powersgd" in rows:
                     r["x_torch_powersgd"] = r["us_per_bucket"] / rows["torch-powersgd"]["us_per_bucket"]
-            out["layouts"][layout] = rows
+            out[layout] = rows
     finally:
         if init:
             dist.destroy_process_group()
     return out
 
 
-def markdown(result: dict[str, Any]) -> str:
-    """The record as a table: µs per bucket and the ratios to PyTorch's hooks of the same run."""
+def ddp_table(result: dict[str, Any]) -> list[str]:
+    """The DDP part as markdown lines: µs per bucket and the ratios to PyTorch's hooks of the same run."""
     many, one = result["layouts"]["many"], result["layouts"]["one"]
     lines = [
         f"Host time per bucket, {result['layers']} x Linear(16, 16), median of {result['steps']} steps, one process "
@@ -127,6 +148,18 @@ def markdown(result: dict[str, Any]) -> str:
         left = f"{m['us_per_bucket']:.0f} | {m['x_torch_fp16']:.2f}" if m else "(deadlocks on gloo) | "
         lines.append(f"| {name} | {left} | {r['us_per_bucket']:.0f} | {r['x_torch_fp16']:.2f} | "
                      f"{r['x_torch_powersgd']:.2f} |")  # fmt: skip
+    return lines
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The record as tables: each part with the ratios to its baseline of the same run."""
+    lines: list[str] = []
+    if result["layouts"]:
+        lines += ddp_table(result)
+    if "fsdp" in result:
+        lines += ["", "```", hooks_fsdp.table(result["fsdp"]).rstrip("\n"), "```"]
+    if "halo" in result:
+        lines += ["", "```", hooks_halo.table(result["halo"]), "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -134,17 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sylvie_comm.bench.hooks", description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--only", choices=PARTS, action="append", help="run this part only (repeatable)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    result = measure(args.layers, args.steps)
-    print(f"host time per bucket, {args.layers} x Linear(16, 16), median of {args.steps} steps (us)")
-    many, one = result["layouts"]["many"], result["layouts"]["one"]
-    print(f"{'hook':16s} {'a bucket per param':>19s} {'x torch fp16':>13s} {'one bucket':>11s} {'x torch fp16':>13s}")
-    for name in one:
-        m = many.get(name)
-        left = f"{m['us_per_bucket']:19.1f} {m['x_torch_fp16']:13.2f}" if m else f"{'(deadlocks)':>19s} {'':13s}"
-        print(f"{name:16s} {left} {one[name]['us_per_bucket']:11.1f} {one[name]['x_torch_fp16']:13.2f}")
+    result = measure(args.layers, args.steps, tuple(args.only or PARTS))
+    print(markdown(result), end="")
     if args.out:
         out = Path(args.out)
         out.write_text(json.dumps(result, indent=2))

@@ -4,7 +4,8 @@ Two uses:
 
 * ``sylvie-comm bench ddp`` (no ``--link``): ``horovodrun -np 2 -H localhost:2 --gloo python -m
   sylvie_comm.bench.horovod OUT``. Same 17.9M-parameter MLP, batch and seed as
-  :mod:`sylvie_comm.bench.ddp`; per step, the time of ``loss.backward()`` plus the optimizer's
+  :mod:`sylvie_comm.bench.ddp` (:func:`~sylvie_comm.bench.workloads.mlp_17m`,
+  :func:`~sylvie_comm.bench.workloads.fixed_batch`); per step, the time of ``loss.backward()`` plus the optimizer's
   ``synchronize()`` (the wait for the averaged gradients, as DDP's backward includes the wait for
   its hook), the encode + decode seconds and the bytes of rank 0. Runs: Horovod's own
   ``DistributedOptimizer`` without compression (fp32) and with ``Compression.fp16`` and our
@@ -16,7 +17,7 @@ Two uses:
   ``launcher="horovodrun"``), running :func:`lab_worker_main` (``python -m sylvie_comm.bench.horovod
   --lab-worker CONFIG``). Same workload, batches, seeds and optimizer (SGD, momentum 0.9) as the DDP
   rows, and the same step (barrier, then ``zero_grad`` + forward + backward + ``optimizer.step()``,
-  which waits for the averaged gradients) and figures (:func:`sylvie_comm.bench.link._merge`).
+  which waits for the averaged gradients) and figures (:mod:`sylvie_comm.bench.kit`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sylvie_comm.algorithms import ALGORITHMS
 from sylvie_comm.bench.choices import unique_choices
-from sylvie_comm.bench.ddp import batch, mlp_17m
+from sylvie_comm.bench.kit import HOOK_WARMUP, LR, MOMENTUM, measure_steps, merge_rounds
+from sylvie_comm.bench.workloads import WORKLOADS, fixed_batch, mlp_17m
 
 RUNS = ("hvd fp32", "hvd fp16", "hvd+acpsgd", "ours none", "ours acpsgd", "ours powersgd", "ours onebit")
 
@@ -51,7 +54,17 @@ LAB_ROWS: dict[str, str] = {
     "hvd-sylvie-powersgd": "sylvie_comm.horovod.DistributedOptimizer powersgd",
 }
 DEFAULT_LAB_ROWS = ("hvd-fp32", "hvd-fp16", "hvd-acpsgd", "hvd-sylvie-acpsgd", "hvd-sylvie-onebit")
-_LOW_RANK = ("hvd-acpsgd", "hvd-sylvie-acpsgd", "hvd-sylvie-powersgd")
+
+
+def _ranked(codec: str) -> bool:
+    """Whether ``codec`` is one of our algorithms that a ``rank`` option sets (Horovod's fp32 and fp16 are not)."""
+    cls = ALGORITHMS.get(codec)
+    return cls is not None and cls.takes_rank()
+
+
+def _lab_codec(name: str) -> str:
+    """The codec of a lab row: ``hvd-sylvie-X`` and ``hvd-X`` are X's (``hvd-acpsgd``: our compressor's)."""
+    return name.removeprefix("hvd-sylvie-").removeprefix("hvd-")
 
 
 def available() -> str | None:
@@ -77,7 +90,7 @@ def check_rows(rows: Sequence[str]) -> list[str]:
 
 def lab_label(name: str, rank: int) -> str:
     """What a lab row is, in words, for the table."""
-    return LAB_ROWS[name] + (f" r{rank}" if name in _LOW_RANK else "")
+    return LAB_ROWS[name] + (f" r{rank}" if _ranked(_lab_codec(name)) else "")
 
 
 def _lab_row(name: str, cfg: dict[str, Any], progress: Callable[[], None]) -> dict[str, Any]:
@@ -85,8 +98,6 @@ def _lab_row(name: str, cfg: dict[str, Any], progress: Callable[[], None]) -> di
     import horovod.torch as hvd
 
     import sylvie_comm.horovod as sh
-    from sylvie_comm.bench.link import HOOK_WARMUP, LR, MOMENTUM, measure_steps
-    from sylvie_comm.bench.workloads import WORKLOADS
 
     r = int(cfg["rank"])
     work = WORKLOADS[cfg["model"]]
@@ -100,8 +111,8 @@ def _lab_row(name: str, cfg: dict[str, Any], progress: Callable[[], None]) -> di
             compression = stats = sh.Compression.acpsgd(model.named_parameters(), rank=r, warmup_steps=HOOK_WARMUP)
         opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression)
     else:
-        codec = name.removeprefix("hvd-sylvie-")
-        opts: dict[str, Any] = {"rank": r} if name in _LOW_RANK else {}
+        codec = _lab_codec(name)
+        opts: dict[str, Any] = {"rank": r} if _ranked(codec) else {}
         opt = stats = sh.DistributedOptimizer(base, model.named_parameters(), codec, warmup_steps=HOOK_WARMUP,
                                               **opts)  # fmt: skip
     gen = torch.Generator().manual_seed(1000 + hvd.rank())  # the DDP rows' data
@@ -118,8 +129,6 @@ def lab_worker_main(config_path: str) -> int:
     import horovod.torch as hvd
 
     from sylvie_comm.bench.lab import ProgressTicks
-    from sylvie_comm.bench.link import _merge
-    from sylvie_comm.bench.workloads import WORKLOADS
 
     cfg = json.loads(Path(config_path).read_text())
     torch.set_num_threads(1)
@@ -132,8 +141,8 @@ def lab_worker_main(config_path: str) -> int:
         for _ in range(int(cfg["rounds"])):
             for name in cfg["horovod"]:
                 rows[name].append(hvd.allgather_object(_lab_row(name, cfg, progress), name=f"bench.{name}"))
-        batch = WORKLOADS[cfg["model"]].batch_size
-        merged = {name: _merge(name, rows[name], world, int(cfg["rank"]), batch) for name in cfg["horovod"]}
+        batch, r = WORKLOADS[cfg["model"]].batch_size, int(cfg["rank"])
+        merged = {name: merge_rounds(rows[name], world, batch, lab_label(name, r)) for name in cfg["horovod"]}
         if rank == 0:
             Path(cfg["result"]).write_text(json.dumps(merged))
     finally:
@@ -157,9 +166,9 @@ def _measure(label: str, rank_r: int, steps: int, warmup: int) -> dict[str, Any]
         opt: Any = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=compression)
     else:
         codec = label.split()[1]
-        opts: dict[str, Any] = {"rank": rank_r} if codec in ("acpsgd", "powersgd") else {}
+        opts: dict[str, Any] = {"rank": rank_r} if _ranked(codec) else {}
         opt = stats = sh.DistributedOptimizer(base, model.named_parameters(), codec, warmup_steps=warmup, **opts)
-    x, y = batch(hvd.rank())
+    x, y = fixed_batch(hvd.rank())
     times, enc_dec, sent = [], [], []
     for step in range(warmup + steps):
         opt.zero_grad()

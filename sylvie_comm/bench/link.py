@@ -6,7 +6,7 @@ or loopback where that cannot be built) and starts one process per worker, with 
 ``torchrun --nnodes N --node-rank i --nproc-per-node 1 --master-addr <worker 0>`` per worker
 namespace (``Lab.run(..., launcher="torchrun")``, the command one runs on N machines). Each worker
 joins one gloo process group and trains the 17.9M-parameter MLP of
-:mod:`sylvie_comm.bench.ddp` (batch 32 per worker, SGD with momentum 0.9) under every
+:mod:`sylvie_comm.bench.workloads` (batch 32 per worker, SGD with momentum 0.9) under every
 codec in turn, on the same seeds:
 
 * ``ddp``: DDP's own all-reduce (S-SGD);
@@ -14,13 +14,15 @@ codec in turn, on the same seeds:
 * ``torch-powersgd``: PyTorch's ``powerSGD_hook`` (rank 4, error feedback, warm start) with one
   bucket, the only way it runs on gloo: with several buckets it launches its P and Q
   all-reduces from callbacks on different threads, ranks disagree on their order and gloo aborts;
-* every sylvie algorithm (``sylvie_comm.ddp.register(model, name)``; rank 4 for the low-rank ones);
+* every sylvie algorithm (``sylvie_comm.ddp.register(model, name)``; rank 4 where a ``rank`` sets what it sends:
+  the low-rank ones, and ``auto`` for its low-rank candidates);
 * ``no-comm``: DDP with a hook that hands each bucket back as it is (nothing sent, nothing
   averaged, so its training is not data-parallel): DDP's own work (bucket copies, autograd
   hooks) with no hook work and no wire, the least any hook's step can take on this machine.
 
 A step is ``zero_grad``, forward, backward (which waits for the hook's collectives) and
-``optimizer.step()``, after a barrier; its time is the slowest rank's. The first
+``optimizer.step()``, after a barrier (:func:`~sylvie_comm.bench.kit.measure_steps`); its time is the slowest
+rank's (:func:`~sylvie_comm.bench.kit.merge_rounds`). The first
 ``warmup`` steps are not measured (the hooks' own warm-up sends plain gradients).
 Per codec: median, min, max and quartiles of the step time, samples per second, the
 bytes the hook reports per step (ours: ``state.stats()``), the bytes that actually left
@@ -43,9 +45,6 @@ Example::
 from __future__ import annotations
 
 import json
-import os
-import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -55,9 +54,17 @@ from typing import Any, NoReturn
 
 import torch
 
+from sylvie_comm.algorithms import ALGORITHMS
+from sylvie_comm.bench import horovod as bh
 from sylvie_comm.bench.choices import parse_spec, unique_choices
+from sylvie_comm.bench.kit import HOOK_WARMUP, LR, MOMENTUM, WARMUP, fmt_mb, fmt_x, measure_steps, merge_rounds
+
+# Also read from here by the benchmarks that plot or record the machine as this one does (their home is bench.kit).
+from sylvie_comm.bench.kit import NO_MATPLOTLIB as NO_MATPLOTLIB
+from sylvie_comm.bench.kit import machine as machine
+from sylvie_comm.bench.kit import pyplot as pyplot
+from sylvie_comm.bench.kit import save_figure as save_figure
 from sylvie_comm.bench.lab import Lab, LabError, ProgressBar, check_link, leave_worker, start_worker, worker_cli
-from sylvie_comm.bench.timing import cpu_model
 from sylvie_comm.bench.workloads import WORKLOADS, check_workload
 
 TORCH_CODECS: dict[str, str] = {
@@ -66,16 +73,10 @@ TORCH_CODECS: dict[str, str] = {
     "torch-powersgd": "PyTorch powerSGD_hook (1 bucket)",
     "no-comm": "DDP, a hook that sends nothing (bound)",
 }
-HOOK_WARMUP = 2  # the hooks' uncompressed steps (PyTorch's start_powerSGD_iter, our warmup_steps)
-WARMUP = 3  # steps not measured: the hooks' warm-up and one compressed step
-LR = 0.01
-MOMENTUM = 0.9
 
 
 def all_codecs() -> list[str]:
     """Every codec the benchmark knows: DDP's and PyTorch's hooks, the no-comm bound, then every sylvie algorithm."""
-    from sylvie_comm.algorithms import ALGORITHMS
-
     return [*TORCH_CODECS, *ALGORITHMS]
 
 
@@ -106,31 +107,14 @@ def label(spec: str, rank: int) -> str:
     name, options = parse_spec(spec)
     if name in TORCH_CODECS:
         return TORCH_CODECS[name].replace("(1 bucket)", f"r{rank}, 1 bucket")
-    from sylvie_comm.bench.horovod import LAB_ROWS, lab_label
-
-    if name in LAB_ROWS:
-        return lab_label(name, rank)
-    from sylvie_comm.algorithms import ALGORITHMS
-
-    low_rank = "rank" in ALGORITHMS[name].option_defaults and "rank" not in options
+    if name in bh.LAB_ROWS:
+        return bh.lab_label(name, rank)
+    ranked = ALGORITHMS[name].takes_rank() and "rank" not in options
     given = ", ".join(f"{k}={v}" for k, v in options.items())
-    return f"sylvie {name}" + (f" r{rank}" if low_rank else "") + (f" ({given})" if given else "")
+    return f"sylvie {name}" + (f" r{rank}" if ranked else "") + (f" ({given})" if given else "")
 
 
 # ---------------------------------------------------------------------- worker side
-
-
-def _eth0_tx_bytes() -> int | None:
-    """Bytes sent so far on this network namespace's eth0 (/proc/net/dev is per namespace)."""
-    try:
-        lines = Path("/proc/net/dev").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        name, _, data = line.partition(":")
-        if name.strip() == "eth0":
-            return int(data.split()[8])
-    return None
 
 
 def _no_comm_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
@@ -150,7 +134,6 @@ def _run_codec(spec: str, cfg: dict[str, Any], rank: int, world: int, progress: 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import sylvie_comm.ddp
-    from sylvie_comm.algorithms import ALGORITHMS
 
     r = int(cfg["rank"])
     name, given = parse_spec(spec)
@@ -171,7 +154,7 @@ def _run_codec(spec: str, cfg: dict[str, Any], rank: int, world: int, progress: 
     elif name == "no-comm":
         ddp.register_comm_hook(None, _no_comm_hook)
     elif name != "ddp":
-        opts: dict[str, Any] = {"rank": r} if "rank" in ALGORITHMS[name].option_defaults else {}
+        opts: dict[str, Any] = {"rank": r} if ALGORITHMS[name].takes_rank() else {}
         opts.update(given)
         state = sylvie_comm.ddp.register(ddp, name, warmup_steps=HOOK_WARMUP, timeout=cfg["collective_timeout"],
                                          **opts)  # fmt: skip
@@ -189,86 +172,9 @@ def _run_codec(spec: str, cfg: dict[str, Any], rank: int, world: int, progress: 
     return {**extra, **rec}
 
 
-def measure_steps(model: Any, opt: Any, work: Any, gen: torch.Generator, warmup: int, steps: int,
-                  barrier: Callable[[], Any], stats: Any, progress: Callable[[], None]) -> dict[str, Any]:  # fmt: skip
-    """``warmup + steps`` training steps, each after ``barrier()``; the figures of the last ``steps``.
-
-    A step is ``zero_grad``, forward, backward and ``opt.step()`` (which, for DDP and Horovod alike,
-    includes the wait for the averaged gradients). ``stats``: an object whose ``stats()["last_step"]``
-    reports our encode/decode seconds and bytes (None for PyTorch's and Horovod's own).
-    """
-    times: list[float] = []
-    enc_dec: list[float] = []
-    hook_bytes: list[int] = []
-    losses: list[float] = []
-    tx0 = None
-    for step in range(warmup + steps):
-        x, y = work.batch(gen)
-        barrier()
-        if step == warmup:
-            tx0 = _eth0_tx_bytes()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = work.loss(model(x), y)
-        loss.backward()
-        opt.step()
-        dt = time.perf_counter() - t0
-        losses.append(float(loss))
-        if step >= warmup:
-            times.append(dt)
-            if stats is not None:
-                last = stats.stats()["last_step"]
-                enc_dec.append(last["encode_seconds"] + last["decode_seconds"])
-                hook_bytes.append(int(last["bytes_sent"]))
-        progress()
-    barrier()
-    tx1 = _eth0_tx_bytes()
-    return {
-        "step_s": times,
-        "encode_decode_s": statistics.median(enc_dec) if enc_dec else None,
-        "hook_bytes": statistics.fmean(hook_bytes) if hook_bytes else None,  # mean, as eth0's: total / steps
-        "eth0_tx_bytes": None if tx0 is None or tx1 is None else (tx1 - tx0) / steps,
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
-    }
-
-
 def _merge(name: str, rounds: list[list[dict[str, Any]]], world: int, rank: int, batch: int) -> dict[str, Any]:
     """One codec's figures (:func:`merge_rounds`), with its label."""
     return merge_rounds(rounds, world, batch, label(name, rank))
-
-
-def merge_rounds(rounds: list[list[dict[str, Any]]], world: int, batch: int, label: str) -> dict[str, Any]:
-    """One row's figures from every round's :func:`measure_steps` of every rank: a step takes as long as its
-    slowest rank."""
-    per_round = [[max(col) for col in zip(*(p["step_s"] for p in per_rank), strict=True)] for per_rank in rounds]
-    steps = [t for r in per_round for t in r]
-    per_rank = [p for r in rounds for p in r]
-    q1, _, q3 = statistics.quantiles(steps, n=4) if len(steps) > 1 else (steps[0], steps[0], steps[0])
-    med = statistics.median(steps)
-
-    def mean(key: str) -> float | None:
-        vals = [p[key] for p in per_rank if p[key] is not None]
-        return sum(vals) / len(vals) if vals else None
-
-    auto = [p["auto"]["choices"] for p in per_rank if "auto" in p]
-    return {
-        **({"auto_choices": auto[0]} if auto else {}),  # every rank agrees (tested); rank 0's first round
-        "label": label,
-        "step_s": steps,
-        "round_median_s": [statistics.median(r) for r in per_round],
-        "median_s": med,
-        "min_s": min(steps),
-        "max_s": max(steps),
-        "q1_s": q1,
-        "q3_s": q3,
-        "samples_per_s": world * batch / med,
-        "hook_bytes_per_step": mean("hook_bytes"),
-        "eth0_tx_bytes_per_step": mean("eth0_tx_bytes"),
-        "encode_decode_s": mean("encode_decode_s"),
-        "loss_first": per_rank[0]["loss_first"],
-        "loss_last": per_rank[0]["loss_last"],
-    }
 
 
 def worker_main(config_path: str) -> NoReturn:
@@ -298,19 +204,6 @@ def worker_main(config_path: str) -> NoReturn:
 
 
 # ---------------------------------------------------------------------- driver side
-
-
-def machine() -> dict[str, Any]:
-    import sylvie_comm
-
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "sylvie_comm": sylvie_comm.__version__,
-    }
 
 
 def _speedups(codecs: dict[str, Any]) -> dict[str, str | None]:
@@ -368,8 +261,6 @@ def run(
             f"bench ddp --link: warmup must be >= {HOOK_WARMUP + 1} (got {warmup}): the hooks send plain "
             f"gradients for their first {HOOK_WARMUP} steps, which should not be measured"
         )
-    from sylvie_comm.bench import horovod as bh
-
     hvd_rows = bh.check_rows(list(horovod_rows) if horovod_rows is not None else bh.DEFAULT_LAB_ROWS)
     hvd_skipped = "--no-horovod" if horovod is False else bh.available()
     if horovod is True and hvd_skipped is not None:
@@ -379,8 +270,6 @@ def run(
     elif warmup < HOOK_WARMUP + 1:  # as for the DDP hooks: the compressed rows' warm-up must not be measured
         hvd_rows = [n for n in hvd_rows if n in ("hvd-fp32", "hvd-fp16")]
     params = sum(p.numel() for p in WORKLOADS[model].model(0).parameters())
-    from sylvie_comm.algorithms import ALGORITHMS
-
     auto = ALGORITHMS["auto"].option_defaults
     autos = sum(parse_spec(n)[0] == "auto" for n in names)
     probes = autos * auto["probe_steps"] * len({"none", *auto["candidates"]})
@@ -449,14 +338,6 @@ def run(
     }
 
 
-def _mb(value: float | None) -> str:
-    return "-" if value is None else f"{value / 1e6:.2f}"
-
-
-def _x(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
 def format_table(rec: dict[str, Any]) -> str:
     """The record as a markdown table, with what each column means."""
     lab = rec["lab"]
@@ -481,8 +362,8 @@ def format_table(rec: dict[str, Any]) -> str:
         lines.append(
             f"| {c['label']} | {c.get('launcher', '-')} | {c['median_s']:.3f} | {c['min_s']:.3f}-{c['max_s']:.3f} "
             f"| {c['samples_per_s']:.1f} "
-            f"| {_mb(c['hook_bytes_per_step'])} | {_mb(c['eth0_tx_bytes_per_step'])} | {ed} "
-            f"| {_x(c['speedup_vs_ssgd'])} | {_x(c['speedup_vs_torch_powersgd'])} |"
+            f"| {fmt_mb(c['hook_bytes_per_step'])} | {fmt_mb(c['eth0_tx_bytes_per_step'])} | {ed} "
+            f"| {fmt_x(c['speedup_vs_ssgd'])} | {fmt_x(c['speedup_vs_torch_powersgd'])} |"
         )
     lines += [
         "",
@@ -519,29 +400,6 @@ def save(rec: dict[str, Any], out: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(rec, indent=2))
     return path
-
-
-NO_MATPLOTLIB = "matplotlib is not installed: no plot (pip install matplotlib to get one)"
-
-
-def pyplot() -> Any:
-    """``matplotlib.pyplot`` on the Agg backend, or None where matplotlib is not installed."""
-    import importlib
-
-    try:
-        mpl = importlib.import_module("matplotlib")
-    except ImportError:
-        return None
-    mpl.use("Agg")
-    return importlib.import_module("matplotlib.pyplot")
-
-
-def save_figure(plt: Any, fig: Any, out: str | Path) -> tuple[Path, str]:
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path, f"wrote {path}"
 
 
 def plot(rec: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:

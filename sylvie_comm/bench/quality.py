@@ -282,7 +282,7 @@ def train(
             config = Config(variant.hook, options, rules=rules, **fields)
             state = sylvie_comm.ddp.register(ddp, config=config)
     opt = copt if copt is not None else wl.make_optimizer(model)
-    diag = Diagnosis(model, variant, opt) if diagnose else None
+    diag = Diagnosis(model, variant.hook, variant.options, opt) if diagnose else None
     betas = opt.param_groups[0].get("betas")
     beta2 = betas[1] if betas is not None else None
     base_lr = [g["lr"] for g in opt.param_groups]

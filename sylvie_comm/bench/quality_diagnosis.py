@@ -9,14 +9,14 @@ build.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-if TYPE_CHECKING:
-    from sylvie_comm.bench.quality import Variant
+from sylvie_comm.algorithms import ALGORITHMS
 
 KINDS = ("conv", "linear", "embedding", "attention", "layernorm", "bias")
 
@@ -44,20 +44,23 @@ def layer_kinds(model: nn.Module) -> dict[str, str]:
     return kinds
 
 
-def one_shot_removed(hook: str, options: dict[str, Any], g: torch.Tensor) -> float | None:
+def one_shot_removed(hook: str, options: Mapping[str, Any], g: torch.Tensor) -> float | None:
     """The fraction of ``||g||^2`` one compression by ``hook``'s codec removes (no error feedback), for the
     codecs that compress one tensor alone; for the low-rank hooks, the best rank-r approximation's (SVD)."""
     from sylvie_comm.codecs import get_codec
 
-    if g.dim() < 2 and hook in ("acpsgd", "powersgd"):
+    cls = ALGORITHMS.get(hook)
+    low_rank = cls is not None and cls.low_rank
+    if g.dim() < 2 and low_rank:
         return None
     energy = float(g.pow(2).sum())
     if energy == 0:
         return None
-    if hook in ("acpsgd", "powersgd"):
+    if low_rank:
         from sylvie_comm.codecs import lowrank
 
-        r = lowrank.effective_rank(g.shape, options.get("rank", lowrank.AUTO), alternate=hook == "acpsgd")
+        alternate = bool(getattr(cls, "alternate", False))  # one factor per step (ACP-SGD): its own auto rank
+        r = lowrank.effective_rank(g.shape, options.get("rank", lowrank.AUTO), alternate=alternate)
         s = torch.linalg.svdvals(g.reshape(g.shape[0], -1).double())
         return float(s[r:].pow(2).sum() / s.pow(2).sum())
     codecs: dict[str, tuple[str, dict[str, Any]]] = {
@@ -83,10 +86,10 @@ class Diagnosis:
     removes, and with Adam the second moment the optimizer holds over the one the true gradients build.
     """
 
-    def __init__(self, model: nn.Module, variant: Variant, opt: torch.optim.Optimizer) -> None:
+    def __init__(self, model: nn.Module, hook: str, options: Mapping[str, Any], opt: torch.optim.Optimizer) -> None:
         self.kinds = layer_kinds(model)
         self.params = dict(model.named_parameters())
-        self.variant, self.opt = variant, opt
+        self.hook, self.options, self.opt = hook, options, opt
         self.cum_err = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.cum_true = {n: torch.zeros_like(p) for n, p in self.params.items()}
         self.v_true = {n: torch.zeros_like(p) for n, p in self.params.items()}
@@ -126,7 +129,7 @@ class Diagnosis:
             if beta2 is not None:
                 self.v_true[n].mul_(beta2).addcmul_(t, t, value=1 - beta2)
             if shot:
-                removed = one_shot_removed(self.variant.hook, self.variant.options, t)
+                removed = one_shot_removed(self.hook, self.options, t)
                 if removed is not None:
                     self._add(kind, "one_shot_removed", removed, w)
 

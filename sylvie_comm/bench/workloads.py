@@ -1,7 +1,8 @@
 """The DDP benchmarks' workloads: a model, the batch each worker trains on, and its loss.
 
-* ``mlp_17m``: the communication-heavy MLP of :mod:`sylvie_comm.bench.ddp` (512 -> 2048,
-  four 2048 x 2048 layers, -> 10; 17.9M parameters), batch 32 of Gaussian inputs;
+* ``mlp_17m``: the communication-heavy MLP of the DDP benchmarks (:func:`mlp_17m`: 512 -> 2048,
+  four 2048 x 2048 layers, -> 10; 17.9M parameters), batch 32 of Gaussian inputs (the hook-cost
+  benchmark of :mod:`sylvie_comm.bench.ddp` trains each rank on one fixed batch, :func:`fixed_batch`);
 * ``lm``: a small decoder-only transformer language model (vocabulary 8192, width 256,
   2 pre-norm layers of 4 heads, feed-forward 1024, causal; 5.8M parameters, 72% of them in
   the token embedding and the output projection), batch 8 sequences of 32 synthetic tokens;
@@ -22,8 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sylvie_comm.bench.ddp import mlp_17m
-
 VOCAB = 8192
 SEQ_LEN = 32
 LM_WIDTH = 256
@@ -32,6 +31,23 @@ LM_HEADS = 4
 LM_FF = 1024
 MAX_STRIDE = 8
 IN_FEATURES = 512
+
+
+def mlp_17m(seed: int = 0) -> nn.Module:
+    """The 17.9M-parameter MLP (512 -> 2048, four 2048 x 2048 layers, -> 10, ReLU between), from ``seed``."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(IN_FEATURES, 2048), nn.ReLU()]
+    for _ in range(4):
+        layers += [nn.Linear(2048, 2048), nn.ReLU()]
+    layers.append(nn.Linear(2048, 10))
+    return nn.Sequential(*layers)
+
+
+def fixed_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed batch of 32 samples of :func:`mlp_17m` rank ``rank`` trains on in every run of the hook-cost
+    benchmark (:mod:`sylvie_comm.bench.ddp`, and its Horovod rows)."""
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(32, IN_FEATURES, generator=g), torch.randint(0, 10, (32,), generator=g)
 
 
 class TransformerLM(nn.Module):

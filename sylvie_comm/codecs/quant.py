@@ -140,11 +140,24 @@ class QBitCodec(Codec):
         return wire
 
     def from_rows(self, wire: torch.Tensor, features: int, dtype: torch.dtype = torch.float32) -> Encoded:
+        """Inverse of :meth:`to_rows`: the payload as views of ``wire``, nothing copied.
+
+        The packed values are ``wire[:, 2 mb:]`` and the scales and minimums strided views of the first
+        ``2 mb`` bytes of each row, which :meth:`decode` reads where they lie (a kernel that takes only
+        contiguous parts makes its own). Where a row's length or the first row's offset is not a multiple of
+        the scale's size (``mb``, 4 or 2 bytes), the scales and minimums cannot be viewed in place: their
+        ``2 mb`` bytes a row are copied out, the packed values still not. A sender and receiver that control
+        the layout can avoid strides altogether: see :mod:`sylvie_comm.gnn.halo_rows`' blocks.
+        """
         mb = self._row_layout("from_rows")
         check_rows("qbit.from_rows", wire, self.row_bytes(features))
         rows = wire.shape[0]
-        meta = wire[:, : 2 * mb].reshape(-1).view(META_DTYPES[self.meta_dtype]).view(rows, 2)
-        payload = (wire[:, 2 * mb :].contiguous(), meta[:, 0].contiguous(), meta[:, 1].contiguous())
+        meta_bytes = wire[:, : 2 * mb]
+        aligned = wire.stride(1) == 1 and wire.stride(0) % mb == 0 and wire.storage_offset() % mb == 0
+        if not aligned:
+            meta_bytes = meta_bytes.reshape(-1)  # the copy of the misaligned scales and minimums
+        meta = meta_bytes.view(META_DTYPES[self.meta_dtype]).view(rows, 2)
+        payload = (wire[:, 2 * mb :], meta[:, 0], meta[:, 1])
         return Encoded(payload, TensorMeta(torch.Size((rows, features)), dtype, wire.device))
 
     def wire_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:

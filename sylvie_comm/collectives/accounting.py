@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -70,27 +71,48 @@ class StepStats:
 
 
 class Stats:
-    """Per-step :class:`StepStats`, safe to add to from the communication threads.
+    """Per-step :class:`StepStats`, added to from the communication threads without a lock.
+
+    An addition is appended to a log (one atomic ``deque.append``: no lock on the hot path, where a collective
+    is counted); the log is folded into the table, under a lock, when it is read and whenever it grows long.
 
     Args:
         keep: how many recent steps stay apart before they are folded into the total (default 4).
     """
+
+    _FOLD_AT = 4096  # log entries kept before an addition folds them (bounds the log's memory)
 
     def __init__(self, keep: int = 4) -> None:
         self._keep = keep
         self._lock = threading.Lock()
         self._total = StepStats()
         self._per_step: dict[int, StepStats] = {}
+        self._log: deque[tuple[int, str, float]] = deque()
 
     def add(self, step: int, **amounts: float) -> None:
+        log = self._log
+        for k, v in amounts.items():
+            log.append((step, k, v))
+        if len(log) > self._FOLD_AT:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Move the log into the table (oldest first), folding steps older than ``keep`` into the total."""
         with self._lock:
-            s = self._per_step.get(step)
-            if s is None:
-                s = self._per_step[step] = StepStats()
-                for old in sorted(self._per_step)[: -self._keep]:
-                    self._total.add(self._per_step.pop(old))
-            for k, v in amounts.items():
-                setattr(s, k, getattr(s, k) + v)
+            log, per_step = self._log, self._per_step
+            while True:
+                try:
+                    step, k, v = log.popleft()
+                except IndexError:
+                    return
+                s = per_step.get(step)
+                if s is not None:
+                    setattr(s, k, getattr(s, k) + v)
+                    continue
+                s = per_step[step] = StepStats()
+                setattr(s, k, v)  # before folding: a late step may be folded into the total at once
+                for old in sorted(per_step)[: -self._keep]:
+                    self._total.add(per_step.pop(old))
 
     def meter(self, step: int, world_size: int) -> Meter:
         """A :class:`Meter` that counts into ``step`` of this table."""
@@ -98,6 +120,7 @@ class Stats:
 
     def step(self, step: int) -> StepStats:
         """A copy of one step's numbers (zeros if nothing was counted for it)."""
+        self._fold()
         with self._lock:
             out = StepStats()
             out.add(self._per_step.get(step, StepStats()))
@@ -105,6 +128,7 @@ class Stats:
 
     def summary(self, steps: int) -> dict[str, Any]:
         """Totals over every step, and ``last_step``: step ``steps - 1``."""
+        self._fold()
         with self._lock:
             total = StepStats()
             total.add(self._total)

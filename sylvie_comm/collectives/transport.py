@@ -162,7 +162,7 @@ class ProcessGroupTransport:
         self._process_group = process_group
         self._closed = False
         self._failure: CollectiveError | None = None  # the first collective that failed
-        self._waiting: SerialExecutor | None = None  # see _waiter
+        self._futureless: set[str] = set()  # the collectives whose work has no future (gloo's reduce-scatter)
         group = process_group
         if dedicated:
             parent = process_group or dist.group.WORLD
@@ -263,18 +263,25 @@ class ProcessGroupTransport:
             else:
                 done.set_result(result)
 
-        try:
-            fut = work.get_future()
-        except RuntimeError:  # gloo's reduce-scatter has no future: a thread of this transport waits for it
-            fut = self._waiter().submit(lambda: work.wait())
+        fut = None
+        if kind not in self._futureless:
+            try:
+                fut = work.get_future()
+            except RuntimeError:  # gloo's reduce-scatter has none (asked once: the refusal is an exception)
+                self._futureless.add(kind)
+        if fut is None:
+            # Waited for here, on the caller's thread, as torch's synchronous collectives are: its one caller, the
+            # sharded reduce-scatter, waits for it at once (FSDP's comm returns with its output written), and a
+            # thread that waited for it instead cost every call two thread hops.
+            try:
+                result = work.wait()
+            except Exception as exc:
+                done.set_exception(self._fail(self._error(what, exc)))
+            else:
+                done.set_result(result)
+            return done
         fut.add_done_callback(settle)
         return done
-
-    def _waiter(self) -> SerialExecutor:
-        """The thread that waits, in issue order, for collectives whose work has no future."""
-        if self._waiting is None:
-            self._waiting = SerialExecutor(f"sylvie-comm-wait-rank{self.rank}")
-        return self._waiting
 
     def all_reduce(self, t: torch.Tensor) -> Future[Any]:
         """Sum ``t`` in place across ranks; the future completes when it is done."""
@@ -330,8 +337,6 @@ class ProcessGroupTransport:
         if self._closed:
             return
         self._closed = True
-        if self._waiting is not None:
-            self._waiting.close()
         group = self._group_ref() if self._group_ref is not None else None
         self._group_ref = None
         if self.dedicated and group is not None:

@@ -1,8 +1,8 @@
 """The GPU check of the GNN trainer: training on a CUDA GPU against training on the CPU, from one seed.
 
-``python -m sylvie_comm.gnn.train --gpu-check OUTDIR`` (or ``python -m sylvie_comm.gnn.gpu_check``) trains the
-same partitions on both devices and compares the losses, a resumed run, the halo exchange's rows and the peak
-memory at fp32 and 1-bit; it writes ``OUTDIR/gnn-gpu-check.json``.
+``python -m sylvie_comm.gnn.gpu_check --gpu-check OUTDIR`` trains the same partitions on both devices and
+compares the losses, a resumed run, the halo exchange's rows and the peak memory at fp32 and 1-bit; it writes
+``OUTDIR/gnn-gpu-check.json``. It sits above the trainer (:mod:`sylvie_comm.gnn.train`), which knows nothing of it.
 """
 
 from __future__ import annotations
@@ -204,10 +204,10 @@ def format_gpu_check(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m sylvie_comm.gnn.train --gpu-check OUTDIR``: 0 when the check passes, 1 when it fails,
+    """``python -m sylvie_comm.gnn.gpu_check --gpu-check OUTDIR``: 0 when the check passes, 1 when it fails,
     2 without a CUDA device."""
     parser = argparse.ArgumentParser(
-        prog="python -m sylvie_comm.gnn.train", description="Compare GNN training on a CUDA GPU with the CPU's."
+        prog="python -m sylvie_comm.gnn.gpu_check", description="Compare GNN training on a CUDA GPU with the CPU's."
     )
     parser.add_argument("--gpu-check", metavar="OUTDIR", required=True,
                         help=f"run the check and write OUTDIR/{GPU_CHECK_FILE}")  # fmt: skip

@@ -6,7 +6,17 @@ stochastic quantization, or fp32/bf16/fp16), send each peer its rows in one
 all-to-all with per-peer splits, decode into the halo buffer. Backward mirrors
 it: halo-row gradients go back to their owners, who add them into their inner
 rows. Each transfer is a job that :class:`~sylvie_comm.gnn.halo_pipeline.HaloPipeline`
-runs on its communication thread.
+runs (inline at staleness 0, on its communication thread above it).
+
+Each layer's exchange in each direction runs a :class:`HaloPlan`, made at its
+first call: the row format, the receive buffer and, forward, the ``[inner; halo]``
+buffer the layer's rows are written into (see :meth:`HaloPlan.output`). The rows
+travel in blocks, one per peer, whose parts the decoding reads where they were
+received (:meth:`~sylvie_comm.gnn.halo_rows.RowFormat.pack`); forward, they are
+decoded straight into the halo rows of the layer's buffer when the exchange runs
+while the layer waits (``out`` of :meth:`HaloExchanger.features_job`). The bytes
+each rank sends are counted in the shared accounting
+(:class:`~sylvie_comm.collectives.Stats`, one table per direction).
 
 ``state_dict()``/``load_state_dict()`` hold the error-feedback residuals and the
 noise offsets of the q-bit codecs, so a run restarted from a checkpoint continues
@@ -21,17 +31,90 @@ from the device.
 from __future__ import annotations
 
 import math
+import weakref
 import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from sylvie_comm.codecs import ErrorFeedback
-from sylvie_comm.collectives import Transport
+from sylvie_comm.codecs import Encoded, ErrorFeedback
+from sylvie_comm.collectives import Stats, Transport
 from sylvie_comm.gnn.halo_checks import as_device, check_partitions, check_settings, check_state, partition_signature
 from sylvie_comm.gnn.halo_rows import RowFormat, parse_precision
 from sylvie_comm.gnn.partition import Partition
+
+
+def _storage_refs(t: torch.Tensor) -> int | None:
+    """How many tensors (and storage objects) hold ``t``'s memory, read on the host; None where this torch
+    cannot tell (then no buffer is reused)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else int(count(t.untyped_storage()._cdata))
+
+
+class HaloPlan:
+    """What one layer's exchange in one direction needs, made at its first call and reused by every later one.
+
+    A plan is keyed by direction (which sets the precision), layer key and feature width; a one-off exchange at
+    another precision has a plan of its own for that call. It holds the row format (the codec
+    and its noise offset), the receive buffer of the formats decoded inside the exchange (q-bit, bf16, fp16:
+    the exchanges of one plan run one after the other, each decoding its rows before the next receives; fp32
+    rows are received where they are needed instead), and, forward, the ``[inner; halo]`` buffer of
+    :meth:`output`.
+    """
+
+    def __init__(self, direction: str, key: str, fmt: RowFormat, rows: int, device: torch.device) -> None:
+        self.direction, self.key, self.fmt, self.rows, self.device = direction, key, fmt, rows, device
+        self._recv: torch.Tensor | None = None
+        self._buffer: torch.Tensor | None = None
+        self._free: int | None = None  # the buffer's storage references when only this plan holds it
+        # What the buffer's first rows hold: (the leaf written there, its version, the buffer's version then).
+        self._written: tuple[weakref.ref[torch.Tensor], int, int] | None = None
+
+    def receive_buffer(self) -> torch.Tensor:
+        """The ``(rows, row_bytes)`` uint8 receive buffer, made on first use on the stream the exchange runs
+        on and reused after (its rows are decoded before the plan's next exchange writes it)."""
+        if self._recv is None:
+            self._recv = torch.empty(self.rows, self.fmt.row_bytes, dtype=torch.uint8, device=self.device)
+        return self._recv
+
+    def output(self, inner: torch.Tensor, halo_rows: int) -> tuple[torch.Tensor, bool]:
+        """The ``[inner; halo]`` buffer for this call, and whether its first rows hold ``inner``'s values already.
+
+        The buffer (``inner``'s width, dtype and device) is reused while nothing but this plan holds its memory
+        (read from the storage's reference count on the host: a graph that saved a view of an earlier call's
+        buffer, an earlier output still referenced, or anyone else holding it, and a fresh one is made), so a
+        buffer autograd may still read is never written again. The returned tensor is a new alias of the
+        buffer, the one the caller hands to autograd; the plan keeps none of its history. The first rows hold
+        ``inner`` already when ``inner`` is the leaf written there last, unchanged since (its version and the
+        buffer's), as the model's fixed input features are: they are written once.
+        """
+        n, features = inner.shape
+        buf = self._buffer
+        if (
+            buf is None
+            or buf.shape != (n + halo_rows, features)
+            or buf.dtype != inner.dtype
+            or buf.device != inner.device
+            or self._free is None
+            or _storage_refs(buf) != self._free
+        ):
+            buf = self._buffer = torch.empty(n + halo_rows, features, dtype=inner.dtype, device=inner.device)
+            self._free = _storage_refs(buf)
+            self._written = None
+        held = False
+        if self._written is not None:
+            source, version, buf_version = self._written
+            held = source() is inner and inner._version == version and buf._version == buf_version
+        return buf.detach(), held
+
+    def written(self, inner: torch.Tensor | None) -> None:
+        """Record that the buffer (its halo rows included) is written and its first rows hold ``inner``: a leaf
+        a later call may hand in again; None, or a tensor made by an operation, is never looked for again."""
+        if self._buffer is None or inner is None or inner.grad_fn is not None:
+            self._written = None
+        else:
+            self._written = (weakref.ref(inner), inner._version, self._buffer._version)
 
 
 class HaloExchanger:
@@ -83,6 +166,7 @@ class HaloExchanger:
         self.seed = seed
         self.feedback = ErrorFeedback()
         self._formats: dict[tuple[str, int, str], RowFormat] = {}
+        self._plans: dict[tuple[str, str, int], HaloPlan] = {}
         # Each boundary row is encoded once; every peer's rows are picked from that encoding. Computed on the
         # host from the partition (set-up), then placed on the features' device once.
         sends = [s.to("cpu") for s in part.send_idx]  # one (possibly empty) list per rank
@@ -94,7 +178,12 @@ class HaloExchanger:
         self.pick = pick.to(self.device)
         self.send_counts = part.send_counts
         self.halo_counts = list(part.halo_counts)
-        self.bytes_sent = {"forward": 0, "backward": 0}
+        # Each peer's part of ``pick``: views made once, the blocks of the forward all-to-all.
+        starts = [sum(self.send_counts[:p]) for p in range(len(self.send_counts))]
+        self.picks = [self.pick[s : s + k] for s, k in zip(starts, self.send_counts, strict=True)]
+        # The bytes sent, per direction, in the shared accounting (steps: the pipeline's epochs, see ``step``).
+        self.accounting = {"forward": Stats(), "backward": Stats()}
+        self.step = 0
 
     def _format(self, direction: str, features: int, key: str) -> RowFormat:
         fkey = (direction, features, key)
@@ -103,24 +192,45 @@ class HaloExchanger:
             fmt = self._formats[fkey] = self._new_format(direction, features, key)
         return fmt
 
+    def plan(self, direction: str, key: str, features: int) -> HaloPlan:
+        """The :class:`HaloPlan` of ``key``'s exchanges in ``direction`` at width ``features`` (made once)."""
+        pkey = (direction, key, features)
+        plan = self._plans.get(pkey)
+        if plan is None:
+            rows = self.part.n_halo if direction == "forward" else sum(self.send_counts)
+            plan = self._plans[pkey] = HaloPlan(direction, key, self._format(direction, features, key), rows,
+                                                self.device)  # fmt: skip
+        return plan
+
+    def _count(self, direction: str, rows: int, fmt: RowFormat) -> None:
+        """Count ``rows`` rows sent to other ranks in ``direction``: their bytes, and the fp32 rows' bytes."""
+        self.accounting[direction].add(self.step, bytes_sent=rows * fmt.row_bytes,
+                                       bytes_uncompressed=rows * fmt.features * 4, collectives=1)  # fmt: skip
+
+    @property
+    def bytes_sent(self) -> dict[str, int]:
+        """Bytes this rank sent to the others, by direction (``forward``, ``backward``), from the accounting."""
+        return {d: int(s.summary(self.step + 1)["bytes_sent"]) for d, s in self.accounting.items()}
+
     def _new_format(self, direction: str, features: int, key: str) -> RowFormat:
         precision = self.forward_precision if direction == "forward" else self.backward_precision
         # Distinct noise streams per rank, direction and layer.
         seed = zlib.crc32(f"{self.seed}/{self.part.rank}/{direction}/{key}".encode())
         return RowFormat(precision, features, self.meta_dtype, seed)
 
-    def _encode(self, fmt: RowFormat, rows: torch.Tensor, ef_key: str) -> torch.Tensor:
-        return fmt.encode(rows, self.feedback if self.error_feedback else None, ef_key)
+    def _encode(self, fmt: RowFormat, rows: torch.Tensor, ef_key: str) -> Encoded:
+        return fmt.encode_payload(rows, self.feedback if self.error_feedback else None, ef_key)
 
-    def _measure(self, where: str, fmt: RowFormat, rows: torch.Tensor, wire: torch.Tensor) -> None:
-        """Every ``monitor_every``-th call for ``where``: add ``||decode(wire) - rows|| / ||rows||`` (on the device)."""
+    def _measure(self, where: str, fmt: RowFormat, rows: torch.Tensor, encoded: Encoded) -> None:
+        """Every ``monitor_every``-th call for ``where``: add ``||decode(encoded) - rows|| / ||rows||`` (on the
+        device): what every receiver decodes, for the same bits."""
         if not self.monitor_every or not rows.numel():
             return
         entry = self._errors.setdefault(where, [None, 0, 0])
         entry[2] += 1
         if (entry[2] - 1) % self.monitor_every:
             return
-        rel = (fmt.decode(wire) - rows).norm() / rows.norm()
+        rel = (fmt.codec.decode(encoded) - rows).norm() / rows.norm()
         rel = torch.nan_to_num(rel, nan=0.0, posinf=0.0)
         entry[0] = rel if entry[0] is None else entry[0] + rel
         entry[1] += 1
@@ -130,6 +240,15 @@ class HaloExchanger:
         ``forward/<layer>`` and ``backward/<layer>``, over the measured exchanges (read on the host)."""
         return {k: float(v[0]) / v[1] for k, v in sorted(self._errors.items()) if v[1] and v[0].device.type != "meta"}
 
+    def check_features(self, inner: torch.Tensor) -> None:
+        """ValueError unless ``inner`` is ``(n_inner, F)`` rows on this exchanger's device."""
+        if inner.dim() != 2 or inner.shape[0] != self.part.n_inner:
+            raise ValueError(
+                f"halo: expected features of shape ({self.part.n_inner}, F) for this partition's inner nodes, "
+                f"got {tuple(inner.shape)}"
+            )
+        self._check_device("features", inner)
+
     def _check_device(self, what: str, t: torch.Tensor) -> None:
         if t.device != self.device:
             raise ValueError(
@@ -137,44 +256,69 @@ class HaloExchanger:
                 f"build the HaloExchanger with device={str(t.device)!r}"
             )
 
-    def _receive(self, send: torch.Tensor, rows: int, row_bytes: int) -> torch.Tensor:
-        """A receive buffer on the exchanger's device, made on the stream the job runs on."""
+    @staticmethod
+    def _keep_send(send: torch.Tensor) -> None:
+        """CUDA-only: the job's stream reads ``send``, which the training stream allocated; without this the
+        caching allocator could hand its memory out again while the collective still reads it."""
         if send.is_cuda:
-            # CUDA-only: the job's stream reads ``send``, which the training stream allocated; without this the
-            # caching allocator could hand its memory out again while the collective still reads it.
             send.record_stream(torch.cuda.current_stream(send.device))
-        return torch.empty(rows, row_bytes, dtype=torch.uint8, device=self.device)
+
+    def _receive_and_decode(
+        self, plan: HaloPlan, send: torch.Tensor, out_counts: list[int], in_counts: list[int],
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Run one all-to-all of ``send`` and decode what arrives: into ``out`` when given (fp32 and contiguous:
+        straight there; else through fp32 rows, cast on the copy), else into new fp32 rows."""
+        self._keep_send(send)
+        fmt = plan.fmt
+        direct = out is not None and out.dtype == torch.float32 and out.is_contiguous()
+        target = out if direct and out is not None else torch.empty(plan.rows, fmt.features, device=self.device)
+        if fmt.in_place:
+            # fp32 rows: received where they are read, nothing decoded.
+            self.transport.all_to_all_v(target.view(torch.uint8), send, out_counts, in_counts).wait()
+        else:
+            recv = plan.receive_buffer()
+            self.transport.all_to_all_v(recv, send, out_counts, in_counts).wait()
+            fmt.decode_blocks(recv, out_counts, target)
+        if out is not None and target is not out:
+            out.copy_(target)
+            return out
+        return target
 
     def features_job(
-        self, inner: torch.Tensor, key: str, feedback: bool = True, precision: str | None = None
+        self,
+        inner: torch.Tensor,
+        key: str,
+        feedback: bool = True,
+        precision: str | None = None,
+        out: torch.Tensor | None = None,
     ) -> Callable[[], torch.Tensor]:
         """Encode boundary rows now; the returned job sends them and returns the decoded halo rows.
 
         ``feedback=False`` leaves the error-feedback residuals alone (evaluation
-        passes); ``precision`` overrides the forward precision (one-off exchanges).
+        passes); ``precision`` overrides the forward precision (one-off exchanges);
+        ``out`` (``(n_halo, F)``) is where the job decodes the halo rows and what it returns, for a caller that
+        waits for the job before it reads ``out`` (the halo rows of a layer's ``[inner; halo]`` buffer).
         """
-        if inner.dim() != 2 or inner.shape[0] != self.part.n_inner:
-            raise ValueError(
-                f"halo: expected features of shape ({self.part.n_inner}, F) for this partition's inner nodes, "
-                f"got {tuple(inner.shape)}"
-            )
-        self._check_device("features", inner)
-        fmt = (
-            self._format("forward", inner.shape[1], key)
-            if precision is None
-            else RowFormat(parse_precision(precision), inner.shape[1], self.meta_dtype, self.seed)
-        )
+        self.check_features(inner)
+        if out is not None and tuple(out.shape) != (self.part.n_halo, inner.shape[1]):
+            raise ValueError(f"halo: out must have shape ({self.part.n_halo}, {inner.shape[1]}) (the halo rows), "
+                             f"got {tuple(out.shape)}")  # fmt: skip
+        if precision is None:
+            plan = self.plan("forward", key, inner.shape[1])
+        else:  # a one-off exchange: its own format (and noise) each time, as it has always had
+            fmt = RowFormat(parse_precision(precision), inner.shape[1], self.meta_dtype, self.seed)
+            plan = HaloPlan("forward", key, fmt, self.part.n_halo, self.device)
+        fmt = plan.fmt
         rows = inner[self.boundary].float()
-        wire = self._encode(fmt, rows, f"forward/{key}") if feedback else fmt.encode(rows)
+        encoded = self._encode(fmt, rows, f"forward/{key}") if feedback else fmt.encode_payload(rows)
         if feedback:  # training passes only
-            self._measure(f"forward/{key}", fmt, rows, wire)
-        send = wire[self.pick]
-        self.bytes_sent["forward"] += (send.shape[0] - self.send_counts[self.part.rank]) * fmt.row_bytes
+            self._measure(f"forward/{key}", fmt, rows, encoded)
+        send = fmt.pack(encoded, self.send_counts, self.pick, self.picks)
+        self._count("forward", send.shape[0] - self.send_counts[self.part.rank], fmt)
 
         def job() -> torch.Tensor:
-            recv = self._receive(send, self.part.n_halo, fmt.row_bytes)
-            self.transport.all_to_all_v(recv, send, self.halo_counts, self.send_counts).wait()
-            return fmt.decode(recv)
+            return self._receive_and_decode(plan, send, self.halo_counts, self.send_counts, out)
 
         return job
 
@@ -182,15 +326,16 @@ class HaloExchanger:
         """Encode halo-row gradients now; the job returns the rows peers sent back for our boundary rows
         (``len(scatter_idx)`` rows, to be added at ``scatter_idx``)."""
         self._check_device("gradients", grad_halo)
-        fmt = self._format("backward", grad_halo.shape[1], key)
-        send = self._encode(fmt, grad_halo.float(), f"backward/{key}")
-        self._measure(f"backward/{key}", fmt, grad_halo.float(), send)
-        self.bytes_sent["backward"] += send.shape[0] * fmt.row_bytes
+        plan = self.plan("backward", key, grad_halo.shape[1])
+        fmt = plan.fmt
+        rows = grad_halo.float()
+        encoded = self._encode(fmt, rows, f"backward/{key}")
+        self._measure(f"backward/{key}", fmt, rows, encoded)
+        send = fmt.pack(encoded, self.halo_counts)
+        self._count("backward", send.shape[0], fmt)
 
         def job() -> torch.Tensor:
-            recv = self._receive(send, sum(self.send_counts), fmt.row_bytes)
-            self.transport.all_to_all_v(recv, send, self.send_counts, self.halo_counts).wait()
-            return fmt.decode(recv)
+            return self._receive_and_decode(plan, send, self.send_counts, self.halo_counts, None)
 
         return job
 
@@ -249,6 +394,9 @@ class HaloExchanger:
             raise ValueError(f"{what}: 'bytes_sent' must map 'forward' and 'backward' to byte counts")
         self.feedback.load_state_dict(state["feedback"])  # validates before it replaces anything
         self._formats = formats
-        self.bytes_sent = {k: int(v) for k, v in bytes_sent.items()}
+        self._plans = {}
+        self.accounting = {"forward": Stats(), "backward": Stats()}
+        for direction, sent in bytes_sent.items():  # the totals so far, counted before any step of this run
+            self.accounting[direction].add(-1, bytes_sent=int(sent))
         self._errors = {str(k): [torch.tensor(v[0], device=self.device) if v[1] else None, v[1], v[2]]
                         for k, v in errors.items()}  # fmt: skip

@@ -1,10 +1,27 @@
 """The bounded-staleness pipeline of the halo exchange, and the autograd function that calls it per layer.
 
 :class:`HaloPipeline` (the bounded-staleness adaptor) runs the exchanges of a
-:class:`~sylvie_comm.gnn.halo_exchanger.HaloExchanger` on one communication
-thread and decides which epoch's data each layer uses; :func:`halo_exchange`
-returns ``[inner; halo]`` for one layer, differentiable, so the gradients of
-halo rows flow back to their owners.
+:class:`~sylvie_comm.gnn.halo_exchanger.HaloExchanger` and decides which epoch's
+data each layer uses: at staleness 0 on the calling thread (the layer waits for
+every exchange, so a thread would have nothing to overlap), above it on one
+communication thread. :func:`halo_exchange` returns ``[inner; halo]`` for one
+layer, differentiable, so the gradients of halo rows flow back to their owners.
+
+What one layer's rows cost (:meth:`HaloPipeline.complete`): the ``[inner; halo]``
+rows live in the layer's buffer (:meth:`~sylvie_comm.gnn.halo_exchanger.HaloPlan.output`),
+reused from call to call while nothing else holds it. The inner rows are written
+there once, by what produces them: with ``relu=True`` (the activation between two
+of our layers) the ReLU writes its output there, so no layer's rows are copied.
+Otherwise they are copied in, once per call: a PyG conv's input, or the
+dropped-out rows when dropout is on; an unchanged leaf (the model's input
+features, when the first layer exchanges) stays in the buffer from one call to
+the next and is not copied again. At staleness 0 the halo rows are decoded
+straight into the buffer (fp32 rows are received there); above it they come from
+an exchange made epochs before and are copied in. Backward: with ``relu=True``
+the ReLU's backward writes the inner rows' gradient (a new tensor, as
+``torch.relu``'s makes) and the returned halo gradients, masked the same way, are
+added into it; otherwise the inner rows' gradient is a view of the incoming one,
+or a copy of it when returned halo gradients are added.
 
 ``state_dict()``/``load_state_dict()`` hold the exchanges still queued for later
 epochs (by value) with the exchanger's state, so a run restarted from a
@@ -50,12 +67,15 @@ class HaloPipeline:
     is newer); halo gradients sent at an asynchronous epoch ``u`` are added at
     epoch ``u + S``, unless that epoch is synchronous and adds its own fresh
     ones instead (every backward adds at most one set). Epoch 0 and every ``sync_every``-th epoch are
-    synchronous, so no epoch ever sees zeros or data older than S epochs. All
-    exchanges run in submission order on one thread, the same order on every
-    rank. ``stats()`` reports the staleness actually observed.
+    synchronous, so no epoch ever sees zeros or data older than S epochs. At staleness 0 every exchange runs
+    on the calling thread as the layer calls it (it waits for the result: there is nothing to overlap, and
+    nothing is queued); above it, all exchanges run in submission order on one thread, the same order on
+    every rank. The two give the same bits (the same jobs, encoded in the same order). ``stats()`` reports the
+    staleness actually observed.
 
     On CUDA that thread's kernels (the collective, the decoding) run on a side stream of the pipeline's own
     (:attr:`stream`), so they overlap the layers' compute; see :meth:`_submit` for how the two are ordered.
+    Exchanges run inline stay on the caller's stream.
     """
 
     def __init__(self, exchanger: HaloExchanger, staleness: int = 0, sync_every: int = 0) -> None:
@@ -93,8 +113,33 @@ class HaloPipeline:
         if epoch <= self.epoch:
             raise ValueError(f"halo: epochs must increase, got {epoch} after {self.epoch}")
         self.epoch = epoch
+        self.exchanger.step = epoch  # the accounting's step
         if self.is_sync(epoch):
             self.last_sync = epoch
+
+    def _run(self, job: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run an exchange now, on the calling thread and its current stream (staleness 0: the caller waits for
+        it either way). Its seconds count as waited for and as exchanging, as they would on the thread."""
+        t0 = time.perf_counter()
+        try:
+            return job()
+        finally:
+            seconds = time.perf_counter() - t0
+            self._wait_s += seconds
+            with self._time_lock:
+                self._exchange_s += seconds
+
+    def _now(self, job: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A synchronous exchange outside the queues: inline at staleness 0, else on the communication thread,
+        after the exchanges queued there (every rank issues its collectives in one order)."""
+        if self.staleness == 0:
+            return self._run(job)
+        out: torch.Tensor = self._wait(self._submit(job))
+        return out
+
+    def _started(self) -> None:
+        if self.epoch < 0:
+            raise RuntimeError("halo: call begin_epoch(epoch) before the forward pass")
 
     def _submit(self, job: Callable[[], torch.Tensor]) -> torch.futures.Future[torch.Tensor]:
         """Run an exchange job on the communication thread; on CUDA, ordered with the caller's stream by events.
@@ -121,8 +166,7 @@ class HaloPipeline:
         return self.executor.submit(run, stream)  # and the consumer, through the future, for its output
 
     def _launch(self, name: str, job: Callable[[], torch.Tensor]) -> _Pending:
-        if self.epoch < 0:
-            raise RuntimeError("halo: call begin_epoch(epoch) before the forward pass")
+        self._started()
         pending = _Pending(self.epoch, self._submit(job), self.is_sync(self.epoch))
         self._queues[name].append(pending)
         return pending
@@ -138,16 +182,30 @@ class HaloPipeline:
 
     def exchange_once(self, inner: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
         """One synchronous exchange outside the pipeline (e.g. the raw input features, once)."""
-        job = self.exchanger.features_job(inner.detach(), "once", feedback=False, precision=precision)
-        out: torch.Tensor = self._wait(self._submit(job))
-        return out
+        return self._now(self.exchanger.features_job(inner.detach(), "once", feedback=False, precision=precision))
 
-    def features(self, layer: int, inner: torch.Tensor) -> torch.Tensor:
-        """Halo rows for this layer: fresh in a synchronous epoch, else from epoch max(t - S, last sync)."""
+    @staticmethod
+    def _into(rows: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """``rows``, or ``out`` once they are copied there (cast to its dtype)."""
+        if out is None or rows is out:
+            return rows
+        return out.copy_(rows)
+
+    def features(self, layer: int, inner: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Halo rows for this layer: fresh in a synchronous epoch, else from epoch max(t - S, last sync).
+
+        With ``out`` (``(n_halo, F)``) the rows are written there and ``out`` is returned: decoded there at
+        staleness 0, copied there from the exchange they come from otherwise (it stays queued for later epochs).
+        """
         if self._evaluating:
-            job = self.exchanger.features_job(inner.detach(), str(layer), feedback=False)
-            fresh: torch.Tensor = self._wait(self._submit(job))
-            return fresh
+            inline_out = out if self.staleness == 0 else None
+            job = self.exchanger.features_job(inner.detach(), str(layer), feedback=False, out=inline_out)
+            return self._into(self._now(job), out)
+        if self.staleness == 0:  # every epoch synchronous: nothing is queued, the rows go where they are read
+            self._started()
+            rows = self._run(self.exchanger.features_job(inner.detach(), str(layer), out=out))
+            self._observed[0] += 1
+            return rows
         name = f"f{layer}"
         mine = self._launch(name, self.exchanger.features_job(inner.detach(), str(layer)))
         if mine.sync:
@@ -159,12 +217,17 @@ class HaloPipeline:
                 self._wait(queue.popleft().future)
             target = queue[0]
         self._observed[self.epoch - target.epoch] += 1
-        out: torch.Tensor = self._wait(target.future)
+        rows = self._wait(target.future)
         self._trim(name, keep_from=max(self.epoch - self.staleness, self.last_sync))
-        return out
+        return self._into(rows, out)
 
     def gradients(self, layer: int, grad_halo: torch.Tensor) -> torch.Tensor | None:
         """Rows to add at ``exchanger.scatter_idx``: this epoch's if synchronous, else epoch t - S's (once)."""
+        if self.staleness == 0:  # applied now and never again: nothing is queued
+            self._started()
+            rows = self._run(self.exchanger.gradients_job(grad_halo.detach(), str(layer)))
+            self._observed[0] += 1
+            return rows
         name = f"g{layer}"
         mine = self._launch(name, self.exchanger.gradients_job(grad_halo.detach(), str(layer)))
         if mine.sync:
@@ -181,6 +244,26 @@ class HaloPipeline:
             entry.applied = True
             return self._applied(entry)
         return None
+
+    def complete(self, layer: int, inner: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        """``[inner; halo]`` for one layer, in the layer's buffer (see the module docstring for what is copied).
+
+        ``relu``: the rows are ``relu(inner)``, written by the ReLU itself. Not differentiable: see
+        :func:`halo_exchange`. The result is an alias of the plan's buffer, which a later call reuses only once
+        nothing holds it any more.
+        """
+        self.exchanger.check_features(inner)
+        n = inner.shape[0]
+        plan = self.exchanger.plan("forward", str(layer), inner.shape[1])
+        full, held = plan.output(inner, self.exchanger.part.n_halo)
+        head = full[:n]
+        if relu:
+            torch.clamp_min(inner, 0, out=head)  # what torch.relu computes, written in place of a new tensor
+        elif not held:
+            head.copy_(inner)
+        self.features(layer, head, out=full[n:])
+        plan.written(None if relu else inner)
+        return full
 
     def _applied(self, entry: _Pending) -> torch.Tensor:
         self._observed[self.epoch - entry.epoch] += 1
@@ -320,24 +403,45 @@ class HaloPipeline:
 
 class _HaloFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, inner: torch.Tensor, pipeline: HaloPipeline, layer: int) -> torch.Tensor:
-        halo = pipeline.features(layer, inner)
-        ctx.pipeline, ctx.layer, ctx.n_inner = pipeline, layer, inner.shape[0]
-        return torch.cat([inner, halo.to(inner.dtype)])
+    def forward(ctx: Any, inner: torch.Tensor, pipeline: HaloPipeline, layer: int, relu: bool) -> torch.Tensor:
+        full = pipeline.complete(layer, inner, relu)
+        ctx.pipeline, ctx.layer, ctx.n_inner, ctx.relu = pipeline, layer, inner.shape[0], relu
+        if relu:
+            ctx.save_for_backward(full)  # the ReLU's output, its backward's mask (as torch.relu saves its result)
+        return full
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         n = ctx.n_inner
-        grad_inner = grad[:n].clone()
         returned = ctx.pipeline.gradients(ctx.layer, grad[n:])
-        if returned is not None and returned.numel():
-            grad_inner.index_add_(0, ctx.pipeline.exchanger.scatter_idx, returned.to(grad_inner.dtype))
-        return grad_inner, None, None
+        add = returned is not None and returned.numel() > 0
+        scatter_idx = ctx.pipeline.exchanger.scatter_idx
+        if ctx.relu:
+            # relu's backward of (grad + returned rows at scatter_idx), the mask applied to each term: the same
+            # bits (a masked element is +0 either way, the others add the same terms in the same order).
+            (full,) = ctx.saved_tensors
+            result = full[:n]
+            grad_inner = torch.ops.aten.threshold_backward(grad[:n], result, 0)
+            if add:
+                back = torch.ops.aten.threshold_backward(returned.to(grad.dtype), result[scatter_idx], 0)
+                grad_inner.index_add_(0, scatter_idx, back)
+        else:
+            grad_inner = grad[:n]
+            if add:
+                grad_inner = grad_inner.clone()
+                grad_inner.index_add_(0, scatter_idx, returned.to(grad_inner.dtype))
+        return grad_inner, None, None, None
 
 
 # Opaque to torch.compile: the exchange talks to other ranks through threads and queues, which Dynamo cannot
 # trace; a compiled model breaks its graph here and runs the exchange (and its backward) eagerly.
 @torch.compiler.disable  # type: ignore[untyped-decorator]
-def halo_exchange(inner: torch.Tensor, pipeline: HaloPipeline, layer: int) -> torch.Tensor:
-    """``[inner; halo]`` for one layer, differentiable: gradients of halo rows flow back to their owners."""
-    return _HaloFn.apply(inner, pipeline, layer)  # type: ignore[no-any-return,no-untyped-call]
+def halo_exchange(inner: torch.Tensor, pipeline: HaloPipeline, layer: int, relu: bool = False) -> torch.Tensor:
+    """``[inner; halo]`` for one layer, differentiable: gradients of halo rows flow back to their owners.
+
+    ``relu=True`` returns ``[relu(inner); halo of relu(inner)]`` with the gradient of ``relu`` included: the
+    activation between two layers, written by the ReLU straight into the layer's buffer (see
+    :meth:`HaloPipeline.complete`); forward and backward give the bits ``halo_exchange(torch.relu(inner), ...)``
+    gives.
+    """
+    return _HaloFn.apply(inner, pipeline, layer, relu)  # type: ignore[no-any-return,no-untyped-call]

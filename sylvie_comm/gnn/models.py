@@ -4,7 +4,11 @@ Each layer first completes its input with the halo rows (``[inner; halo]``,
 through :func:`~sylvie_comm.gnn.halo_pipeline.halo_exchange`) and then aggregates over
 the local block, which holds every in-edge of every inner node. GCN uses the
 global degrees stored in the partition, so its normalization equals the full
-graph's.
+graph's. The ReLU between two layers writes its output straight into the next
+layer's ``[inner; halo]`` buffer (``relu=True`` of the exchange), so no layer's
+rows are copied to be completed; with dropout on in training, the dropped-out rows
+are copied in once. The first layer can start from a precompute of the fixed
+input instead (each layer class's ``first_aggregate``).
 
 One model, two aggregation backends. The layers own their parameters
 (``nn.Linear``) and compute the same function in the same order whichever
@@ -94,10 +98,12 @@ class LocalGraph:
             self._loops = (torch.cat([src, loops]).to(self.device), torch.cat([dst, loops]).to(self.device))
         return self._loops
 
-    def exchange(self, layer: int, h_inner: torch.Tensor) -> torch.Tensor:
+    def exchange(self, layer: int, h_inner: torch.Tensor, relu: bool = False) -> torch.Tensor:
+        """``[h_inner; halo]`` for ``layer`` (``relu``: of ``relu(h_inner)``, written straight into the layer's
+        buffer, see :func:`~sylvie_comm.gnn.halo_pipeline.halo_exchange`); ``h_inner`` itself without halo."""
         if self.pipeline is None:
-            return h_inner
-        out: torch.Tensor = halo_exchange(h_inner, self.pipeline, layer)  # compiler-disabled: typed Any
+            return F.relu(h_inner) if relu else h_inner
+        out: torch.Tensor = halo_exchange(h_inner, self.pipeline, layer, relu)  # compiler-disabled: typed Any
         return out
 
     def sum_neighbors(self, h_src: torch.Tensor, backend: str = "torch") -> torch.Tensor:
@@ -118,14 +124,14 @@ class LocalGraph:
         return self.sum_neighbors(h_src, backend) / self.in_degree[:, None].to(h_src)
 
     def first_aggregate(self, model: str, x_full: torch.Tensor, backend: str = "torch") -> torch.Tensor:
-        """The neighbour aggregate of the (fixed) input features, computed once: the first layer then
-        needs no halo exchange at all. SAGE: the neighbour mean; GCN: ``D_in^-1/2 A D_out^-1/2 X``; GAT: the
-        rows ``[inner; halo]`` themselves (its attention depends on the weights: only the exchange is saved)."""
-        if model == "sage":
-            return self.mean_neighbors(x_full, backend)
-        if model == "gat":
-            return x_full
-        return self.sum_neighbors(x_full * self.out_norm[:, None], backend) * self.in_norm[:, None]
+        """The first layer's precompute of the (fixed) input rows ``[inner; halo]``, computed once: the first
+        layer then needs no halo exchange at all. Each layer class owns what it precomputes
+        (``first_aggregate`` of :class:`SAGELayer`, :class:`GCNLayer`, :class:`GATLayer`); ``model`` names
+        the class in :data:`LAYERS`."""
+        layer_cls = LAYERS.get(model)
+        if layer_cls is None:
+            raise ValueError(f"gnn: model must be one of {sorted(LAYERS)}, got {model!r}")
+        return layer_cls.first_aggregate(self, x_full, backend)
 
 
 class SAGELayer(nn.Module):
@@ -143,6 +149,11 @@ class SAGELayer(nn.Module):
         self.backend = backend
         self.fc_self = nn.Linear(in_dim, out_dim, bias=True)
         self.fc_neigh = nn.Linear(in_dim, out_dim, bias=False)
+
+    @staticmethod
+    def first_aggregate(g: LocalGraph, x_full: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        """The neighbour mean of the input rows ``[inner; halo]``, what :meth:`forward_first` takes."""
+        return g.mean_neighbors(x_full, backend)
 
     def forward(self, g: LocalGraph, h_full: torch.Tensor) -> torch.Tensor:
         return self.forward_first(g, h_full[: g.n_inner], g.mean_neighbors(h_full, self.backend))
@@ -162,6 +173,12 @@ class GCNLayer(nn.Module):
         self.backend = backend
         self.weight = nn.Linear(in_dim, out_dim, bias=False)
         self.bias = nn.Parameter(torch.zeros(out_dim))
+
+    @staticmethod
+    def first_aggregate(g: LocalGraph, x_full: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        """``D_in^-1/2 A D_out^-1/2 X`` of the input rows ``[inner; halo]`` (global degrees), what
+        :meth:`forward_first` takes: the weight applies after the aggregation, which is linear."""
+        return g.sum_neighbors(x_full * g.out_norm[:, None], backend) * g.in_norm[:, None]
 
     def forward_first(self, g: LocalGraph, x: torch.Tensor, agg: torch.Tensor) -> torch.Tensor:
         """The same layer from the precomputed normalized aggregate of the input."""
@@ -212,8 +229,14 @@ class GATLayer(nn.Module):
         for w in (self.fc.weight, self.attn_l, self.attn_r):
             nn.init.xavier_normal_(w, gain=gain)
 
+    @staticmethod
+    def first_aggregate(g: LocalGraph, x_full: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+        """The input rows ``[inner; halo]`` themselves: attention depends on the weights, so only the exchange
+        is saved."""
+        return x_full
+
     def forward_first(self, g: LocalGraph, x: torch.Tensor, x_full: torch.Tensor) -> torch.Tensor:
-        """The same layer from the input rows ``[inner; halo]`` exchanged once (:meth:`LocalGraph.first_aggregate`)."""
+        """The same layer from the input rows ``[inner; halo]`` exchanged once (:meth:`first_aggregate`)."""
         return self.forward(g, x_full)
 
     def forward(self, g: LocalGraph, h_full: torch.Tensor) -> torch.Tensor:
@@ -227,7 +250,7 @@ class GATLayer(nn.Module):
 
 
 # Layer classes by model name: (in_dim, out_dim, backend, last) -> a module with forward(g, h_full),
-# and forward_first(g, x, LocalGraph.first_aggregate(name, ...)).
+# and forward_first(g, x, cls.first_aggregate(g, x_full)) (a static method: the layer's own precompute).
 LAYERS: dict[str, type[SAGELayer | GCNLayer | GATLayer]] = {"sage": SAGELayer, "gcn": GCNLayer, "gat": GATLayer}
 MODELS = tuple(LAYERS)
 
@@ -276,6 +299,8 @@ class FullGraphGNN(nn.Module):
             raise ValueError(f"gnn: model must be one of {sorted(LAYERS)}, got {model!r}")
         if num_layers < 1:
             raise ValueError(f"gnn: num_layers must be >= 1, got {num_layers}")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout <= 1:
+            raise ValueError(f"gnn: dropout must be a probability in [0, 1], got {dropout!r}")
         self.backend = resolve_backend(backend)
         layer_cls = LAYERS[model]
         dims = [in_dim] + [hidden] * (num_layers - 1) + [out_dim]
@@ -292,12 +317,16 @@ class FullGraphGNN(nn.Module):
                 f"gnn: expected features of shape ({g.n_inner}, F) for the inner nodes, got {tuple(x.shape)}"
             )
         h = x
+        relu = False  # h still needs the ReLU between layers: the exchange writes it into the layer's buffer
         for i, layer in enumerate(self.layers):
             if i == 0 and first_aggregate is not None:
                 h = layer.forward_first(g, x, first_aggregate)  # type: ignore[operator]
             else:
-                h = layer(g, g.exchange(i, h))
+                h = layer(g, g.exchange(i, h, relu))
+            relu = False
             if i + 1 < len(self.layers):
-                h = F.relu(h)
-                h = F.dropout(h, self.dropout, self.training)
+                if self.training and self.dropout:
+                    h = F.dropout(F.relu(h), self.dropout, True)  # then the exchange copies its rows in
+                else:
+                    relu = True  # dropout off: F.dropout would hand h back as it is
         return h

@@ -12,7 +12,7 @@ restarted run continues exactly where it stopped.
 The trainer runs on one device (:func:`resolve_device`: ``cuda:LOCAL_RANK`` on NCCL
 when CUDA is available, else the CPU): model, features, labels, masks, the local
 graph and the halo buffers live there, and an epoch reads the device back once,
-for the metrics it reports. :func:`gpu_check` (``python -m sylvie_comm.gnn.train
+for the metrics it reports. :mod:`sylvie_comm.gnn.gpu_check` (``python -m sylvie_comm.gnn.gpu_check
 --gpu-check OUTDIR``) compares training on a GPU with training on the CPU.
 """
 
@@ -576,14 +576,3 @@ def horovod_transport() -> Transport | None:
     from sylvie_comm.collectives.horovod import HorovodTransport
 
     return HorovodTransport()
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m sylvie_comm.gnn.train --gpu-check OUTDIR``: :func:`sylvie_comm.gnn.gpu_check.main`."""
-    from sylvie_comm.gnn.gpu_check import main as gpu_check_main
-
-    return gpu_check_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -38,15 +38,15 @@ from typing import Any, ClassVar, cast
 
 import torch
 
-from sylvie_comm.algorithms import Group, Member
+from sylvie_comm.algorithms import ALGORITHMS, Group, Member
 from sylvie_comm.algorithms.guard import nonfinite, poison
 from sylvie_comm.algorithms.session import Session
 from sylvie_comm.collectives import Transport
 from sylvie_comm.config import Config
 
-# The algorithms that average the momentum: error feedback (onebit, sign, topk, qsgd), casts, and plain fp32.
-# The low-rank ones (acpsgd, powersgd) and auto are gradient algorithms only here: not supported.
-MOMENTUM_CODECS = ("bf16", "fp16", "none", "onebit", "qsgd", "sign", "topk")
+# The algorithms that average the momentum (``averages_momentum``: error feedback, casts, plain fp32), sorted.
+# The low-rank ones and auto are gradient algorithms only.
+MOMENTUM_CODECS = tuple(sorted(name for name, cls in ALGORITHMS.items() if cls.averages_momentum))
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # One payload slot: "momentum" (this rank's momentum, averaged by the algorithm) or "gradient" (this rank's gradient,
@@ -97,8 +97,8 @@ def resolve_warmup(
 def check_codec(what: str, codec: Any) -> str:
     """``codec`` if it can average a momentum (:data:`MOMENTUM_CODECS`), else a ValueError listing those that can."""
     if not isinstance(codec, str) or codec not in MOMENTUM_CODECS:
-        extra = "; the low-rank algorithms and auto average gradients only" if codec in (
-            "acpsgd", "powersgd", "auto") else ""  # fmt: skip
+        gradients_only = isinstance(codec, str) and codec in ALGORITHMS  # registered, but not averages_momentum
+        extra = "; the low-rank algorithms and auto average gradients only" if gradients_only else ""
         raise ValueError(
             f"{what}: codec {codec!r} cannot average the momentum; valid: {', '.join(MOMENTUM_CODECS)}{extra}"
         )

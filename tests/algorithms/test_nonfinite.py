@@ -287,6 +287,33 @@ def test_nonfinite_and_poison() -> None:
     assert torch.isnan(t[0, 0]) and int(torch.isnan(t).sum()) == 1 and torch.equal(u, torch.ones(4))
 
 
+@pytest.mark.parametrize("numel", [1, 300, (1 << 16) + 5])  # the boolean copy up to 2**16 elements, aminmax beyond
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_nonfinite_flags_every_kind_of_value_at_every_size(numel: int, dtype: torch.dtype) -> None:
+    clean = torch.linspace(-3e4, 3e4, numel).to(dtype)
+    assert not bool(nonfinite(clean))
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for at in {0, numel // 2, numel - 1}:
+            t = clean.clone()
+            t[at] = value
+            flag = nonfinite(t)
+            assert flag is not None and flag.dtype == torch.bool and flag.shape == () and bool(flag), (value, at)
+    assert nonfinite(torch.empty(numel, device="meta", dtype=dtype)).device.type == "meta"  # no host read
+
+
+def test_guard_counts_a_group_still_running_at_settle_as_failed() -> None:
+    """A group's future is read at settle, not chained: one not yet completed puts the step back."""
+    guard = StepGuard()
+    state = torch.arange(3.0)
+    guard.begin(0)
+    guard.save("s", state)
+    state.add_(1.0)
+    running: torch.futures.Future[None] = torch.futures.Future()
+    assert guard.track(running) is running  # no future of its own on the hot path
+    guard.settle()
+    assert torch.equal(state, torch.arange(3.0)) and guard.skipped() == 1
+
+
 def test_guard_restores_a_step_whose_group_never_completed() -> None:
     """A group whose collective failed leaves the step half done: it is put back as a skipped step."""
     guard = StepGuard()

@@ -287,3 +287,91 @@ def test_qsgd_without_error_feedback_is_unbiased(world):
         assert (outs.mean(0) - exact[k]).abs().max() <= 6 * sd
         assert (outs[0] - exact[k]).abs().max() > 4 * (outs.mean(0) - exact[k]).abs().max()
         assert draws[0][k]["state"] == {} and draws[0][k]["memory"] == 0  # no residual is kept
+
+
+# ---------------------------------------------------------------------------------------------- row plans
+
+
+def _layout_case(name: str) -> tuple[ShardLayout, int]:
+    return (LAYOUT, UNIT) if name == "qsgd" else (ONEBIT_LAYOUT, ONEBIT_UNIT)
+
+
+@pytest.mark.parametrize("name", ["qsgd", "onebit"])
+def test_a_row_plan_is_found_by_the_layouts_identity(name):
+    """Steps through one layout object run one row plan; an equal layout of another object (what the monitor's
+    rewrite makes) builds its own, with the same rows; changed per-name options, a plan of their bytes; the
+    tiling of a layout object checked at its first step only."""
+    layout, shard = _layout_case(name)
+    twin = ShardLayout(layout.key, tuple(layout.segments))
+    opts = {"bits": 8} if name == "qsgd" else {"chunk_size": 64}
+    wider = ShardLayout(layout.key, tuple(Segment(s.name, s.offset, s.numel, s.row, s.compress, opts)
+                                          for s in layout.segments))  # fmt: skip
+
+    def body(tr: Any) -> None:
+        alg = make_algorithm(name, tr, {})
+        out = torch.empty(shard)
+        alg.reduce_scatter(grad(tr.rank, 0, 1, shard), out, 0, None, layout).wait()
+        first = alg._shard_rows[(layout.key, shard)]
+        for step in range(1, 4):
+            alg.reduce_scatter(grad(tr.rank, step, 1, shard), out, step, None, layout).wait()
+            assert alg._shard_rows[(layout.key, shard)] is first
+        assert twin == layout and twin is not layout
+        alg.reduce_scatter(grad(tr.rank, 4, 1, shard), out, 4, None, twin).wait()
+        second = alg._shard_rows[(layout.key, shard)]
+        assert second is not first and second.layout is twin and second.row_bytes == first.row_bytes
+        alg.reduce_scatter(grad(tr.rank, 5, 1, shard), out, 5, None, wider).wait()
+        third = alg._shard_rows[(layout.key, shard)]
+        assert third.layout is wider and third.row_bytes != first.row_bytes
+        alg.close()
+
+    run_local(1, body)
+    assert layout._tiles == shard == twin._tiles == wider._tiles  # each object checked once, for its shard
+    cut = ShardLayout("cut", (Segment("x", 0, 5), Segment("y", 5, 7)))
+    cut.check(12, "test")
+    with pytest.raises(ValueError, match="covers 12 elements, the shard has 13"):
+        cut.check(13, "test")  # another shard size: checked again
+    assert cut._tiles == 12
+
+
+@pytest.mark.parametrize("name", ["qsgd", "onebit"])
+def test_a_loaded_checkpoint_has_its_residuals_checked_at_the_next_step(name, monkeypatch):
+    """The residuals are checked against a row plan once, and again after a checkpoint is loaded into the
+    algorithm: a residual of another shape is refused naming the segment, before anything changes; the
+    algorithm's own state loaded back runs on, and is checked once more only."""
+    from sylvie_comm.algorithms import onebit, qsgd
+
+    layout, shard = _layout_case(name)
+    first = layout.segments[0]
+    module = qsgd if name == "qsgd" else onebit
+    checks: list[str] = []
+    original = module.check_residuals
+
+    def counted(*args: Any) -> None:
+        checks.append(args[2])
+        original(*args)
+
+    monkeypatch.setattr(module, "check_residuals", counted)
+
+    def body(tr: Any) -> str:
+        alg = make_algorithm(name, tr, {})
+        out = torch.empty(shard)
+        for step in range(3):
+            alg.reduce_scatter(grad(tr.rank, step, 1, shard), out, step, None, layout).wait()
+        assert len(checks) == 1
+        good = alg.state_dict()
+        bad = {n: dict(e) for n, e in good.items()}
+        bad[first.name]["residual"] = torch.zeros(1, first.numel)  # the same elements, another shape
+        alg.load_state_dict(bad)
+        with pytest.raises(ValueError) as exc:
+            alg.reduce_scatter(grad(tr.rank, 3, 1, shard), out, 3, None, layout)
+        assert len(checks) == 2
+        assert torch.equal(alg.state_dict()[first.name]["residual"], torch.zeros(1, first.numel))
+        alg.load_state_dict(good)
+        for step in range(3, 5):
+            alg.reduce_scatter(grad(tr.rank, step, 1, shard), out, step, None, layout).wait()
+        assert len(checks) == 3 and torch.isfinite(out).all()
+        alg.close()
+        return str(exc.value)
+
+    said = run_local(1, body)[0]
+    assert f"segment '{first.name}': its residual has shape (1, {first.numel})" in said

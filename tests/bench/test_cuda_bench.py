@@ -33,8 +33,8 @@ def test_on_a_gpu_every_op_is_measured_against_the_copy(tmp_path) -> None:
 @pytest.mark.multiprocess
 def test_the_hook_host_time_bench_runs_every_hook_next_to_pytorchs(tmp_path) -> None:
     out = tmp_path / "hooks.json"
-    proc = subprocess.run([sys.executable, "-m", "sylvie_comm.bench.hooks", "--layers", "3", "--steps", "2",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    command = [sys.executable, "-m", "sylvie_comm.bench.hooks", "--layers", "3", "--steps", "2", "--only", "ddp"]
+    proc = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     import json
 
@@ -48,3 +48,22 @@ def test_the_hook_host_time_bench_runs_every_hook_next_to_pytorchs(tmp_path) -> 
     assert all(r["x_torch_powersgd"] > 0 for r in result["layouts"]["one"].values())
     table = out.with_suffix(".md").read_text()
     assert all(f"| {name} |" in table for name in result["layouts"]["one"])
+
+
+@pytest.mark.multiprocess
+def test_the_hook_host_time_bench_holds_the_fsdp_unit_and_halo_layer_parts(tmp_path) -> None:
+    """Without ``--only`` the record holds every part, each with ratios to its own baseline of the same run."""
+    out = tmp_path / "hooks.json"
+    proc = subprocess.run([sys.executable, "-m", "sylvie_comm.bench.hooks", "--layers", "2", "--steps", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    result = json.loads(out.read_text())
+    assert set(result["layouts"]) == {"many", "one"}
+    fsdp = result["fsdp"]
+    assert fsdp["units"] == [8, 32] and all(r["x_fsdp2"] > 0 for n in ("8", "32") for r in fsdp["rows"][n])
+    kinds = {r["kind"] for r in result["halo"]}
+    assert kinds == {"halo", "epoch"} and all(r["x_baseline"] > 0 for r in result["halo"])
+    table = out.with_suffix(".md").read_text()
+    assert "| torch-fp16 |" in table and "x fsdp2" in table and "x baseline" in table

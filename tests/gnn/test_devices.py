@@ -340,6 +340,6 @@ def test_the_gpu_check_fails_at_once_without_a_gpu(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(gpu_check.GPUUnavailableError, match=r"no CUDA device \(torch.cuda.is_available\(\) is False"):
         gpu_check.gpu_check(tmp_path / "out")
-    assert gtrain.main(["--gpu-check", str(tmp_path / "out")]) == 2
+    assert gpu_check.main(["--gpu-check", str(tmp_path / "out")]) == 2
     assert "no CUDA device" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

@@ -9,7 +9,7 @@ import torch
 
 from sylvie_comm import _deps
 from sylvie_comm.gnn import data as gdata
-from sylvie_comm.gnn.models import FullGraphGNN, GATLayer, LocalGraph, resolve_backend
+from sylvie_comm.gnn.models import LAYERS, FullGraphGNN, GATLayer, GCNLayer, LocalGraph, SAGELayer, resolve_backend
 from sylvie_comm.gnn.partition import partition
 from sylvie_comm.gnn.train import TrainConfig, Trainer
 from tests.gnn import workloads as gw
@@ -77,6 +77,53 @@ def test_neighbour_aggregation_agrees_across_backends(model):
         torch.testing.assert_close(getattr(graph, fn)(x, "dgl"), getattr(graph, fn)(x, "torch"), rtol=0, atol=1e-5)
     torch.testing.assert_close(graph.first_aggregate(model, x, "dgl"), graph.first_aggregate(model, x), rtol=0,
                                atol=1e-6)  # fmt: skip
+
+
+def test_each_layer_class_owns_its_first_layer_precompute():
+    """``first_aggregate`` is a static method of each layer class (SAGE: the neighbour mean; GCN: the
+    normalized sum ``D_in^-1/2 A D_out^-1/2 X``; GAT: the rows themselves); the graph's ``first_aggregate``
+    hands the call to the class its model names, and ``forward_first`` from it is ``forward`` on the rows
+    (GCN's aggregates before its weight, ``forward`` after: equal up to float rounding)."""
+    graph = local_graph(gw.small_graph())
+    x = torch.randn(graph.n_inner, 16, generator=torch.Generator().manual_seed(0))
+    want = {
+        "sage": graph.sum_neighbors(x) / graph.in_degree[:, None],
+        "gcn": graph.sum_neighbors(x * graph.out_norm[:, None]) * graph.in_norm[:, None],
+        "gat": x,
+    }
+    assert set(LAYERS) == set(want)
+    for model, cls in LAYERS.items():
+        assert "first_aggregate" in vars(cls), model
+        assert torch.equal(cls.first_aggregate(graph, x), want[model]), model
+        assert torch.equal(graph.first_aggregate(model, x), want[model]), model
+        torch.manual_seed(0)
+        layer = cls(16, 8, "torch")
+        first = layer.forward_first(graph, x, cls.first_aggregate(graph, x))
+        torch.testing.assert_close(first, layer(graph, x), rtol=0, atol=1e-6, msg=model)
+    assert SAGELayer.first_aggregate is not GCNLayer.first_aggregate
+    with pytest.raises(ValueError, match=r"model must be one of \['gat', 'gcn', 'sage'\], got 'gin'"):
+        graph.first_aggregate("gin", x)
+
+
+def test_the_relu_between_layers_is_the_exchange_s_without_a_halo():
+    """One process (no halo): the model's ReLU between layers, applied by the graph's exchange, gives the
+    bits of a separate ReLU; dropout in training still draws its masks as before."""
+    graph = local_graph(gw.small_graph())
+    x = torch.randn(graph.n_inner, 16, generator=torch.Generator().manual_seed(1))
+    for dropout in (0.0, 0.5):
+        torch.manual_seed(0)
+        model = FullGraphGNN("sage", 16, 8, 4, num_layers=3, dropout=dropout, backend="torch")
+        torch.manual_seed(3)
+        got = model(graph, x)
+        torch.manual_seed(3)
+        h = x
+        for i, layer in enumerate(model.layers):
+            h = layer(graph, h)
+            if i + 1 < len(model.layers):
+                h = torch.nn.functional.dropout(torch.relu(h), dropout, True)
+        assert torch.equal(got, h), dropout
+    with pytest.raises(ValueError, match=r"dropout must be a probability in \[0, 1\], got 1.5"):
+        FullGraphGNN("sage", 16, 8, 4, dropout=1.5)
 
 
 def test_sum_neighbors_rejects_bad_input():

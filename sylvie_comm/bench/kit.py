@@ -1,0 +1,189 @@
+"""What the training benchmarks share: measuring steps, merging ranks and rounds, describing the machine, plotting.
+
+The DDP link benchmark (:mod:`sylvie_comm.bench.link`), its Horovod rows (:mod:`sylvie_comm.bench.horovod`) and the
+FSDP2 benchmark (:mod:`sylvie_comm.bench.fsdp`) train the same workloads the same way: :func:`measure_steps` times
+each step on each rank, :func:`merge_rounds` turns every rank's figures of every round into one row (a step takes
+as long as its slowest rank), and the step, warm-up and optimizer settings below are theirs, so their rows
+compare. Kept apart from each benchmark, so that none imports another for them.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sylvie_comm.bench.timing import cpu_model
+
+HOOK_WARMUP = 2  # the hooks' uncompressed steps (PyTorch's start_powerSGD_iter, our warmup_steps)
+WARMUP = 3  # steps not measured: the hooks' warm-up and one compressed step
+LR = 0.01
+MOMENTUM = 0.9
+NO_MATPLOTLIB = "matplotlib is not installed: no plot (pip install matplotlib to get one)"
+
+
+# ---------------------------------------------------------------------- measuring
+
+
+def eth0_tx_bytes() -> int | None:
+    """Bytes sent so far on this network namespace's eth0 (/proc/net/dev is per namespace); None without one."""
+    try:
+        lines = Path("/proc/net/dev").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, data = line.partition(":")
+        if name.strip() == "eth0":
+            return int(data.split()[8])
+    return None
+
+
+def measure_steps(model: Any, opt: Any, work: Any, gen: torch.Generator, warmup: int, steps: int,
+                  barrier: Callable[[], Any], stats: Any, progress: Callable[[], None]) -> dict[str, Any]:  # fmt: skip
+    """``warmup + steps`` training steps, each after ``barrier()``; the figures of the last ``steps``.
+
+    A step is ``zero_grad``, forward, backward and ``opt.step()`` (which, for DDP and Horovod alike,
+    includes the wait for the averaged gradients). ``stats``: an object whose ``stats()["last_step"]``
+    reports our encode/decode seconds and bytes (None for PyTorch's and Horovod's own).
+    """
+    times: list[float] = []
+    enc_dec: list[float] = []
+    hook_bytes: list[int] = []
+    losses: list[float] = []
+    tx0 = None
+    for step in range(warmup + steps):
+        x, y = work.batch(gen)
+        barrier()
+        if step == warmup:
+            tx0 = eth0_tx_bytes()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = work.loss(model(x), y)
+        loss.backward()
+        opt.step()
+        dt = time.perf_counter() - t0
+        losses.append(float(loss))
+        if step >= warmup:
+            times.append(dt)
+            if stats is not None:
+                last = stats.stats()["last_step"]
+                enc_dec.append(last["encode_seconds"] + last["decode_seconds"])
+                hook_bytes.append(int(last["bytes_sent"]))
+        progress()
+    barrier()
+    tx1 = eth0_tx_bytes()
+    return {
+        "step_s": times,
+        "encode_decode_s": statistics.median(enc_dec) if enc_dec else None,
+        "hook_bytes": statistics.fmean(hook_bytes) if hook_bytes else None,  # mean, as eth0's: total / steps
+        "eth0_tx_bytes": None if tx0 is None or tx1 is None else (tx1 - tx0) / steps,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+    }
+
+
+# ---------------------------------------------------------------------- merging
+
+
+def merge_rounds(rounds: list[list[dict[str, Any]]], world: int, batch: int, label: str) -> dict[str, Any]:
+    """One row's figures from every round's :func:`measure_steps` of every rank: a step takes as long as its
+    slowest rank."""
+    per_round = [[max(col) for col in zip(*(p["step_s"] for p in per_rank), strict=True)] for per_rank in rounds]
+    steps = [t for r in per_round for t in r]
+    per_rank = [p for r in rounds for p in r]
+    q1, _, q3 = statistics.quantiles(steps, n=4) if len(steps) > 1 else (steps[0], steps[0], steps[0])
+    med = statistics.median(steps)
+
+    def mean(key: str) -> float | None:
+        vals = [p[key] for p in per_rank if p[key] is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    auto = [p["auto"]["choices"] for p in per_rank if "auto" in p]
+    return {
+        **({"auto_choices": auto[0]} if auto else {}),  # every rank agrees (tested); rank 0's first round
+        "label": label,
+        "step_s": steps,
+        "round_median_s": [statistics.median(r) for r in per_round],
+        "median_s": med,
+        "min_s": min(steps),
+        "max_s": max(steps),
+        "q1_s": q1,
+        "q3_s": q3,
+        "samples_per_s": world * batch / med,
+        "hook_bytes_per_step": mean("hook_bytes"),
+        "eth0_tx_bytes_per_step": mean("eth0_tx_bytes"),
+        "encode_decode_s": mean("encode_decode_s"),
+        "loss_first": per_rank[0]["loss_first"],
+        "loss_last": per_rank[0]["loss_last"],
+    }
+
+
+def machine() -> dict[str, Any]:
+    """The machine a record was measured on: CPUs, platform, Python, torch and sylvie_comm."""
+    import sylvie_comm
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "sylvie_comm": sylvie_comm.__version__,
+    }
+
+
+def fmt_mb(value: float | None) -> str:
+    """Bytes as megabytes with two decimals for a table; ``-`` for none."""
+    return "-" if value is None else f"{value / 1e6:.2f}"
+
+
+def fmt_x(value: float | None) -> str:
+    """A ratio as ``1.23x`` for a table; ``-`` for none."""
+    return "-" if value is None else f"{value:.2f}x"
+
+
+# ---------------------------------------------------------------------- plotting
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or None where matplotlib is not installed."""
+    import importlib
+
+    try:
+        mpl = importlib.import_module("matplotlib")
+    except ImportError:
+        return None
+    mpl.use("Agg")
+    return importlib.import_module("matplotlib.pyplot")
+
+
+def save_figure(plt: Any, fig: Any, out: str | Path) -> tuple[Path, str]:
+    """Write ``fig`` to ``out`` (a PNG, its folder made) and close it; the path and a line saying so."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path, f"wrote {path}"
+
+
+__all__ = [
+    "HOOK_WARMUP",
+    "LR",
+    "MOMENTUM",
+    "NO_MATPLOTLIB",
+    "WARMUP",
+    "eth0_tx_bytes",
+    "fmt_mb",
+    "fmt_x",
+    "machine",
+    "measure_steps",
+    "merge_rounds",
+    "pyplot",
+    "save_figure",
+]
