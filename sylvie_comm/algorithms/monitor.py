@@ -129,6 +129,7 @@ class Monitor:
         self.raw: set[str] = set()  # names adaptation sends raw
         self._flush: set[str] = set()  # names gone raw whose residual still has to be sent
         self._carry: set[str] = set()  # names whose residual is sent with their next gradient (auto moved them)
+        self._rewritten: dict[Any, ShardLayout] = {}  # per layout key, the last layout its decisions made
         self.checks = 0
         self.bytes = 0
         self.events: list[str] = []
@@ -306,7 +307,14 @@ class Monitor:
             elif seg.compress and seg.name in self.overrides:
                 seg = dataclasses.replace(seg, options={**seg.options, **self.overrides[seg.name]})
             segments.append(seg)
-        return ShardLayout(layout.key, tuple(segments))
+        rewritten = ShardLayout(layout.key, tuple(segments))
+        # The same decisions give the same layout object step after step: what is planned per layout object
+        # (an algorithm's row plan, found by identity) is not planned again.
+        last = self._rewritten.get(layout.key)
+        if last is not None and last == rewritten:
+            return last
+        self._rewritten[layout.key] = rewritten
+        return rewritten
 
     def _accumulate(self, name: str, g2: torch.Tensor, given2: torch.Tensor) -> None:
         """One step's lag and error of ``name`` (its residual now, against the norms taken before the step),

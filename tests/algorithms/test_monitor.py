@@ -334,6 +334,34 @@ def test_the_reduce_scatter_form_is_monitored_per_segment(codec: str) -> None:
     assert a["exact_error"] == pytest.approx(sum(errors) / world, rel=1e-4)
 
 
+def test_the_same_adaptation_gives_the_same_rewritten_layout_object() -> None:
+    """A unit whose segment adaptation changed is rewritten once per decision, not per step: the algorithm's
+    row plan, found by the layout object's identity, is not planned again every step."""
+    from sylvie_comm.algorithms.base import Segment, ShardLayout
+
+    def body(tr: Any) -> list[bool]:
+        session = Session("t", _Config("qsgd", warmup_steps=0, monitor={"period": 2}), tr)
+        monitor = session.policy.monitor
+        assert monitor is not None
+
+        def layout() -> ShardLayout:  # a fresh object each step, equal to the last, as FSDP2 may hand over
+            return ShardLayout("unit", (Segment("a", 0, 16, row=4), Segment("b", 16, 8, row=1)))
+
+        plain = layout()
+        out = [monitor._rewrite_shards(plain, None) is plain]  # no decision: the layout itself
+        monitor.overrides["a"] = {"bits": 8}
+        first = monitor._rewrite_shards(layout(), None)
+        out.append(first.segments[0].options == {"bits": 8})
+        out.append(monitor._rewrite_shards(layout(), None) is first)
+        monitor.overrides["a"] = {"bits": 2}
+        other = monitor._rewrite_shards(layout(), None)
+        out += [other is not first, other.segments[0].options == {"bits": 2}]
+        session.close()
+        return out
+
+    assert all(run_local(1, body)[0])
+
+
 def _auto_run(config: _Config, steps: int, choice: str, state: Any = None, save_at: int | None = None,
               ) -> list[dict[str, Any]]:  # fmt: skip
     """auto on one bucket, its choice set to ``choice`` as if the probe had timed it fastest (qsgd next), for
