@@ -53,12 +53,13 @@ WIDTH = 16  # each unit's Linear(WIDTH, WIDTH): 272 elements, nothing to compute
 BATCH = 8
 
 
-def _model(units: int) -> nn.Module:
-    """Build ``units`` ``Linear(16, 16)``, ``fully_shard`` on each and on the root (the same weights in every row)."""
+def sharded_linears(units: int, width: int = WIDTH) -> nn.Module:
+    """Build ``units`` ``Linear(width, width)``, ``fully_shard`` on each and on the root (which holds no parameters;
+    the same weights every time)."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(units)])
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(units)])
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
@@ -72,7 +73,7 @@ class _Row:
         import sylvie_comm.fsdp
 
         self.name = name
-        self.model = _model(units)
+        self.model = sharded_linears(units)
         self.state = None if name == BASELINE else sylvie_comm.fsdp.register(self.model, name)
         self.groups = [
             groups[0]

@@ -254,10 +254,10 @@ class ProcessGroupTransport:
             ready.set_result(result)
             return ready
 
-        def settle(f: Future[Any]) -> None:
-            # Runs on the group's worker thread. Only a successful collective hands its buffers on.
+        def complete(result_of: Callable[[], Any]) -> None:
+            # Only a successful collective hands its buffers on.
             try:
-                result = f.value()
+                result = result_of()
             except Exception as exc:
                 done.set_exception(self._fail(self._error(what, exc)))
             else:
@@ -273,14 +273,9 @@ class ProcessGroupTransport:
             # Waited for here, on the caller's thread, as torch's synchronous collectives are: its one caller, the
             # sharded reduce-scatter, waits for it at once (FSDP's comm returns with its output written), and a
             # thread that waited for it instead cost every call two thread hops.
-            try:
-                result = work.wait()
-            except Exception as exc:
-                done.set_exception(self._fail(self._error(what, exc)))
-            else:
-                done.set_result(result)
+            complete(work.wait)
             return done
-        fut.add_done_callback(settle)
+        fut.add_done_callback(lambda f: complete(f.value))  # on the group's worker thread
         return done
 
     def all_reduce(self, t: torch.Tensor) -> Future[Any]:

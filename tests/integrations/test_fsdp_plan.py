@@ -20,6 +20,7 @@ from torch import nn
 
 import sylvie_comm
 from sylvie_comm.algorithms import qsgd as qsgd_module
+from sylvie_comm.bench.hooks_fsdp import sharded_linears
 from sylvie_comm.collectives.local import LocalGroup
 from sylvie_comm.integrations import fsdp as sc_fsdp
 
@@ -40,14 +41,7 @@ def one_rank() -> Iterator[None]:
 
 def _model(units: int, width: int = 8) -> nn.Module:
     """``units`` Linear layers, ``fully_shard`` on each and on the root (which holds no parameters)."""
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(units)])
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    return model
+    return sharded_linears(units, width)
 
 
 def _call(unit: Any, inp: torch.Tensor | None = None, *, op: Any = None, group: Any = None,
