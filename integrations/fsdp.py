@@ -57,12 +57,23 @@ def _fsdp() -> Any:
     return fsdp
 
 
+def param_groups(module: nn.Module) -> list[Any]:
+    """The FSDP parameter groups of one ``fully_shard`` module: FSDP2's list where it keeps one (torch >= 2.13: one
+    group per mesh), else its single group (or none) as a list."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 class _Unit:
     """One FSDP unit: its parameter group, the names of its parameters and, once seen, its shard layout and the
     plan of its reduce-scatter."""
 
     def __init__(self, index: int, fqn: str, module: nn.Module, names: dict[int, str]) -> None:
-        groups = module._get_fsdp_state()._fsdp_param_groups  # type: ignore[operator]
+        groups = param_groups(module)
         if len(groups) != 1:
             raise ValueError(
                 f"{WHAT}: the FSDP unit '{fqn or '<root>'}' has {len(groups)} parameter groups (a per-parameter "
@@ -429,10 +440,10 @@ def register(
                          "blocks and on the model first (torch.distributed.fsdp.fully_shard)")  # fmt: skip
     names = {id(p): n for n, p in model.named_parameters()}
     # Units without parameters of their own (a root whose blocks hold them all) reduce nothing.
-    units = [(fqn, m) for fqn, m in units if m._get_fsdp_state()._fsdp_param_groups]  # type: ignore[operator]
+    units = [(fqn, m) for fqn, m in units if param_groups(m)]
     if not units:
         raise ValueError(f"{WHAT}.register: the FSDP units of {type(model).__name__} hold no parameters")
-    first = units[0][1]._get_fsdp_state()._fsdp_param_groups[0]  # type: ignore[operator]
+    first = param_groups(units[0][1])[0]
     shard_group = first.mesh_info.shard_process_group
     if replicas is not None:
         _check_replicas(replicas, first.mesh_info)  # before any collective on it

@@ -18,10 +18,12 @@ limit (pytest-timeout), so a test that hangs fails with its stack instead of sto
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing.process
 import os
 import platform
 import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -114,12 +116,41 @@ def _refuse_processes(nodeid: str) -> Any:
     return refuse
 
 
+def _triton_dir() -> str | None:
+    spec = importlib.util.find_spec("triton")
+    return os.path.dirname(spec.origin) + os.sep if spec is not None and spec.origin else None
+
+
+# On a GPU, Triton's compiler runs its own tools (ldconfig to find the driver, ptxas): a kernel's compilation, not a
+# process the test starts (under the interpreter, as in CI, it runs none).
+_TRITON_DIR = _triton_dir()
+_POPEN_INIT = subprocess.Popen.__init__
+
+
+def _from_triton() -> bool:
+    if _TRITON_DIR is None:
+        return False
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_TRITON_DIR):
+            return True
+        frame = frame.f_back
+    return False
+
+
 @pytest.fixture(autouse=True)
 def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A unit test may not start a process (a subprocess, a multiprocessing worker): the tiers rest on it."""
+    """A unit test may not start a process (a subprocess, a multiprocessing worker): the tiers rest on it. The
+    tools Triton's compiler runs are allowed (:func:`_from_triton`)."""
     if tier_of(request.node) == "unit":
         refuse = _refuse_processes(request.node.nodeid)
-        monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+
+        def popen(self: subprocess.Popen[Any], *args: Any, **kwargs: Any) -> None:
+            if not _from_triton():
+                refuse()
+            _POPEN_INIT(self, *args, **kwargs)
+
+        monkeypatch.setattr(subprocess.Popen, "__init__", popen)
         monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
     yield
 

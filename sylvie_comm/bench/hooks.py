@@ -62,13 +62,14 @@ def _timed(hook: Callable[[Any, Any], Any], record: list[float]) -> Callable[[An
     return wrapped
 
 
-def _run(name: str, layers: int, steps: int, bucket_mb: float) -> dict[str, float]:
+def _run(name: str, layers: int, steps: int, bucket_mb: float, device: torch.device) -> dict[str, float]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     from sylvie_comm.integrations import ddp as sc_ddp
 
-    model = _model(layers)
-    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    model = _model(layers).to(device)
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_mb)
     record: list[float] = []
     ours = None
     if name == "torch-fp16":
@@ -80,48 +81,81 @@ def _run(name: str, layers: int, steps: int, bucket_mb: float) -> dict[str, floa
         ours, hook = sc_ddp.make_hook(name, model=ddp)
         ddp.register_comm_hook(ours, _timed(hook, record))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    per_bucket: list[float] = []
     per_step: list[float] = []
     buckets = 0
+    gen = torch.Generator().manual_seed(0)
     for step in range(steps + 4):
+        x = torch.randn(8, 16, generator=gen).to(device)
         record.clear()
+        _sync(device)
+        t0 = time.perf_counter()
         opt.zero_grad()
-        ddp(torch.randn(8, 16)).sum().backward()
+        ddp(x).sum().backward()
         opt.step()
+        _sync(device)
         if step >= 4:  # after the warm-up (2 steps) and DDP's bucket rebuild
-            per_step.extend(record)
+            per_step.append(time.perf_counter() - t0)
+            per_bucket.extend(record)
             buckets = len(record)
     if ours is not None:
         ours.close()
-    return {"us_per_bucket": statistics.median(per_step) * 1e6, "buckets": buckets}
+    return {
+        "us_per_bucket": statistics.median(per_bucket) * 1e6, "buckets": buckets,
+        "us_per_step": statistics.median(per_step) * 1e6,
+    }  # fmt: skip
 
 
-def measure(layers: int = 32, steps: int = 20, parts: tuple[str, ...] = PARTS) -> dict[str, Any]:
-    """Every hook, one after the other in one process (a group of one rank), then the FSDP2 and halo parts."""
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(
+    layers: int = 32, steps: int = 20, parts: tuple[str, ...] = PARTS, device: str | torch.device = "cpu"
+) -> dict[str, Any]:
+    """Every hook, one after the other in one process (a group of one rank), then the FSDP2 and halo parts.
+
+    On ``device="cuda"`` the DDP and FSDP2 parts run on the GPU over NCCL (the halo part stays on the CPU)."""
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"bench hooks: device must be 'cpu' or 'cuda', got {str(device)!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"bench hooks: device {str(device)!r} asked for, but this torch sees no CUDA GPU")
+        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
     out: dict[str, Any] = {
         "benchmark": "hooks", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-        "layers": layers, "steps": steps, "threads": torch.get_num_threads(), "layouts": {},
+        "layers": layers, "steps": steps, "threads": torch.get_num_threads(), "layouts": {}, "device": str(dev),
     }  # fmt: skip
+    if dev.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(dev)
     if "ddp" in parts:
-        out["layouts"] = _ddp(layers, steps)
+        out["layouts"] = _ddp(layers, steps, dev)
     if "fsdp" in parts:
-        out["fsdp"] = hooks_fsdp.measure((8, 32), steps)
+        out["fsdp"] = hooks_fsdp.measure((8, 32), steps, device=dev)
     if "halo" in parts:
         out["halo"] = hooks_halo.halo_rows(max(1, steps // 2))
     return out
 
 
-def _ddp(layers: int, steps: int) -> dict[str, Any]:
+def _ddp(layers: int, steps: int, device: torch.device) -> dict[str, Any]:
     init = not dist.is_initialized()
     if init:
         with socket.socket() as sock:  # a free port on loopback
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    layouts = {"many": (1e-4, ("torch-fp16", *OURS)), "one": (100.0, ("torch-fp16", "torch-powersgd", *OURS))}
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # PyTorch's PowerSGD hook with two or more buckets deadlocks on gloo only (module docstring).
+    many = ("torch-fp16", "torch-powersgd", *OURS) if device.type == "cuda" else ("torch-fp16", *OURS)
+    layouts = {"many": (1e-4, many), "one": (100.0, ("torch-fp16", "torch-powersgd", *OURS))}
     out: dict[str, Any] = {}
     try:
         for layout, (bucket_mb, names) in layouts.items():
-            rows = {name: _run(name, layers, steps, bucket_mb) for name in names}
+            rows = {name: _run(name, layers, steps, bucket_mb, device) for name in names}
             for r in rows.values():
                 r["x_torch_fp16"] = r["us_per_bucket"] / rows["torch-fp16"]["us_per_bucket"]
                 if "torch-powersgd" in rows:
@@ -136,9 +170,12 @@ def _ddp(layers: int, steps: int) -> dict[str, Any]:
 def ddp_table(result: dict[str, Any]) -> list[str]:
     """The DDP part as markdown lines: µs per bucket and the ratios to PyTorch's hooks of the same run."""
     many, one = result["layouts"]["many"], result["layouts"]["one"]
+    device = result.get("device", "cpu")
+    where = (f"on {result.get('gpu', device)} (NCCL, world size 1)" if device.startswith("cuda")
+             else "(gloo, world size 1)")  # fmt: skip
     lines = [
         f"Host time per bucket, {result['layers']} x Linear(16, 16), median of {result['steps']} steps, one process "
-        f"(gloo, world size 1), {result['threads']} thread(s), torch {result['machine']['torch']}, {result['date']}.",
+        f"{where}, {result['threads']} thread(s), torch {result['machine']['torch']}, {result['date']}.",
         "",
         "| hook | µs, a bucket per parameter | x torch fp16 | µs, one bucket | x torch fp16 | x torch PowerSGD |",
         "|---|---:|---:|---:|---:|---:|",
@@ -148,6 +185,20 @@ def ddp_table(result: dict[str, Any]) -> list[str]:
         left = f"{m['us_per_bucket']:.0f} | {m['x_torch_fp16']:.2f}" if m else "(deadlocks on gloo) | "
         lines.append(f"| {name} | {left} | {r['us_per_bucket']:.0f} | {r['x_torch_fp16']:.2f} | "
                      f"{r['x_torch_powersgd']:.2f} |")  # fmt: skip
+    if all("us_per_step" in r for r in (*one.values(), *many.values())):
+        lines += [
+            "",
+            "A whole step (forward, backward with its hooks, SGD), wall time to the device's completion:",
+            "",
+            "| hook | µs a step, a bucket per parameter | x torch fp16 | µs a step, one bucket | x torch fp16 |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for name, r in one.items():
+            m = many.get(name)
+            left = (f"{m['us_per_step']:.0f} | {m['us_per_step'] / many['torch-fp16']['us_per_step']:.2f}"
+                    if m else " | ")  # fmt: skip
+            lines.append(f"| {name} | {left} | {r['us_per_step']:.0f} | "
+                         f"{r['us_per_step'] / one['torch-fp16']['us_per_step']:.2f} |")  # fmt: skip
     return lines
 
 
@@ -168,10 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--only", choices=PARTS, action="append", help="run this part only (repeatable)")
+    parser.add_argument("--device", default="cpu", help="cpu (gloo), or cuda: the DDP and FSDP2 parts on a GPU (NCCL)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    result = measure(args.layers, args.steps, tuple(args.only or PARTS))
+    result = measure(args.layers, args.steps, tuple(args.only or PARTS), args.device)
     print(markdown(result), end="")
     if args.out:
         out = Path(args.out)

@@ -53,32 +53,32 @@ WIDTH = 16  # each unit's Linear(WIDTH, WIDTH): 272 elements, nothing to compute
 BATCH = 8
 
 
-def sharded_linears(units: int, width: int = WIDTH) -> nn.Module:
+def sharded_linears(units: int, width: int = WIDTH, device: str | torch.device = "cpu") -> nn.Module:
     """Build ``units`` ``Linear(width, width)``, ``fully_shard`` on each and on the root (which holds no parameters;
-    the same weights every time)."""
+    the same weights every time), over a mesh of the default process group on ``device``'s type."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(units)])
     for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
 class _Row:
     """One row's model (and our state on it): a step's forward and backward, then every unit's comm, timed."""
 
-    def __init__(self, name: str, units: int) -> None:
+    def __init__(self, name: str, units: int, device: torch.device) -> None:
         import sylvie_comm.fsdp
 
         self.name = name
-        self.model = sharded_linears(units)
+        self.model = sharded_linears(units, device=device)
         self.state = None if name == BASELINE else sylvie_comm.fsdp.register(self.model, name)
         self.groups = [
-            groups[0]
-            for _, m in sylvie_comm.fsdp.units_of(self.model)
-            if (groups := m._get_fsdp_state()._fsdp_param_groups)
+            groups[0] for _, m in sylvie_comm.fsdp.units_of(self.model) if (groups := sylvie_comm.fsdp.param_groups(m))
         ]
         if len(self.groups) != units:
             raise RuntimeError(f"bench hooks_fsdp: expected {units} FSDP units with parameters, got {len(self.groups)}")
@@ -94,9 +94,9 @@ class _Row:
             grads = [p.sharded_param.grad.to_local().reshape(-1) for p in group.fsdp_params]
             numel = sum(g.numel() for g in grads)
             world = pg.size()
-            inp = comm.allocate((numel,), dtype=torch.float32, device=torch.device("cpu"))
+            inp = comm.allocate((numel,), dtype=torch.float32, device=x.device)
             torch.cat(grads, out=inp)
-            out = comm.allocate((numel // world,), dtype=torch.float32, device=torch.device("cpu"))
+            out = comm.allocate((numel // world,), dtype=torch.float32, device=x.device)
             t0 = time.perf_counter()
             comm(output_tensor=out, input_tensor=inp, group=pg, op=dist.ReduceOp.SUM)
             dt = time.perf_counter() - t0
@@ -124,12 +124,18 @@ def _check(units: Sequence[int], steps: int, rows: Sequence[str]) -> None:
                          f"{', '.join(OURS)}, got {list(rows)}")  # fmt: skip
 
 
-def _measure(sizes: Sequence[int], steps: int, rows: Sequence[str]) -> dict[int, list[dict[str, Any]]]:
-    """Time every row at every size, all alive at once and taking turns step by step (a process group of one gloo
-    rank, set up here unless one is): per size, per row the medians and their ratios to ``fsdp2``'s."""
+def _measure(
+    sizes: Sequence[int], steps: int, rows: Sequence[str], device: torch.device
+) -> dict[int, list[dict[str, Any]]]:
+    """Time every row at every size, all alive at once and taking turns step by step (a process group of one rank,
+    gloo on the CPU and NCCL on a GPU, set up here unless one is): per size, per row the medians and their ratios
+    to ``fsdp2``'s."""
     init = not dist.is_initialized()
     if init:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
     made: list[_Row] = []
     try:
         if dist.get_world_size() != 1:
@@ -140,10 +146,10 @@ def _measure(sizes: Sequence[int], steps: int, rows: Sequence[str]) -> dict[int,
         log.setLevel(logging.ERROR)  # the monitor's warnings about the tiny model's gradients: not measured here
         try:
             for n in sizes:
-                made.extend(_Row(name, n) for name in rows)
+                made.extend(_Row(name, n, device) for name in rows)
             gen = torch.Generator().manual_seed(0)
             for step in range(WARMUP + steps):
-                x = torch.randn(BATCH, WIDTH, generator=gen)
+                x = torch.randn(BATCH, WIDTH, generator=gen).to(device)
                 k = step % len(made)
                 for row in made[k:] + made[:k]:  # each step in another order
                     row.step(x, timed=step >= WARMUP)
@@ -170,16 +176,18 @@ def _measure(sizes: Sequence[int], steps: int, rows: Sequence[str]) -> dict[int,
     return out
 
 
-def fsdp_rows(units: int, steps: int, rows: Sequence[str] = ROWS) -> list[dict[str, Any]]:
+def fsdp_rows(
+    units: int, steps: int, rows: Sequence[str] = ROWS, device: str | torch.device = "cpu"
+) -> list[dict[str, Any]]:
     """Time every row of ``rows`` (``fsdp2``, FSDP2's own reduce-scatter, first) on a model of ``units`` units, their
     ``steps`` timed steps taken in turns in one process (a process group of one gloo rank, set up here unless
     one is): per row the median microseconds of one unit's call (``us_per_unit``) and of one step
     (``us_per_step``), and their ratios to ``fsdp2``'s (``x_fsdp2``, ``x_fsdp2_step``)."""
     _check([units], steps, rows)
-    return _measure([units], steps, rows)[units]
+    return _measure([units], steps, rows, torch.device(device))[units]
 
 
-def measure(units: Sequence[int] = (8, 32), steps: int = 50) -> dict[str, Any]:
+def measure(units: Sequence[int] = (8, 32), steps: int = 50, device: str | torch.device = "cpu") -> dict[str, Any]:
     """Run :func:`fsdp_rows` at each size of ``units``, every size's rows taking turns in one run (so the growth
     of a step's cost from the smallest size to the largest is not the machine's drift), with the machine and
     that growth, also over ``fsdp2``'s."""
@@ -190,7 +198,7 @@ def measure(units: Sequence[int] = (8, 32), steps: int = 50) -> dict[str, Any]:
     record: dict[str, Any] = {
         "benchmark": "hooks_fsdp", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(), "units": sizes, "steps": steps, "threads": torch.get_num_threads(),
-        "rows": _measure(sizes, steps, ROWS),
+        "device": str(torch.device(device)), "rows": _measure(sizes, steps, ROWS, torch.device(device)),
     }  # fmt: skip
     if len(sizes) > 1:
         small, large = record["rows"][sizes[0]], record["rows"][sizes[-1]]
@@ -208,9 +216,11 @@ def table(record: dict[str, Any]) -> str:
     growth = record.get("step_growth")
     if growth is not None:
         head += f" {f'step {sizes[-1]}/{sizes[0]}':>12s} {'/ fsdp2':>8s}"
+    device = record.get("device", "cpu")
     lines = [
         f"host time of one FSDP2 unit's reduce-scatter, Linear({WIDTH}, {WIDTH}) units, median of "
-        f"{record['steps']} steps, one process (gloo, world size 1), {record['threads']} thread(s)",
+        f"{record['steps']} steps, one process ({'NCCL' if device.startswith('cuda') else 'gloo'}, "
+        f"world size 1, {device}), {record['threads']} thread(s)",
         head,
     ]
     names = [r["row"] for r in record["rows"][sizes[0]]]
@@ -233,10 +243,11 @@ def main(argv: list[str] | None = None) -> int:
                                      description=(__doc__ or "").split("\n")[0])  # fmt: skip
     parser.add_argument("--units", type=int, nargs="+", default=[8, 32], help="model sizes, in FSDP units")
     parser.add_argument("--steps", type=int, default=50, help="timed steps per size")
+    parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL)")
     parser.add_argument("--out", help="write the record as JSON here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    record = measure(args.units, args.steps)
+    record = measure(args.units, args.steps, args.device)
     print(table(record), end="")
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=2))

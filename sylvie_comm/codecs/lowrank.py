@@ -12,6 +12,7 @@ These functions are the math both use; the hooks own the schedule.
 from __future__ import annotations
 
 import math
+import threading
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -107,8 +108,28 @@ def orthogonalize_batch_(batch: torch.Tensor, eps: float = 1e-8) -> torch.Tensor
                 rest = batch[:, :, i + 1 :]
                 rest.sub_(col * (col * rest).sum(dim=1, keepdim=True))
         return batch
-    q, _ = torch.linalg.qr(batch)
-    return batch.copy_(q)
+    return batch.copy_(_qr(batch))
+
+
+# PyTorch loads its GPU linear algebra library at a device type's first linalg call, and that first call is not
+# thread-safe: a second thread entering it at once fails ("lazy wrapper should be called at most once"), as ranks
+# run in threads of one process do (in-process ranks, a GNN pipeline's threads). The first QR per device type is
+# taken under a lock; every later one runs freely.
+_LINALG_LOCK = threading.Lock()
+_LINALG_LOADED: set[str] = {"cpu"}
+
+
+def _qr(batch: torch.Tensor) -> torch.Tensor:
+    """The Q of ``batch``'s QR."""
+    kind = batch.device.type
+    if kind not in _LINALG_LOADED:
+        with _LINALG_LOCK:
+            if kind not in _LINALG_LOADED:
+                q: torch.Tensor = torch.linalg.qr(batch)[0]
+                _LINALG_LOADED.add(kind)
+                return q
+    out: torch.Tensor = torch.linalg.qr(batch)[0]
+    return out
 
 
 def orthogonalize_(matrices: Sequence[torch.Tensor], eps: float = 1e-8) -> None:

@@ -46,8 +46,47 @@ def test_the_hook_host_time_bench_runs_every_hook_next_to_pytorchs(tmp_path) -> 
     assert all(r["us_per_bucket"] > 0 and r["buckets"] >= 1 for r in result["layouts"]["one"].values())
     assert result["layouts"]["many"]["none"]["buckets"] > result["layouts"]["one"]["none"]["buckets"]
     assert all(r["x_torch_powersgd"] > 0 for r in result["layouts"]["one"].values())
+    assert all(r["us_per_step"] > 0 for rows in result["layouts"].values() for r in rows.values())
+    assert result["device"] == "cpu"
     table = out.with_suffix(".md").read_text()
     assert all(f"| {name} |" in table for name in result["layouts"]["one"])
+    assert "(gloo, world size 1)" in table and "µs a step" in table
+
+
+@pytest.mark.parametrize("device", ["meta", "mps"])
+def test_the_hook_host_time_bench_refuses_a_device_it_cannot_measure_on(device: str) -> None:
+    from sylvie_comm.bench import hooks
+
+    with pytest.raises(ValueError, match=f"device must be 'cpu' or 'cuda', got '{device}'"):
+        hooks.measure(2, 1, ("ddp",), device=device)
+
+
+@pytest.mark.skipif(HAS_GPU_KERNELS, reason="this machine has a GPU")
+def test_the_hook_host_time_bench_on_cuda_without_a_gpu_says_so() -> None:
+    from sylvie_comm.bench import hooks
+
+    with pytest.raises(ValueError, match="this torch sees no CUDA GPU"):
+        hooks.measure(2, 1, ("ddp",), device="cuda")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_a_gpu_the_hook_host_time_bench_runs_ddp_and_fsdp_over_nccl(tmp_path) -> None:
+    """The DDP part on a CUDA model over NCCL (PyTorch's PowerSGD hook in both layouts: it deadlocks on gloo only)
+    and the FSDP2 part on CUDA units, each row next to its baseline of the same run."""
+    import json
+
+    out = tmp_path / "hooks.json"
+    proc = subprocess.run([sys.executable, "-m", "sylvie_comm.bench.hooks", "--layers", "3", "--steps", "2",
+                           "--only", "ddp", "--only", "fsdp", "--device", "cuda", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["device"].startswith("cuda") and result["gpu"]
+    assert "torch-powersgd" in result["layouts"]["many"]
+    assert result["fsdp"]["device"].startswith("cuda")
+    assert all(r["x_fsdp2"] > 0 for n in ("8", "32") for r in result["fsdp"]["rows"][n])
+    assert "(NCCL, world size 1)" in out.with_suffix(".md").read_text()
 
 
 @pytest.mark.multiprocess

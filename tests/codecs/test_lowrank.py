@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import threading
+import time
+from typing import Any
+
 import pytest
 import torch
 
@@ -91,3 +95,41 @@ def test_auto_rank_sends_each_matrix_a_sixteenth_of_its_size_within_the_bounds(s
 def test_orthogonalize_rejects_non_matrices():
     with pytest.raises(ValueError, match="2-D"):
         lowrank.orthogonalize_([torch.randn(3)])
+
+
+def test_the_first_qr_on_a_device_type_runs_alone_and_later_ones_run_freely(monkeypatch) -> None:
+    """PyTorch's first GPU linalg call loads a library and fails when a second thread enters it at once: ranks run
+    as threads of one process must not make that first call together (every later call may overlap)."""
+    inside, most, lock = [0], [0, 0], threading.Lock()
+    real_qr = torch.linalg.qr
+
+    def qr(batch: torch.Tensor) -> Any:
+        with lock:
+            inside[0] += 1
+            first = "meta" not in seen
+            most[0 if first else 1] = max(most[0 if first else 1], inside[0])
+        time.sleep(0.05)  # long enough for every thread to arrive
+        with lock:
+            inside[0] -= 1
+            seen.add("meta")
+        return real_qr(batch)
+
+    seen: set[str] = set()
+    monkeypatch.setattr(torch.linalg, "qr", qr)
+    monkeypatch.setattr(lowrank, "_LINALG_LOADED", {"cpu"})
+    barrier = threading.Barrier(4)
+
+    def rank() -> None:
+        barrier.wait()
+        lowrank.orthogonalize_batch_(torch.empty(2, 6, 3, device="meta"))
+        barrier.wait()
+        lowrank.orthogonalize_batch_(torch.empty(2, 6, 3, device="meta"))
+
+    threads = [threading.Thread(target=rank) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert most[0] == 1, f"{most[0]} threads made the first QR on 'meta' together"
+    assert most[1] > 1, "the later QRs were serialized too"
+    assert sorted(lowrank._LINALG_LOADED) == ["cpu", "meta"]

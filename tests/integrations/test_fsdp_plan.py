@@ -259,3 +259,27 @@ def test_a_steps_cost_is_linear_in_units(one_rank, monkeypatch, codec):
     per_unit = (c8 - c4) // 4
     assert c8 - c4 == 4 * per_unit and c16 - c8 == 8 * per_unit, counts
     assert c4 - 4 * per_unit >= 0  # what a step costs besides its units: a constant
+
+
+class _OldState:
+    """FSDP2's state before torch 2.13: one optional parameter group, no list."""
+
+    def __init__(self, group: object) -> None:
+        self._fsdp_param_group = group
+
+
+class _NewState:
+    def __init__(self, groups: list[object]) -> None:
+        self._fsdp_param_groups = groups
+
+
+@pytest.mark.parametrize(
+    "state,want",
+    [(_NewState(["a", "b"]), ["a", "b"]), (_NewState([]), []), (_OldState("a"), ["a"]), (_OldState(None), [])],
+)
+def test_a_units_parameter_groups_read_on_either_form_of_fsdp2s_state(state: object, want: list[object]) -> None:
+    from sylvie_comm.fsdp import param_groups
+
+    module = nn.Module()
+    module._get_fsdp_state = lambda: state  # type: ignore[assignment,method-assign]
+    assert param_groups(module) == want
