@@ -261,11 +261,23 @@ class QSGDAlgorithm(FeedbackAlgorithm):
             wire = layout.wire = _Wire.make(layout, w, group.device)
 
         def encode() -> torch.Tensor:
-            for m, part, (scales, minimums, packed) in zip(members, layout.parts, wire.sends, strict=True):
+            parts = zip(members, layout.parts, wire.sends, wire.total, strict=True)
+            for m, part, (scales, minimums, packed), scratch in parts:
                 codec = self._codec(m.name, part.bits)
-                codec.offset = step * m.tensor.numel()  # the step's own noise: no stream position to keep
-                enc = self._feedback_encode(codec, m.name, m.tensor) if self.feedback_on else codec.encode(m.tensor)
-                values, scale, minimum = enc.payload
+                offset = step * m.tensor.numel()  # the step's own noise: no stream position to keep
+                if self.feedback_on:
+                    # ErrorFeedback.encode with QBitCodec's one block, straight through the kernels: the residual
+                    # buffer takes the gradient, is encoded, and loses what was sent (decoded into the scratch the
+                    # receive side overwrites).
+                    before = self._guard_residual(self.feedback, m.name, m.tensor)
+                    comp = self.feedback.compensate_(m.name, m.tensor).view(part.rows, part.cols)
+                    values, scale, minimum = kernels.qbit_encode(comp, part.bits, codec.seed, offset)
+                    comp.sub_(kernels.qbit_decode(values, scale, minimum, part.bits, part.cols, torch.float32,
+                                                  out=scratch))  # fmt: skip
+                    self._guard_created(self.feedback, m.name, before)
+                else:
+                    codec.offset = offset
+                    values, scale, minimum = codec.encode(m.tensor).payload
                 scales.copy_(scale.view(-1))
                 minimums.copy_(minimum.view(-1))
                 packed.copy_(values.view(packed.shape))

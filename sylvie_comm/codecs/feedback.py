@@ -56,6 +56,17 @@ class ErrorFeedback:
         _check_shape(name, res, tensor)
         return torch.add(res, tensor)
 
+    def compensate_(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``residual += tensor`` in the residual's own buffer (a fp32 copy of ``tensor`` becomes the residual the
+        first time) and return that buffer: the caller encodes it, then subtracts what was sent from it, so that it
+        holds ``compensated - decoded`` again (what :meth:`encode` does)."""
+        res = self.residual(name, tensor.device)
+        if res is None:
+            comp = self._residuals[name] = tensor.to(torch.float32, copy=True)
+            return comp
+        _check_shape(name, res, tensor)
+        return res.add_(tensor)
+
     def update(self, name: str, compensated: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
         """Store ``compensated - decoded`` as the residual of ``name`` and return it."""
         res = self._residuals.get(name)
@@ -77,13 +88,7 @@ class ErrorFeedback:
         diverge.
         """
         check_tensor(tensor, "ErrorFeedback.encode")
-        res = self.residual(name, tensor.device)
-        if res is None:
-            comp = tensor.to(torch.float32, copy=True)
-            self._residuals[name] = comp
-        else:
-            _check_shape(name, res, tensor)
-            comp = res.add_(tensor)
+        comp = self.compensate_(name, tensor)
         encoded = codec.encode(clamp_rows(comp, tensor) if bound_rows else comp)
         storage = comp.untyped_storage().data_ptr()
         payload = tuple(p.clone() if p.untyped_storage().data_ptr() == storage else p for p in encoded.payload)
