@@ -6,17 +6,16 @@
 # No network is needed and the installed torch is used as it is (it may be another version than the
 # pin in pyproject.toml): the extension (the CPU kernels) is built against it in a temporary copy of this
 # checkout, then, from that copy:
-#   1. the GPU kernels (Triton, compiled for the GPU; torch's CUDA wheels install Triton) bit-equal to the
-#      references, the same tests CI runs through Triton's interpreter, so the GPU's bits are the interpreter's
-#      (and, last, the CPU kernel tests against this torch);
-#   2. every algorithm at 1, 2 and 4 in-process ranks on CUDA against the same run on the CPU, DDP on
+#   1. every algorithm at 1, 2 and 4 in-process ranks on CUDA against the same run on the CPU, DDP on
 #      NCCL at world size 1 with every hook (tests/gpu/), and the device-generic tests;
-#   3. the GNN trainer on CUDA against the CPU, a resumed CUDA run, the halo exchange of 2 in-process
-#      ranks on CUDA and its peak memory at fp32 and 1-bit (python -m sylvie_comm.gnn.gpu_check --gpu-check);
-#   4. the host time of a DDP bucket's hook and an FSDP2 unit's reduce-scatter on the GPU (NCCL, world size 1),
+#   2. the host time of a DDP bucket's hook and an FSDP2 unit's reduce-scatter on the GPU (NCCL, world size 1),
 #      ours next to PyTorch's and FSDP2's own in the same run (OUTDIR/hooks-cuda.json and .md);
-#   5. the GPU kernels' GB/s next to a device-to-device copy of the same run
-#      (OUTDIR/cuda-kernels.json and .md).
+#   3. the GPU kernels (Triton, compiled for the GPU; torch's CUDA wheels install Triton) bit-equal to the
+#      references, the same tests CI runs through Triton's interpreter, so the GPU's bits are the interpreter's;
+#   4. the GNN trainer on CUDA against the CPU, a resumed CUDA run, the halo exchange of 2 in-process
+#      ranks on CUDA and its peak memory at fp32 and 1-bit (python -m sylvie_comm.gnn.gpu_check --gpu-check);
+#   5. the GPU kernels' GB/s next to a device-to-device copy of the same run (OUTDIR/cuda-kernels.json and .md);
+#   6. the CPU kernel tests against this torch.
 # Each part's output goes to OUTDIR (pytest logs, JSON, markdown); the exit status is 0 only if every part
 # passed. Each part has STEP_TIMEOUT seconds (default 300): one that hangs fails and the next runs.
 # GPU_CHECK_PARTS="triton paths" runs only the parts named (of triton, paths, hooks, gnn, bench, kernels). Python packages it needs beside torch: numpy, pyyaml, pytest, pybind11, ninja, scikit-learn.
@@ -77,14 +76,14 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o "addopts=-ra --strict-markers"
 if "$PY" -c "import xdist" 2>/dev/null; then
   PYTEST+=(-n "${PYTEST_WORKERS:-8}")
 fi
-# Most telling first, so that a part cut short by the time limit costs the least.
-# The Triton kernels compiled for the GPU (no interpreter here), against the references run on CPU copies.
-step triton env -u TRITON_INTERPRET "${PYTEST[@]}" tests/kernels/test_triton_bits.py tests/kernels/test_triton_onebit.py \
-  tests/kernels/test_triton_qbit.py tests/kernels/test_triton_lowrank.py
+# Most telling first, so that a part cut short by a time limit costs the least.
 step paths "${PYTEST[@]}" tests/gpu tests/algorithms/test_devices.py \
   tests/algorithms/test_nonfinite.py
 step hooks "$PY" -m sylvie_comm.bench.hooks --device cuda --only ddp --only fsdp --steps 20 --out "$OUT/hooks-cuda.json"
 cat "$OUT/hooks-cuda.md" 2>/dev/null
+# The Triton kernels compiled for the GPU (no interpreter here), against the references run on CPU copies.
+step triton env -u TRITON_INTERPRET "${PYTEST[@]}" tests/kernels/test_triton_bits.py tests/kernels/test_triton_onebit.py \
+  tests/kernels/test_triton_qbit.py tests/kernels/test_triton_lowrank.py
 step gnn "$PY" -m sylvie_comm.gnn.gpu_check --gpu-check "$OUT"
 step bench "$PY" -m sylvie_comm.bench.cuda --out "$OUT"
 cat "$OUT/cuda-kernels.md" 2>/dev/null
