@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,30 @@ class FeedbackAlgorithm(Algorithm):
         """A residual the step created (``before`` None) goes back to zeros if the step is skipped."""
         if before is None:
             self.guard.zero_on_skip(feedback.residual(key))
+
+    def _guard_residuals(self, feedback: ErrorFeedback, items: Sequence[tuple[str, torch.Tensor]]) -> list[Any]:
+        """:meth:`_guard_residual` for every ``(key, like)`` of a group at once (one lock, one multi-tensor copy):
+        per item the residual saved, or None where the step will create it (give it to :meth:`_guard_created`)."""
+        befores: list[Any] = []
+        saves = []
+        for key, like in items:
+            res = feedback.residual(key, like.device)
+            if res is None or res.shape != like.shape:
+                befores.append(None)
+            else:
+                befores.append(res)
+                saves.append(((id(feedback), key), res))
+        self.guard.save_many(saves)
+        return befores
+
+    def _feedback_encode_all(self, items: Sequence[tuple[Codec, str, torch.Tensor]]) -> list[Encoded]:
+        """:meth:`_feedback_encode` for every ``(codec, name, tensor)`` of a group, the residuals saved at once."""
+        befores = self._guard_residuals(self.feedback, [(name, tensor) for _, name, tensor in items])
+        out = []
+        for (codec, name, tensor), before in zip(items, befores, strict=True):
+            out.append(self.feedback.encode(codec, name, tensor))
+            self._guard_created(self.feedback, name, before)
+        return out
 
     def _feedback_encode(self, codec: Codec, name: str, tensor: torch.Tensor, **kwargs: Any) -> Encoded:
         """:meth:`ErrorFeedback.encode` on the worker residual of ``name``, with the residual guarded."""

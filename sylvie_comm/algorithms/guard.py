@@ -40,7 +40,7 @@ one read and one write per step.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -156,14 +156,29 @@ class StepGuard:
         The buffer starts as zeros, so elements the kernel does not visit (padding) restore as zeros; it is
         kept for the next step (one allocation per key)."""
         with self._lock:
-            if key in self._keys:
-                return None
-            self._keys.add(key)
-            buf = self._buffers.get(key)
-            if buf is None or buf.shape != state.shape or buf.dtype != state.dtype or buf.device != state.device:
-                buf = self._buffers[key] = torch.zeros_like(state, memory_format=torch.contiguous_format)
-            self._saved.append((state, buf))
-            self._device = state.device
+            return self._slot(key, state)
+
+    def save_many(self, items: Sequence[tuple[Hashable, torch.Tensor]]) -> None:
+        """:meth:`save` for every ``(key, state)`` of a group at once: one lock and one multi-tensor copy."""
+        bufs, states = [], []
+        with self._lock:
+            for key, state in items:
+                buf = self._slot(key, state)
+                if buf is not None:
+                    bufs.append(buf)
+                    states.append(state)
+        if bufs:
+            torch._foreach_copy_(bufs, states)
+
+    def _slot(self, key: Hashable, state: torch.Tensor) -> torch.Tensor | None:
+        if key in self._keys:
+            return None
+        self._keys.add(key)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != state.shape or buf.dtype != state.dtype or buf.device != state.device:
+            buf = self._buffers[key] = torch.zeros_like(state, memory_format=torch.contiguous_format)
+        self._saved.append((state, buf))
+        self._device = state.device
         return buf
 
     def zero_on_skip(self, state: torch.Tensor | None) -> None:

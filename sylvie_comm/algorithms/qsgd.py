@@ -262,14 +262,15 @@ class QSGDAlgorithm(FeedbackAlgorithm):
 
         def encode() -> torch.Tensor:
             parts = zip(members, layout.parts, wire.sends, wire.total, strict=True)
-            for m, part, (scales, minimums, packed), scratch in parts:
+            saved = [(m.name, m.tensor) for m in members] if self.feedback_on else []
+            befores = self._guard_residuals(self.feedback, saved) if self.feedback_on else [None] * len(members)
+            for (m, part, (scales, minimums, packed), scratch), before in zip(parts, befores, strict=True):
                 codec = self._codec(m.name, part.bits)
                 offset = step * m.tensor.numel()  # the step's own noise: no stream position to keep
                 if self.feedback_on:
                     # ErrorFeedback.encode with QBitCodec's one block, straight through the kernels: the residual
                     # buffer takes the gradient, is encoded, and loses what was sent (decoded into the scratch the
                     # receive side overwrites).
-                    before = self._guard_residual(self.feedback, m.name, m.tensor)
                     comp = self.feedback.compensate_(m.name, m.tensor).view(part.rows, part.cols)
                     values, scale, minimum = kernels.qbit_encode(comp, part.bits, codec.seed, offset)
                     comp.sub_(kernels.qbit_decode(values, scale, minimum, part.bits, part.cols, torch.float32,

@@ -74,7 +74,7 @@ class TopKAlgorithm(FeedbackAlgorithm):
         k = sum(counts)
 
         def encode() -> torch.Tensor:
-            encs = [self._feedback_encode(c, m.name, m.tensor) for m, c in zip(members, codecs, strict=True)]
+            encs = self._feedback_encode_all([(c, m.name, m.tensor) for m, c in zip(members, codecs, strict=True)])
             values = [enc.payload[0].float().view(torch.int32) for enc in encs]
             if not encs:
                 return torch.zeros(0, dtype=torch.int32, device=group.device)

@@ -406,3 +406,27 @@ def test_new_ops_have_fake_implementations() -> None:
         torch.ops.sylvie_comm.copy_if(dst, None, flag)
         torch.ops.sylvie_comm.lowrank_outer_into(torch.empty(3, 2), torch.empty(3, 1), torch.empty(2, 1), 1.0,
                                                  True, flag)  # fmt: skip
+
+
+def test_guard_saves_a_groups_states_at_once_as_one_by_one() -> None:
+    """``save_many`` (one lock, one multi-tensor copy) puts every state back on a bad step as ``save`` does, keeps a
+    good one, and saves a key once per step (its first value)."""
+    for bad in (True, False):
+        guard = StepGuard()
+        a, b = torch.arange(4.0), torch.arange(6.0).view(2, 3)
+        guard.begin(0)
+        guard.save_many([("a", a), ("b", b)])
+        a.add_(1.0)
+        guard.save_many([("a", a)])  # already saved this step: the value before the step stays
+        b.mul_(3.0)
+        guard.report(torch.tensor(bad))
+        fut: torch.futures.Future[None] = torch.futures.Future()
+        tracked = guard.track(fut)
+        fut.set_result(None)
+        tracked.wait()
+        guard.settle()
+        if bad:
+            assert torch.equal(a, torch.arange(4.0)) and torch.equal(b, torch.arange(6.0).view(2, 3))
+        else:
+            assert torch.equal(a, torch.arange(4.0) + 1) and torch.equal(b, torch.arange(6.0).view(2, 3) * 3)
+        assert guard.skipped() == int(bad)
