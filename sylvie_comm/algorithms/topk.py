@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -12,6 +13,19 @@ from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
 from sylvie_comm.algorithms.guard import nonfinite, poison
 from sylvie_comm.codecs.topk import TopKCodec, topk_count
 from sylvie_comm.collectives import Meter, Transport
+
+
+@dataclass
+class _Kind:
+    """The compressed tensors of a group with one ratio, shape and dtype (``members``: their indices in the group's
+    compressed members, in order): ``k`` entries of each kept, selected, sent and decoded as one batch."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    numel: int
+    k: int
+    members: list[int] = field(default_factory=list)
+
 
 MAX_ADAPTED_RATIO = 0.25  # the monitor's adaptation raises a tensor's ratio at most to this
 
@@ -67,18 +81,48 @@ class TopKAlgorithm(FeedbackAlgorithm):
         TopKCodec(ratio=out["ratio"])  # raises on a ratio outside (0, 1]
         return out
 
-    def _step(self, group: Group, layout: Any, step: int, meter: Meter) -> Future[None]:
+    def _build(self, group: Group) -> list[_Kind]:
+        """The group's compressed tensors sorted into kinds (ratio, shape, dtype), in order of first appearance:
+        each kind selected, sent and decoded as one batch."""
+        kinds: dict[tuple[Any, ...], _Kind] = {}
+        for i, m in enumerate(group.compressed):
+            ratio = self._codec_of(m).ratio
+            key = (ratio, m.tensor.shape, m.tensor.dtype)
+            kind = kinds.get(key)
+            if kind is None:
+                n = m.tensor.numel()
+                if n > 2**31 - 1:
+                    raise ValueError(f"topk: tensors of more than {2**31 - 1} elements need int64 indices, got {n} "
+                                     f"({m.name})")  # fmt: skip
+                kind = kinds[key] = _Kind(m.tensor.shape, m.tensor.dtype, n, topk_count(n, ratio))
+            kind.members.append(i)
+        return list(kinds.values())
+
+    def _step(self, group: Group, layout: list[_Kind], step: int, meter: Meter) -> Future[None]:
         members = group.compressed
-        codecs = [self._codec_of(m) for m in members]
-        counts = [topk_count(m.tensor.numel(), c.ratio) for m, c in zip(members, codecs, strict=True)]
-        k = sum(counts)
+        k = sum(kind.k * len(kind.members) for kind in layout)
+        device = group.device
 
         def encode() -> torch.Tensor:
-            encs = self._feedback_encode_all([(c, m.name, m.tensor) for m, c in zip(members, codecs, strict=True)])
-            values = [enc.payload[0].float().view(torch.int32) for enc in encs]
-            if not encs:
-                return torch.zeros(0, dtype=torch.int32, device=group.device)
-            return torch.cat(values + [enc.payload[1] for enc in encs])
+            """Per kind, TopKCodec's selection over the compensated tensors as one batch (NaN counts as the largest
+            magnitude), then the residual update (``ErrorFeedback.encode``): the codec's bits tensor by tensor.
+            Every kind's values (fp32 bits as int32), then every kind's indices."""
+            befores = self._guard_residuals(self.feedback, [(m.name, m.tensor) for m in members])
+            values, indices = [], []
+            for kind in layout:
+                comps = [self.feedback.compensate_(members[i].name, members[i].tensor) for i in kind.members]
+                batch = torch.stack([c.view(-1) for c in comps])  # (T, numel) fp32
+                _, idx = torch.topk(batch.abs(), kind.k, dim=1, sorted=False)
+                vals = batch.gather(1, idx)
+                batch.sub_(torch.zeros_like(batch).scatter_add_(1, idx, vals))  # comp - decode(sent)
+                torch._foreach_copy_([c.view(-1) for c in comps], list(batch.unbind(0)))
+                values.append(vals.view(-1).view(torch.int32))
+                indices.append(idx.view(-1).to(torch.int32))
+            for m, before in zip(members, befores, strict=True):
+                self._guard_created(self.feedback, m.name, before)
+            if not values:
+                return torch.zeros(0, dtype=torch.int32, device=device)
+            return torch.cat(values + indices)
 
         packed = meter.timed("encode", encode)
         gathered = torch.empty(self.world_size * packed.numel(), dtype=torch.int32, device=packed.device)
@@ -94,12 +138,17 @@ class TopKAlgorithm(FeedbackAlgorithm):
                 bad = nonfinite(rows[:, :k].view(torch.float32))
                 self.guard.report(bad)
                 start = 0
-                for m, ki in zip(members, counts, strict=True):
-                    values = rows[:, start : start + ki].reshape(-1).view(torch.float32)
-                    idx = rows[:, k + start : k + start + ki].reshape(-1).long()
-                    dense = torch.zeros(m.tensor.numel(), device=values.device).index_add_(0, idx, values)
-                    m.tensor.copy_(dense.div_(self.world_size).view(m.tensor.shape))
-                    start += ki
+                for kind in layout:
+                    t, size = len(kind.members), len(kind.members) * kind.k
+                    vals = rows[:, start : start + size].view(torch.float32).view(self.world_size, t, kind.k)
+                    idx = rows[:, k + start : k + start + size].view(self.world_size, t, kind.k).long()
+                    dense = torch.zeros(t, kind.numel, device=device)
+                    for r in range(self.world_size):  # each element's sum in rank order
+                        dense.scatter_add_(1, idx[r], vals[r])
+                    dense.div_(self.world_size)
+                    targets = [members[i].tensor for i in kind.members]
+                    torch._foreach_copy_(targets, list(dense.view(t, *kind.shape)))
+                    start += size
                 poison((m.tensor for m in members), bad)
 
             meter.timed("decode", run)
