@@ -333,6 +333,16 @@ def test_guard_restores_a_step_whose_group_never_completed() -> None:
     assert guard.skipped() == 1
 
 
+def _settle_a_completed_group(guard: StepGuard, bad: bool) -> None:
+    """One group of the step reports ``bad`` and completes; the step settles."""
+    guard.report(torch.tensor(bad))
+    fut: torch.futures.Future[None] = torch.futures.Future()
+    tracked = guard.track(fut)
+    fut.set_result(None)
+    tracked.wait()
+    guard.settle()
+
+
 def test_guard_keeps_a_good_step_and_counts_a_bad_one() -> None:
     guard = StepGuard()
     state = torch.arange(4.0)
@@ -341,12 +351,7 @@ def test_guard_keeps_a_good_step_and_counts_a_bad_one() -> None:
         guard.begin(step)
         guard.save("s", state)
         state.mul_(2.0).add_(1.0)
-        guard.report(torch.tensor(bad))
-        fut: torch.futures.Future[None] = torch.futures.Future()
-        tracked = guard.track(fut)
-        fut.set_result(None)
-        tracked.wait()
-        guard.settle()
+        _settle_a_completed_group(guard, bad)
         expected = before if bad else before * 2 + 1
         assert torch.equal(state, expected), step
     assert guard.skipped() == 2
@@ -419,12 +424,7 @@ def test_guard_saves_a_groups_states_at_once_as_one_by_one() -> None:
         a.add_(1.0)
         guard.save_many([("a", a)])  # already saved this step: the value before the step stays
         b.mul_(3.0)
-        guard.report(torch.tensor(bad))
-        fut: torch.futures.Future[None] = torch.futures.Future()
-        tracked = guard.track(fut)
-        fut.set_result(None)
-        tracked.wait()
-        guard.settle()
+        _settle_a_completed_group(guard, bad)
         if bad:
             assert torch.equal(a, torch.arange(4.0)) and torch.equal(b, torch.arange(6.0).view(2, 3))
         else:

@@ -15,6 +15,7 @@ from sylvie_comm.codecs.base import Encoded
 from sylvie_comm.codecs.feedback import ErrorFeedback
 from sylvie_comm.codecs.sign import SignCodec
 from sylvie_comm.collectives.local import run_local
+from tests.algorithms.exact_cases import assert_same_bits, run_algorithm
 
 # interleaved kinds, rows shorter than 64 grouped (16 x 16: 4 scales), a padded last unit (10 x 7: 70 elements,
 # spans of 70), a 4-D weight, vectors, a 0-d tensor, one tensor per name with the other scale mode
@@ -39,25 +40,8 @@ def per_name(default: str) -> dict[str, str]:
 
 def run(world: int, scale: str) -> list[dict[str, Any]]:
     modes = per_name(scale)
-
-    def body(tr: Any) -> dict[str, Any]:
-        alg = make_algorithm("sign", tr, {"scale": scale})
-        outs = []
-        for step in range(STEPS):
-            values = grads(tr.rank, step)
-            flat = torch.cat([v.reshape(-1) for v in values.values()])
-            members, at = [], 0
-            for n, v in values.items():
-                opts = {"scale": modes[n]} if modes[n] != scale else {}
-                members.append(Member(n, flat[at : at + v.numel()].view(v.shape), True, opts))
-                at += v.numel()
-            alg(Group(0, members, flat=flat), step).wait()
-            outs.append({m.name: m.tensor.clone() for m in members})
-        residuals = {n: alg.feedback.residual(n).clone() for n in SHAPES}
-        alg.close()
-        return {"outs": outs, "residuals": residuals}
-
-    return run_local(world, body)
+    rules = {n: {"scale": m} for n, m in modes.items() if m != scale}
+    return run_algorithm("sign", world, {"scale": scale}, STEPS, grads, rules)
 
 
 def reference(world: int, scale: str) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
@@ -84,16 +68,12 @@ def reference(world: int, scale: str) -> tuple[list[dict[str, torch.Tensor]], li
 def test_sign_batched_gives_the_codecs_bits_and_residuals(world: int, scale: str) -> None:
     got = run(world, scale)
     want, residuals = reference(world, scale)
-    for rank in range(world):
-        for step in range(STEPS):
-            for n in SHAPES:
-                assert torch.equal(got[rank]["outs"][step][n], want[step][n]), (rank, step, n)
-        for n in SHAPES:
-            assert torch.equal(got[rank]["residuals"][n], residuals[rank][n]), (rank, n)
+    assert_same_bits(got, want, residuals, SHAPES)
 
 
 def test_sign_sends_each_kind_as_one_batch() -> None:
     """The group's kinds (scale mode, shape, dtype), in order of first appearance: one batch each."""
+
     def body(tr: Any) -> list[tuple[Any, ...]]:
         alg = make_algorithm("sign", tr, {})
         values = grads(tr.rank, 0)

@@ -14,6 +14,7 @@ from sylvie_comm.algorithms import Group, Member, make_algorithm
 from sylvie_comm.codecs.feedback import ErrorFeedback
 from sylvie_comm.codecs.topk import TopKCodec
 from sylvie_comm.collectives.local import run_local
+from tests.algorithms.exact_cases import assert_same_bits, run_algorithm
 
 SHAPES = {
     "l0.w": (16, 16), "l0.b": (16,), "l1.w": (16, 16), "l1.b": (16,), "conv": (8, 3, 3, 3), "l2.w": (16, 16),
@@ -32,24 +33,8 @@ def grads(rank: int, step: int) -> dict[str, torch.Tensor]:
 
 
 def run(world: int, ratio: float) -> list[dict[str, Any]]:
-    def body(tr: Any) -> dict[str, Any]:
-        alg = make_algorithm("topk", tr, {"ratio": ratio})
-        outs = []
-        for step in range(STEPS):
-            values = grads(tr.rank, step)
-            flat = torch.cat([v.reshape(-1) for v in values.values()])
-            members, at = [], 0
-            for n, v in values.items():
-                opts = {"ratio": RATIOS[n]} if n in RATIOS else {}
-                members.append(Member(n, flat[at : at + v.numel()].view(v.shape), True, opts))
-                at += v.numel()
-            alg(Group(0, members, flat=flat), step).wait()
-            outs.append({m.name: m.tensor.clone() for m in members})
-        residuals = {n: alg.feedback.residual(n).clone() for n in SHAPES}
-        alg.close()
-        return {"outs": outs, "residuals": residuals}
-
-    return run_local(world, body)
+    rules = {n: {"ratio": r} for n, r in RATIOS.items()}
+    return run_algorithm("topk", world, {"ratio": ratio}, STEPS, grads, rules)
 
 
 def reference(world: int, ratio: float) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
@@ -73,12 +58,7 @@ def reference(world: int, ratio: float) -> tuple[list[dict[str, torch.Tensor]], 
 def test_topk_batched_gives_the_codecs_bits_and_residuals(world: int, ratio: float) -> None:
     got = run(world, ratio)
     want, residuals = reference(world, ratio)
-    for rank in range(world):
-        for step in range(STEPS):
-            for n in SHAPES:
-                assert torch.equal(got[rank]["outs"][step][n], want[step][n]), (rank, step, n)
-        for n in SHAPES:
-            assert torch.equal(got[rank]["residuals"][n], residuals[rank][n]), (rank, n)
+    assert_same_bits(got, want, residuals, SHAPES)
 
 
 def test_topk_sends_each_kind_as_one_batch() -> None:
