@@ -262,8 +262,8 @@ class QSGDAlgorithm(FeedbackAlgorithm):
 
         def encode() -> torch.Tensor:
             parts = zip(members, layout.parts, wire.sends, wire.total, strict=True)
-            saved = [(m.name, m.tensor) for m in members] if self.feedback_on else []
-            befores = self._guard_residuals(self.feedback, saved) if self.feedback_on else [None] * len(members)
+            befores = (self._guard_residuals(self.feedback, [(m.name, m.tensor) for m in members]) if self.feedback_on
+                       else [None] * len(members))  # fmt: skip
             for (m, part, (scales, minimums, packed), scratch), before in zip(parts, befores, strict=True):
                 codec = self._codec(m.name, part.bits)
                 offset = step * m.tensor.numel()  # the step's own noise: no stream position to keep

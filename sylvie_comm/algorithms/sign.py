@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from sylvie_comm.algorithms.base import Future, Group, then
-from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
+from sylvie_comm.algorithms.base import Future, Group, Member, then
+from sylvie_comm.algorithms.feedback import FeedbackAlgorithm, kinds_of
 from sylvie_comm.algorithms.guard import nonfinite, poison
 from sylvie_comm.codecs.sign import SignCodec, scale_span
 from sylvie_comm.collectives import Meter, Transport
@@ -69,73 +69,68 @@ class SignAlgorithm(FeedbackAlgorithm):
     def _build(self, group: Group) -> list[_Kind]:
         """The group's compressed tensors sorted into kinds (scale mode, shape, dtype), in order of first appearance:
         each kind is encoded, sent and decoded as one batch."""
-        kinds: dict[tuple[Any, ...], _Kind] = {}
-        for i, m in enumerate(group.compressed):
+
+        def make(m: Member) -> _Kind:
+            n, span = m.tensor.numel(), scale_span(m.tensor.shape)
             norm = self._codec(m.options).scale == "norm"
-            shape, dtype = m.tensor.shape, m.tensor.dtype
-            kind = kinds.get((norm, shape, dtype))
-            if kind is None:
-                n, span = m.tensor.numel(), scale_span(shape)
-                kind = kinds[(norm, shape, dtype)] = _Kind(norm, shape, dtype, n, span, max(math.ceil(n / span), 1))
-            kind.members.append(i)
-        return list(kinds.values())
+            return _Kind(norm, m.tensor.shape, m.tensor.dtype, n, span, max(math.ceil(n / span), 1))
+
+        def key(m: Member) -> tuple[Any, ...]:
+            return self._codec(m.options).scale, m.tensor.shape, m.tensor.dtype
+
+        return kinds_of(group.compressed, key, make)
 
     def _step(self, group: Group, layout: list[_Kind], step: int, meter: Meter) -> Future[None]:
         members = group.compressed
         device = group.device
         # the batches' signs and scales, each kind's after the one before; what travels is these, concatenated
-        batches: list[tuple[_Kind, list[Any], torch.Tensor]] = []
+        batches: list[tuple[_Kind, list[Member], torch.Tensor]] = []
+        signs: list[torch.Tensor] = []
+        scales: list[torch.Tensor] = []
+
+        def encode_kind(kind: _Kind, batch: torch.Tensor) -> torch.Tensor:
+            """SignCodec's encode of a kind's compensated tensors as one batch; returns its decode."""
+            t = batch.shape[0]
+            if kind.counts is None or kind.counts.device != device:
+                counts = torch.full((kind.units,), float(kind.span), dtype=torch.float32, device=device)
+                counts[-1] = max(kind.numel - (kind.units - 1) * kind.span, 1)
+                kind.counts = counts
+            # Comparisons map NaN to 0 where a cast of torch.sign(NaN) would be undefined.
+            sign = (batch > 0).to(torch.int8) - (batch < 0).to(torch.int8)
+            terms = batch.square() if kind.norm else batch.abs()
+            if kind.units * kind.span != kind.numel:
+                padded = torch.zeros(t, kind.units * kind.span, dtype=torch.float32, device=device)
+                padded[:, : kind.numel] = terms
+                terms = padded
+            scale = terms.view(t, kind.units, kind.span).sum(2, dtype=torch.float32) / kind.counts
+            if kind.norm:
+                scale = scale.sqrt_()  # the row's RMS: the decode keeps the row's energy
+            batches.append((kind, [members[i] for i in kind.members], scale))
+            signs.append(sign.view(-1))
+            scales.append(scale.view(-1))
+            return torch.sign(sign.to(torch.float32)).mul_(_per_element(scale, kind))
 
         def encode() -> tuple[torch.Tensor, torch.Tensor]:
-            """Per kind, SignCodec's encode of the compensated tensors as one batch, then the residual update
-            (``ErrorFeedback.encode``: what was sent subtracted from the compensated tensor): the bits of the codec
-            tensor by tensor."""
-            befores = self._guard_residuals(self.feedback, [(m.name, m.tensor) for m in members])
-            signs, scales = [], []
-            for kind in layout:
-                group_members = [members[i] for i in kind.members]
-                comps = [self.feedback.compensate_(m.name, m.tensor) for m in group_members]
-                batch = torch.stack([c.view(-1) for c in comps])  # (T, numel) fp32
-                t = batch.shape[0]
-                if kind.counts is None or kind.counts.device != device:
-                    counts = torch.full((kind.units,), float(kind.span), dtype=torch.float32, device=device)
-                    counts[-1] = max(kind.numel - (kind.units - 1) * kind.span, 1)
-                    kind.counts = counts
-                # Comparisons map NaN to 0 where a cast of torch.sign(NaN) would be undefined.
-                sign = (batch > 0).to(torch.int8) - (batch < 0).to(torch.int8)
-                terms = batch.square() if kind.norm else batch.abs()
-                if kind.units * kind.span != kind.numel:
-                    padded = torch.zeros(t, kind.units * kind.span, dtype=torch.float32, device=device)
-                    padded[:, : kind.numel] = terms
-                    terms = padded
-                scale = terms.view(t, kind.units, kind.span).sum(2, dtype=torch.float32) / kind.counts
-                if kind.norm:
-                    scale = scale.sqrt_()  # the row's RMS: the decode keeps the row's energy
-                batch.sub_(torch.sign(sign.to(torch.float32)).mul_(_per_element(scale, kind)))
-                torch._foreach_copy_([c.view(-1) for c in comps], list(batch.unbind(0)))
-                batches.append((kind, group_members, scale))
-                signs.append(sign.view(-1))
-                scales.append(scale.view(-1))
-            for m, before in zip(members, befores, strict=True):
-                self._guard_created(self.feedback, m.name, before)
+            """Per kind the batch's encode, with error feedback: the bits of the codec tensor by tensor."""
+            self._feedback_batches(members, layout, encode_kind)
             if not signs:
                 return torch.zeros(0, dtype=torch.int8, device=device), torch.zeros(0, device=device)
             return torch.cat(signs), torch.cat(scales)
 
-        signs, scales = meter.timed("encode", encode)
+        sent, scale_sums = meter.timed("encode", encode)
         raw = self._raw_all_reduce(group, meter)
-        futs = [self._all_reduce(signs, meter), self._all_reduce(scales, meter)] + ([raw] if raw else [])
+        futs = [self._all_reduce(sent, meter), self._all_reduce(scale_sums, meter)] + ([raw] if raw else [])
 
         def decode(_: Future[Any]) -> None:
             def run() -> None:
                 start = at = 0
-                bad = nonfinite(scales)  # a row with NaN or Inf on any rank has a non-finite summed scale
+                bad = nonfinite(scale_sums)  # a row with NaN or Inf on any rank has a non-finite summed scale
                 self.guard.report(bad)
-                scales.div_(self.world_size)
+                scale_sums.div_(self.world_size)
                 for kind, group_members, scale in batches:
                     t = len(group_members)
-                    votes = signs[start : start + t * kind.numel].view(t, kind.numel)
-                    summed = scales[at : at + scale.numel()].view(t, kind.units)
+                    votes = sent[start : start + t * kind.numel].view(t, kind.numel)
+                    summed = scale_sums[at : at + scale.numel()].view(t, kind.units)
                     values = torch.sign(votes.to(torch.float32)).mul_(_per_element(summed, kind)).to(kind.dtype)
                     torch._foreach_copy_([m.tensor for m in group_members], list(values.view(t, *kind.shape)))
                     start += t * kind.numel

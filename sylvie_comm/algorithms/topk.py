@@ -9,9 +9,9 @@ from typing import Any, ClassVar
 import torch
 
 from sylvie_comm.algorithms.base import Future, Group, Member, then
-from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
+from sylvie_comm.algorithms.feedback import FeedbackAlgorithm, kinds_of
 from sylvie_comm.algorithms.guard import nonfinite, poison
-from sylvie_comm.codecs.topk import TopKCodec, topk_count
+from sylvie_comm.codecs.topk import MAX_INDEX, TopKCodec, topk_count
 from sylvie_comm.collectives import Meter, Transport
 
 
@@ -84,42 +84,39 @@ class TopKAlgorithm(FeedbackAlgorithm):
     def _build(self, group: Group) -> list[_Kind]:
         """The group's compressed tensors sorted into kinds (ratio, shape, dtype), in order of first appearance:
         each kind selected, sent and decoded as one batch."""
-        kinds: dict[tuple[Any, ...], _Kind] = {}
-        for i, m in enumerate(group.compressed):
-            ratio = self._codec_of(m).ratio
-            key = (ratio, m.tensor.shape, m.tensor.dtype)
-            kind = kinds.get(key)
-            if kind is None:
-                n = m.tensor.numel()
-                if n > 2**31 - 1:
-                    raise ValueError(f"topk: tensors of more than {2**31 - 1} elements need int64 indices, got {n} "
-                                     f"({m.name})")  # fmt: skip
-                kind = kinds[key] = _Kind(m.tensor.shape, m.tensor.dtype, n, topk_count(n, ratio))
-            kind.members.append(i)
-        return list(kinds.values())
+
+        def make(m: Member) -> _Kind:
+            n = m.tensor.numel()
+            if n > MAX_INDEX:
+                raise ValueError(f"topk: tensors of more than {MAX_INDEX} elements need int64 indices, got {n} "
+                                 f"({m.name})")  # fmt: skip
+            return _Kind(m.tensor.shape, m.tensor.dtype, n, topk_count(n, self._codec_of(m).ratio))
+
+        def key(m: Member) -> tuple[Any, ...]:
+            return self._codec_of(m).ratio, m.tensor.shape, m.tensor.dtype
+
+        return kinds_of(group.compressed, key, make)
 
     def _step(self, group: Group, layout: list[_Kind], step: int, meter: Meter) -> Future[None]:
         members = group.compressed
         k = sum(kind.k * len(kind.members) for kind in layout)
         device = group.device
+        values: list[torch.Tensor] = []
+        indices: list[torch.Tensor] = []
+
+        def select(kind: _Kind, batch: torch.Tensor) -> torch.Tensor:
+            """TopKCodec's selection over a kind's compensated tensors as one batch (NaN counts as the largest
+            magnitude); returns its decode."""
+            _, idx = torch.topk(batch.abs(), kind.k, dim=1, sorted=False)
+            vals = batch.gather(1, idx)
+            values.append(vals.view(-1).view(torch.int32))
+            indices.append(idx.view(-1).to(torch.int32))
+            return torch.zeros_like(batch).scatter_add_(1, idx, vals)
 
         def encode() -> torch.Tensor:
-            """Per kind, TopKCodec's selection over the compensated tensors as one batch (NaN counts as the largest
-            magnitude), then the residual update (``ErrorFeedback.encode``): the codec's bits tensor by tensor.
-            Every kind's values (fp32 bits as int32), then every kind's indices."""
-            befores = self._guard_residuals(self.feedback, [(m.name, m.tensor) for m in members])
-            values, indices = [], []
-            for kind in layout:
-                comps = [self.feedback.compensate_(members[i].name, members[i].tensor) for i in kind.members]
-                batch = torch.stack([c.view(-1) for c in comps])  # (T, numel) fp32
-                _, idx = torch.topk(batch.abs(), kind.k, dim=1, sorted=False)
-                vals = batch.gather(1, idx)
-                batch.sub_(torch.zeros_like(batch).scatter_add_(1, idx, vals))  # comp - decode(sent)
-                torch._foreach_copy_([c.view(-1) for c in comps], list(batch.unbind(0)))
-                values.append(vals.view(-1).view(torch.int32))
-                indices.append(idx.view(-1).to(torch.int32))
-            for m, before in zip(members, befores, strict=True):
-                self._guard_created(self.feedback, m.name, before)
+            """Per kind the batch's selection, with error feedback: the codec's bits tensor by tensor. Every kind's
+            values (fp32 bits as int32), then every kind's indices."""
+            self._feedback_batches(members, layout, select)
             if not values:
                 return torch.zeros(0, dtype=torch.int32, device=device)
             return torch.cat(values + indices)

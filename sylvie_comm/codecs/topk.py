@@ -9,7 +9,7 @@ import torch
 
 from sylvie_comm.codecs.base import Codec, Encoded, finish, meta_of
 
-_MAX_INDEX = 2**31 - 1
+MAX_INDEX = 2**31 - 1  # int32 indices on the wire
 
 
 def topk_count(numel: int, ratio: float) -> int:
@@ -42,8 +42,8 @@ class TopKCodec(Codec):
 
     def _encode(self, tensor: torch.Tensor) -> Encoded:
         flat = tensor.reshape(-1)
-        if flat.numel() > _MAX_INDEX:
-            raise ValueError(f"topk: tensors of more than {_MAX_INDEX} elements need int64 indices, got {flat.numel()}")
+        if flat.numel() > MAX_INDEX:
+            raise ValueError(f"topk: tensors of more than {MAX_INDEX} elements need int64 indices, got {flat.numel()}")
         k = topk_count(flat.numel(), self.ratio)
         # torch.topk orders NaN above every number, so NaN entries are selected first.
         _, idx = torch.topk(flat.abs(), k, sorted=False)

@@ -206,6 +206,10 @@ class HaloPipeline:
             rows = self._run(self.exchanger.features_job(inner.detach(), str(layer), out=out))
             self._observed[0] += 1
             return rows
+        return self._queued_features(layer, inner, out)
+
+    def _queued_features(self, layer: int, inner: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The exchange launched on the communication thread and queued; the rows of epoch max(t - S, last sync)."""
         name = f"f{layer}"
         mine = self._launch(name, self.exchanger.features_job(inner.detach(), str(layer)))
         if mine.sync:
@@ -228,6 +232,10 @@ class HaloPipeline:
             rows = self._run(self.exchanger.gradients_job(grad_halo.detach(), str(layer)))
             self._observed[0] += 1
             return rows
+        return self._queued_gradients(layer, grad_halo)
+
+    def _queued_gradients(self, layer: int, grad_halo: torch.Tensor) -> torch.Tensor | None:
+        """The exchange launched on the communication thread and queued; epoch t - S's rows, once."""
         name = f"g{layer}"
         mine = self._launch(name, self.exchanger.gradients_job(grad_halo.detach(), str(layer)))
         if mine.sync:

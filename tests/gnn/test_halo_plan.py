@@ -62,43 +62,17 @@ class ReferenceExchanger(HaloExchanger):
 
 
 class ReferencePipeline(HaloPipeline):
-    """Every exchange on the communication thread, staleness 0 included."""
+    """Every exchange on the communication thread and queued, staleness 0 included (the path before the inline one)."""
 
     def features(self, layer: int, inner: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self._evaluating:
             job = self.exchanger.features_job(inner.detach(), str(layer), feedback=False)
             fresh: torch.Tensor = self._wait(self._submit(job))
             return fresh
-        name = f"f{layer}"
-        mine = self._launch(name, self.exchanger.features_job(inner.detach(), str(layer)))
-        if mine.sync:
-            target = mine
-        else:
-            want = max(self.epoch - self.staleness, self.last_sync)
-            queue = self._queues[name]
-            while queue[0].epoch < want:
-                self._wait(queue.popleft().future)
-            target = queue[0]
-        self._observed[self.epoch - target.epoch] += 1
-        rows: torch.Tensor = self._wait(target.future)
-        self._trim(name, keep_from=max(self.epoch - self.staleness, self.last_sync))
-        return rows
+        return self._queued_features(layer, inner)
 
     def gradients(self, layer: int, grad_halo: torch.Tensor) -> torch.Tensor | None:
-        name = f"g{layer}"
-        mine = self._launch(name, self.exchanger.gradients_job(grad_halo.detach(), str(layer)))
-        if mine.sync:
-            self._queues[name].pop()
-            return self._applied(mine)
-        queue = self._queues[name]
-        want = self.epoch - self.staleness
-        while queue and queue[0].epoch < want:
-            self._wait(queue.popleft().future)
-        if queue and queue[0].epoch == want and not queue[0].applied:
-            entry = queue.popleft()
-            entry.applied = True
-            return self._applied(entry)
-        return None
+        return self._queued_gradients(layer, grad_halo)
 
 
 class _ReferenceFn(torch.autograd.Function):
