@@ -20,7 +20,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
-from sylvie_comm.algorithms.guard import StepGuard, nonfinite
+from sylvie_comm.algorithms.guard import StepGuard
 from sylvie_comm.collectives import Meter, SerialExecutor, Transport, fusion
 
 Future = torch.futures.Future
@@ -402,7 +402,7 @@ class Algorithm:
         flat = torch.cat([t.reshape(-1).float() for t in raw]).div_(self.world_size)
 
         def unpack(_: Future[Any]) -> None:
-            self.guard.report(nonfinite(flat))
+            self.guard.check(flat)
             fusion.unpack(flat, raw)
 
         return then(self._all_reduce(flat, meter), unpack)

@@ -21,7 +21,12 @@ How:
   first), low-rank factors, the fp32 raw values, the cast values. After the
   collective each rank tests the received small tensors, identical on every
   rank, and :meth:`StepGuard.report` ors the group's flag (a bool tensor on
-  the data's device) into the step's.
+  the data's device) into the step's. Where a group's verdict is only
+  counted, nothing poisoned by it (the plain and cast averages, the raw
+  members), :meth:`StepGuard.check` keeps a witness instead (one ``aminmax``
+  of what was received), tested at settle; a step that nothing restores is
+  counted later still, its witnesses tested with those of up to 63 other such
+  steps in a few ops.
 * **The state update is masked.** Before an algorithm changes a state tensor in
   a step it :meth:`~StepGuard.save` s a copy (into a buffer kept for the next
   step). When the next step begins, or the state is read, :meth:`~StepGuard.settle`
@@ -51,6 +56,7 @@ Future = torch.futures.Future
 
 
 _SMALL = 1 << 16  # elements: up to here a boolean copy is cheaper than aminmax's two extra small ops
+_FOLD = 64  # steps whose verdict only the skipped count reads, tested together (see StepGuard.settle)
 
 
 def nonfinite(*tensors: torch.Tensor | None) -> torch.Tensor | None:
@@ -70,6 +76,19 @@ def nonfinite(*tensors: torch.Tensor | None) -> torch.Tensor | None:
             bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
         flag = bad if flag is None else flag | bad
     return flag
+
+
+def _witnessed(steps: Sequence[dict[torch.dtype, list[torch.Tensor]]]) -> torch.Tensor:
+    """Per step of ``steps`` (each with the same number of :meth:`StepGuard.check` witnesses of each dtype), a bool:
+    whether one of its witnesses is not finite (0-dim for one step). A few ops for all the steps: each dtype's
+    witnesses stacked step by row, ``w - w`` (0, or NaN where ``w`` is not finite), summed per row."""
+    bad: torch.Tensor | None = None
+    for dtype in steps[0]:
+        w = torch.stack([v for step in steps for v in step[dtype]]).view(len(steps), -1)
+        seen = w.sub(w).sum(dim=1).isnan()
+        bad = seen if bad is None else bad | seen
+    assert bad is not None
+    return bad.view(()) if len(steps) == 1 else bad
 
 
 def poison(tensors: Iterable[torch.Tensor], bad: torch.Tensor | None) -> None:
@@ -112,12 +131,14 @@ class StepGuard:
         self._actions: list[Callable[[torch.Tensor], None]] = []
         self._settled: list[Callable[[torch.Tensor | None], None]] = []
         self._bad: torch.Tensor | None = None
+        self._witnesses: dict[torch.dtype, list[torch.Tensor]] = {}  # :meth:`check`'s, by dtype, tested at settle
         self._device: torch.device | None = None
         self._begun = 0  # groups of this step
         self._done = 0  # ... that completed (counted by :meth:`finish`)
         self._tracked: list[Future[Any]] = []  # ... whose futures say, at settle, whether they completed
         self._buffers: dict[Hashable, torch.Tensor] = {}  # copies, reused step after step
         self._skipped: torch.Tensor | None = None  # device count of skipped steps
+        self._pending: list[dict[torch.dtype, list[torch.Tensor]]] = []  # steps' witnesses, counted at a fold
 
     # ------------------------------------------------------------------ during a step
 
@@ -210,29 +231,71 @@ class StepGuard:
             self._bad = bad.reshape(()).clone() if self._bad is None else self._bad | bad.reshape(())
             self._device = bad.device
 
+    def check(self, tensor: torch.Tensor) -> None:
+        """:meth:`report` whether ``tensor`` (what every rank received) holds a NaN or an Inf, tested at settle.
+
+        One op now, ``aminmax`` (its smallest and largest values are both finite only when every value is;
+        a NaN propagates into both), kept as the witness; one test of every witness of the step at settle. For a
+        group that only counts its flag (nothing is poisoned by it), where :func:`nonfinite` costs a flag of its
+        own per group."""
+        if tensor.numel() == 0:
+            return
+        lo, hi = torch.aminmax(tensor)
+        with self._lock:
+            self._witnesses.setdefault(tensor.dtype, []).extend((lo, hi))
+            self._device = tensor.device
+
     # ------------------------------------------------------------------ between steps
 
     def settle(self) -> None:
-        """Decide the last step: put its saved state back if its flag is set (or a group failed); count it."""
+        """Decide the last step: put its saved state back if its flag is set (or a group failed); count it.
+
+        A step whose only verdict is :meth:`check`'s witnesses, and which nothing restores or reads (no saved
+        state, no action), is counted later: its witnesses wait with up to ``_FOLD`` such steps and are tested
+        together, a few ops for all of them instead of a few per step."""
         with self._lock:
             saved, actions, bad, device = self._saved, self._actions, self._bad, self._device
-            settled, tracked, finished = self._settled, self._tracked, self._done
+            settled, tracked, finished, witnesses = self._settled, self._tracked, self._done, self._witnesses
             self._saved, self._actions, self._keys, self._bad, self._settled = [], [], set(), None, []
-            self._tracked = []
+            self._tracked, self._witnesses = [], {}
             begun = self._begun
             self._begun = self._done = 0
             self._step = None
         failed = finished + sum(_succeeded(f) for f in tracked) < begun
         if device is not None and failed:  # a collective failed mid-step: whatever it changed goes back
             bad = torch.ones((), dtype=torch.bool, device=device)
+        elif witnesses:
+            if bad is None and not saved and not actions and not settled:
+                with self._lock:
+                    self._pending.append(witnesses)
+                    full = len(self._pending) >= _FOLD
+                if full:
+                    self._fold()
+                return
+            seen = _witnessed([witnesses])
+            bad = seen if bad is None else bad | seen
         if device is not None and bad is not None:
-            kernels.copy_if_many(saved, bad)
+            if saved:
+                kernels.copy_if_many(saved, bad)
             for action in actions:
                 action(bad)
-            count = bad.to(torch.int64)
-            self._skipped = count if self._skipped is None else self._skipped + count
+            self._count(bad.to(torch.int64))
         for done in settled:
             done(bad if device is not None else None)
+
+    def _fold(self) -> None:
+        """Count the skipped steps among those waiting (:meth:`settle`): steps of the same groups at once."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        shapes: dict[tuple[tuple[torch.dtype, int], ...], list[dict[torch.dtype, list[torch.Tensor]]]] = {}
+        for witnesses in pending:
+            shapes.setdefault(tuple((d, len(v)) for d, v in witnesses.items()), []).append(witnesses)
+        for steps in shapes.values():
+            self._count(_witnessed(steps).sum())
+
+    def _count(self, skipped: torch.Tensor) -> None:
+        with self._lock:
+            self._skipped = skipped if self._skipped is None else self._skipped + skipped
 
     def settle_before(self, step: int) -> None:
         """Settle the last step unless it is ``step`` itself: a later group of a step already begun must not
@@ -245,6 +308,7 @@ class StepGuard:
     def skipped(self) -> int:
         """Steps skipped so far (settles the last one; reads the count on the host: not for the hot path)."""
         self.settle()
+        self._fold()
         return 0 if self._skipped is None else int(self._skipped.item())
 
     def memory_bytes(self) -> int:

@@ -7,7 +7,6 @@ from typing import Any
 import torch
 
 from sylvie_comm.algorithms.base import Algorithm, Future, Group, ShardLayout, then
-from sylvie_comm.algorithms.guard import nonfinite
 from sylvie_comm.collectives import Meter, fusion
 
 
@@ -21,13 +20,13 @@ def plain_all_reduce(algorithm: Algorithm, group: Group, meter: Meter) -> Future
     if group.flat is not None:
         buf = group.flat
         buf.div_(w)
-        return then(algorithm._all_reduce(buf, meter), lambda _: algorithm.guard.report(nonfinite(buf)))
+        return then(algorithm._all_reduce(buf, meter), lambda _: algorithm.guard.check(buf))
     tensors = [m.tensor for m in group.members]
     packed = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0, device=group.device)
     packed.div_(w)
 
     def unpack(_: Future[Any]) -> None:
-        algorithm.guard.report(nonfinite(packed))
+        algorithm.guard.check(packed)
         fusion.unpack(packed, tensors)
 
     return then(algorithm._all_reduce(packed, meter), unpack)

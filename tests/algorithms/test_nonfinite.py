@@ -24,6 +24,7 @@ from sylvie_comm.algorithms.guard import StepGuard, nonfinite, poison
 from sylvie_comm.collectives.local import run_local
 from sylvie_comm.config import Config
 
+NAN, INF = float("nan"), float("inf")
 SHAPES = {"a.weight": (12, 10), "a.bias": (12,), "b.weight": (6, 12), "b.bias": (6,)}
 # Two groups per step (as DDP's buckets): a NaN in one must restore the state of both.
 GROUPS = [["b.weight", "b.bias"], ["a.weight", "a.bias"]]
@@ -430,3 +431,65 @@ def test_guard_saves_a_groups_states_at_once_as_one_by_one() -> None:
         else:
             assert torch.equal(a, torch.arange(4.0) + 1) and torch.equal(b, torch.arange(6.0).view(2, 3) * 3)
         assert guard.skipped() == int(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_guard_check_decides_as_nonfinite_does(dtype: torch.dtype) -> None:
+    """A checked tensor's verdict (a witness now, the test at settle) is :func:`nonfinite`'s, for every kind of
+    value, where the state is restored by it and where only the count reads it."""
+    clean = torch.linspace(-3e4, 3e4, 301).to(dtype)
+    cases = [clean] + [clean.clone().index_fill_(0, torch.tensor([at]), v) for v in (NAN, INF, -INF) for at in (0, 300)]
+    cases.append(torch.full((5,), torch.finfo(dtype).max, dtype=dtype))  # finite at the limit: no overflow in the test
+    for restores in (True, False):
+        guard, taken = StepGuard(), 0
+        state = torch.arange(3.0)
+        for step, t in enumerate(cases):
+            guard.begin(step)
+            if restores:
+                guard.save("s", state)
+                state.add_(1.0)
+            guard.check(torch.zeros(0, dtype=dtype))  # empty: no verdict
+            guard.check(t)
+            guard.finish()
+            taken += not bool(nonfinite(t))
+            if restores:
+                guard.settle()
+                assert torch.equal(state, torch.arange(3.0) + taken), step
+        assert guard.skipped() == sum(bool(nonfinite(t)) for t in cases) == 6, restores
+
+
+def test_guard_counts_checked_steps_across_folds_with_changing_groups() -> None:
+    """Steps only counted are tested together, up to ``_FOLD`` at a time, grouped by their witnesses' layout (a
+    bucket more, another dtype); the count is exact however the steps fall into folds, read at any time."""
+    from sylvie_comm.algorithms.guard import _FOLD
+
+    gen = torch.Generator().manual_seed(3)
+    guard, expected = StepGuard(), 0
+    for step in range(2 * _FOLD + 7):
+        groups = 1 + step % 3
+        bad_group = int(torch.randint(0, 2 * groups, (), generator=gen))  # about half the steps clean
+        for g in range(groups):
+            t = torch.randn(4 + g, generator=gen).to(torch.float16 if g == 2 else torch.float32)
+            if g == bad_group:
+                t[1] = NAN if step % 2 else INF
+            guard.begin(step)
+            guard.check(t)
+            guard.finish()
+        expected += bad_group < groups
+        if step in (5, _FOLD + 1):  # a read mid-way folds what waits, and the count goes on from there
+            guard.settle()
+            assert guard.skipped() == expected
+    guard.settle()
+    assert len(guard._pending) < _FOLD  # what waits is bounded: folded as it reaches _FOLD steps
+    assert guard.skipped() == expected > 0
+
+
+def test_guard_check_reads_nothing_on_the_host() -> None:
+    guard = StepGuard()
+    for step in range(3):
+        guard.begin(step)
+        guard.check(torch.empty(10, device="meta"))
+        guard.finish()
+    guard.settle()
+    guard._fold()
+    assert guard._skipped is not None and guard._skipped.device.type == "meta"
