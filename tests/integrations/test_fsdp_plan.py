@@ -9,6 +9,7 @@ the comm itself (it copies the gradients out), so the tests call each unit's com
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -236,12 +237,17 @@ def _calls_per_step(units: int, codec: str, monkeypatch: pytest.MonkeyPatch, ste
                 if event in ("call", "c_call"):
                     calls[0] += 1
 
+            # Garbage of earlier tests collected mid-step (an executor's finalizer) would count calls that are
+            # not the step's: collected before, and no collection while counting.
+            gc.collect()
+            gc.disable()
             sys.setprofile(count)
             try:
                 for unit, inp in zip(reversed(state.units), reversed(inputs[step]), strict=True):
                     _call(unit, inp)
             finally:
                 sys.setprofile(None)
+                gc.enable()
             counts.append(calls[0])
     finally:
         state.close()
