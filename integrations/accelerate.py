@@ -56,6 +56,7 @@ from sylvie_comm.algorithms.monitor import metrics
 from sylvie_comm.config import Config
 from sylvie_comm.integrations.ddp import HookState
 from sylvie_comm.integrations.ddp import register as ddp_register
+from sylvie_comm.optim.diloco import DiLoCo, ReplicaState
 
 WHAT = "sylvie_comm.accelerate"
 FORMAT = "sylvie_comm.per_rank/1"  # every rank's state, by rank, in one object
@@ -387,6 +388,61 @@ def register(
         state.close()
         raise
     return state
+
+
+def diloco(
+    accelerator: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    sync_every: int,
+    codec: str | None = None,
+    config: Config | None = None,
+    timeout: float | timedelta | None = None,
+    **kwargs: Any,
+) -> DiLoCo:
+    """DiLoCo across the accelerator's processes (:class:`~sylvie_comm.optim.diloco.DiLoCo`), every rank's replica
+    (DiLoCo's state, its model and its optimizer) saved in ``accelerator.save_state`` and each rank's own loaded
+    back by ``load_state`` (a collective call: every process makes it).
+
+    The replicas train apart between outer steps, so the model and its optimizer stay out of ``prepare`` (DDP would
+    average every step, and Accelerate saves the main process's model and optimizer only); prepare the data loader
+    (each process its own batches) and move the model to ``accelerator.device`` yourself.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` of the run.
+        model: the plain model (not ``prepare``'s).
+        optimizer: its optimizer, as built (not ``prepare``'s).
+        sync_every, codec, config, timeout, **kwargs: as :class:`~sylvie_comm.optim.diloco.DiLoCo` takes them
+            (``fragments``, ``delay``, ``alpha``, ``outer_optimizer``, the codec's options).
+
+    Example::
+
+        loader = accelerator.prepare(loader)
+        model.to(accelerator.device)
+        run = sylvie_comm.accelerate.diloco(accelerator, model, opt, sync_every=16, codec="qsgd", bits=2)
+    """
+    what = f"{WHAT}.diloco"
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            f"{what}: model is the DistributedDataParallel prepare() returns, which averages the gradients every "
+            "step; DiLoCo's replicas train apart: pass the model without prepare() (prepare the data loader only)"
+        )
+    wrapped = getattr(optimizer, "optimizer", None)  # prepare()'s AcceleratedOptimizer wraps the one built
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(wrapped, torch.optim.Optimizer):
+        raise TypeError(
+            f"{what}: expected the torch optimizer as built, got {type(optimizer).__name__}: leave it out of "
+            "prepare() (Accelerate saves and loads the main process's optimizer state, and each replica has its own)"
+        )
+    config_ = getattr(accelerator, "project_configuration", None)
+    everywhere = bool(getattr(config_, "save_on_each_node", False))
+    run = DiLoCo(model, optimizer, sync_every=sync_every, codec=codec, config=config, timeout=timeout, **kwargs)
+    try:
+        checkpoint_with(accelerator, PerRankState(ReplicaState(run), everywhere=everywhere))
+    except BaseException:
+        run.close()
+        raise
+    return run
 
 
 def log(accelerator: Any, state: Any, step: int | None = None) -> dict[str, float]:

@@ -41,11 +41,12 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus  # noqa: E
 from lightning.pytorch.utilities import rank_zero_warn  # noqa: E402
 
 from sylvie_comm.algorithms.monitor import metrics  # noqa: E402
-from sylvie_comm.algorithms.session import merge_config  # noqa: E402
+from sylvie_comm.algorithms.session import Session, merge_config  # noqa: E402
 from sylvie_comm.collectives.local import LocalGroup  # noqa: E402
 from sylvie_comm.config import Config  # noqa: E402
 from sylvie_comm.integrations import ddp, fsdp  # noqa: E402
 from sylvie_comm.integrations.accelerate import gather_states, own_state  # noqa: E402
+from sylvie_comm.optim.diloco import DiLoCo, ReplicaState, check_schedule, diloco_config  # noqa: E402
 
 WHAT = "sylvie_comm.lightning"
 KEY = "sylvie_comm"  # the checkpoint's entry: every rank's compression state
@@ -291,6 +292,96 @@ class CompressedModelParallelStrategy(_CompressionCheckpoint, ModelParallelStrat
             self._sylvie_attach(state, trainer)
 
 
+def _check_codec(config: Config) -> None:
+    """The codec's name and options, checked on one in-process rank (no collective)."""
+    Session("check", config, cast(Any, LocalGroup(1).transport(0))).close(transport=False)
+
+
+class DiLoCoStrategy(_CompressionCheckpoint, DDPStrategy):
+    """Lightning's processes as DiLoCo's replicas (:mod:`sylvie_comm.diloco`): no gradient average per step;
+    every ``sync_every`` optimizer steps the replicas average the pseudo-gradient with ``codec`` and an outer
+    optimizer applies it. Every rank's DiLoCo state, model and optimizer state go in Lightning's checkpoints (the
+    replicas differ), and each rank resumes its own, bit for bit.
+
+    Args:
+        sync_every: optimizer steps between two outer steps of a fragment.
+        codec: the algorithm on the outer step (default ``none``, fp32); ``options``: its options (``bits``, ...)
+            and ``warmup_steps``, ``seed``; ``config``: a :class:`~sylvie_comm.config.Config` instead.
+        fragments, delay, alpha: Streaming DiLoCo (see :class:`~sylvie_comm.optim.diloco.DiLoCo`).
+        outer_optimizer: ``callable(parameters) -> torch.optim.Optimizer`` (default Nesterov SGD, lr 0.7,
+            momentum 0.9).
+        diloco_timeout: seconds an outer step's collective may wait for the other replicas (default 600 s).
+        **kwargs: ``DDPStrategy``'s (``start_method``, ``process_group_backend``, ``timeout``); DDP's own are not
+            taken (the model is not wrapped in DDP).
+
+    One optimizer (``configure_optimizers``); the schedule, codec and options are checked here, before Lightning
+    starts the other processes. :attr:`compression_state` holds the run (``stats()``: bytes next to plain DDP's).
+
+    Example::
+
+        strategy = DiLoCoStrategy(16, "qsgd", options={"bits": 2})
+        L.Trainer(accelerator="cpu", devices=2, strategy=strategy).fit(model)
+    """
+
+    def __init__(
+        self,
+        sync_every: int,
+        codec: str | None = None,
+        *,
+        options: Mapping[str, Any] | None = None,
+        config: Config | None = None,
+        fragments: int = 1,
+        delay: int = 0,
+        alpha: float = 0.0,
+        outer_optimizer: Callable[[Any], Any] | None = None,
+        diloco_timeout: float | timedelta | None = None,
+        **kwargs: Any,
+    ) -> None:
+        what = f"{WHAT}.DiLoCoStrategy"
+        ddp_only = [k for k in (*_REFUSED, "find_unused_parameters", "bucket_cap_mb", "static_graph") if k in kwargs]
+        if ddp_only:
+            raise ValueError(f"{what}: {ddp_only[0]} is not taken: the replicas are not wrapped in DDP")
+        check_schedule(what, sync_every, fragments, delay, alpha)
+        if outer_optimizer is not None and not callable(outer_optimizer):
+            raise TypeError(f"{what}: outer_optimizer must be a callable(parameters) -> optimizer, got "
+                            f"{type(outer_optimizer).__name__}")  # fmt: skip
+        if options is not None and not isinstance(options, Mapping):
+            raise TypeError(f"{what}: options must be a mapping of the codec's options, got {type(options).__name__}")
+        cfg = diloco_config(what, codec, config, options or {})
+        self._sylvie_config = _config(what, None, cfg, {}, "none", _check_codec)
+        self._diloco: dict[str, Any] = {"sync_every": sync_every, "fragments": fragments, "delay": delay,
+                                        "alpha": alpha}  # fmt: skip
+        self._outer = outer_optimizer
+        self._sylvie_timeout = diloco_timeout
+        self._sylvie_init()
+        super().__init__(**kwargs)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._sylvie_trainer = trainer
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if len(self.optimizers) != 1:
+            raise ValueError(f"{WHAT}.DiLoCoStrategy: one optimizer is stepped by DiLoCo, the module configured "
+                             f"{len(self.optimizers)}")  # fmt: skip
+        module, opt = self.lightning_module, self.optimizers[0]
+        assert module is not None
+        outer = self._outer(module.parameters()) if self._outer is not None else None
+        diloco = DiLoCo(module, opt, outer_optimizer=outer, config=self._sylvie_config, timeout=self._sylvie_timeout,
+                        **self._diloco)  # fmt: skip
+        self._sylvie_attach(ReplicaState(diloco), trainer)
+
+    def configure_ddp(self) -> None:
+        """The replicas train apart between outer steps: the model is not wrapped in DDP."""
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        super().load_optimizer_state_dict(checkpoint)  # rank 0's, from Lightning's own entry
+        run = self._sylvie_state
+        if isinstance(run, ReplicaState) and run.optimizer_state is not None:
+            run.diloco.inner_optimizer.load_state_dict(run.optimizer_state)  # this rank's again
+            run.optimizer_state = None
+
+
 class CommHookCheck(pl.Callback):
     """Fail at the start of ``fit`` where a ``DDPStrategy(ddp_comm_hook=...)`` hook was not registered.
 
@@ -344,4 +435,7 @@ class CompressionLog(pl.Callback):
         pl_module.log_dict(metrics(state.stats()), rank_zero_only=True)
 
 
-__all__ = ["KEY", "CommHookCheck", "CompressedDDPStrategy", "CompressedModelParallelStrategy", "CompressionLog"]
+__all__ = [
+    "KEY", "CommHookCheck", "CompressedDDPStrategy", "CompressedModelParallelStrategy", "CompressionLog",
+    "DiLoCoStrategy",
+]  # fmt: skip

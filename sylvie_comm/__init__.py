@@ -22,15 +22,16 @@ __all__ = [
     "__version__",
     "available_codecs",
     "ddp",
+    "diloco",
     "fsdp",
     "get_codec",
 ]
 
 
 def __getattr__(name: str) -> object:
-    # sylvie_comm.ddp and .fsdp import torch.distributed machinery, .lightning and .accelerate their framework:
+    # sylvie_comm.ddp, .diloco and .fsdp import torch.distributed machinery, .lightning and .accelerate their framework:
     # load them on first use only (the last two need their extra installed).
-    if name in ("ddp", "fsdp", "lightning", "accelerate"):
+    if name in ("ddp", "diloco", "fsdp", "lightning", "accelerate"):
         import importlib
 
         return importlib.import_module(f"sylvie_comm.{name}")

@@ -1,5 +1,6 @@
 """``sylvie_comm.lightning``: Lightning strategies with compressed gradients on every device, their state in
-Lightning's checkpoints for every rank (see :mod:`sylvie_comm.integrations.lightning`)."""
+Lightning's checkpoints for every rank, and DiLoCo across the processes (see
+:mod:`sylvie_comm.integrations.lightning`)."""
 
 from sylvie_comm.integrations.lightning import (
     KEY,
@@ -7,6 +8,14 @@ from sylvie_comm.integrations.lightning import (
     CompressedDDPStrategy,
     CompressedModelParallelStrategy,
     CompressionLog,
+    DiLoCoStrategy,
 )
 
-__all__ = ["KEY", "CommHookCheck", "CompressedDDPStrategy", "CompressedModelParallelStrategy", "CompressionLog"]
+__all__ = [
+    "KEY",
+    "CommHookCheck",
+    "CompressedDDPStrategy",
+    "CompressedModelParallelStrategy",
+    "CompressionLog",
+    "DiLoCoStrategy",
+]

@@ -99,6 +99,20 @@ def test_fsdp_example_runs_under_torchrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
+def test_diloco_example_runs_under_torchrun(tmp_path: Path) -> None:
+    out = tmp_path / "diloco.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "examples" / "diloco_train.py"), "--sync-every", "8", "--steps", "32",
+           "--json-out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert (result["codec"], result["steps"], result["world_size"], result["outer_steps"]) == ("qsgd", 32, 2, 4)
+    assert result["bytes_sent"] > 0 and result["reduction_vs_ddp"] > 8
+    assert proc.stdout.startswith("DiLoCo[qsgd], H=8: accuracy ")
+
+
+@pytest.mark.multiprocess
 def test_gnn_example_runs_in_one_process(tmp_path: Path) -> None:
     out = tmp_path / "gnn.json"
     cmd = [sys.executable, str(ROOT / "examples" / "gnn_full_graph.py"), "--nodes", "400", "--epochs", "2",

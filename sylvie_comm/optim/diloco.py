@@ -1,0 +1,577 @@
+"""Low-communication training: DiLoCo and Streaming DiLoCo, the outer step averaged by any of the project's algorithms.
+
+Each replica takes ``sync_every`` inner optimizer steps alone; then the replicas average the pseudo-gradient (the
+parameters' change since the last global point, ``outer - current``) and an outer optimizer (Nesterov SGD, lr 0.7,
+momentum 0.9 unless given) applies it to the global parameters, which every replica then continues from. The
+average goes through a :class:`~sylvie_comm.algorithms.session.Session`, so any of the project's algorithms can
+carry it (``codec="qsgd", bits=2``; ``"topk"``; ``"acpsgd"``), with its error feedback carried from one outer step
+to the next (per parameter name), the configuration agreed across ranks, the bytes counted, exact resume.
+
+**Streaming** (``fragments=F``): the parameters are cut into ``F`` fragments (in order, about equal in size), synced
+in turn, one every ``sync_every // F`` inner steps, so each is synced every ``sync_every`` steps and the wire
+carries a fragment at a time. With ``delay=tau`` a fragment's pseudo-gradient is taken and its average started
+``tau`` inner steps before it is applied, the inner steps running while it travels; ``alpha`` mixes the replica's
+own parameters back in when it is applied: ``(1 - alpha) * global + alpha * local`` (Streaming DiLoCo's
+definitions, torchft's ``fragment_sync_delay`` and ``fragment_update_alpha``).
+
+**Memory**: the global parameters (``outer``: one copy of the trainable parameters, of this rank's shard under
+FSDP2, in their dtype, on their device) and the outer optimizer's state (one more copy for SGD with momentum);
+the pseudo-gradient buffers (fp32, a model's worth over the fragments); the algorithm's state (error feedback:
+one fp32 residual per compressed parameter).
+
+**Non-finite**: a fragment whose averaged pseudo-gradient holds a NaN or an Inf (some replica diverged) is not
+applied on any rank: the replicas go back to the fragment's last global parameters, the outer optimizer's state
+and the algorithm's residuals stay as they were, and ``stats()["skipped_nonfinite"]`` counts it. That decision is
+one host read per outer step (every ``sync_every // F`` inner steps).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from sylvie_comm.algorithms import Group, Member
+from sylvie_comm.algorithms.guard import nonfinite
+from sylvie_comm.algorithms.session import Session, merge_config
+from sylvie_comm.collectives import ProcessGroupTransport, Transport, wire_bytes
+from sylvie_comm.config import Config
+
+Future = torch.futures.Future
+
+PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's values held by this rank: a DTensor's (FSDP2's) local shard, written in place through it;
+    any other tensor itself."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if callable(to_local) else p
+
+
+def _as_grad(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (this rank's part, fp32) as a gradient of ``p``: in its dtype, a DTensor laid out as ``p`` is."""
+    values = values.to(p.dtype)
+    if callable(getattr(p, "to_local", None)):
+        from torch.distributed.tensor import DTensor
+
+        assert isinstance(p, DTensor)
+        return DTensor.from_local(values, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())  # fmt: skip
+    return values
+
+
+def diloco_config(what: str, codec: str | None, config: Config | None, options: Mapping[str, Any]) -> Config:
+    """The outer step's configuration: ``config``, or ``codec`` (default ``none``) with ``options``; without a
+    config no fp32 warm-up (``warmup_steps=0``) and no compression monitor (its per-step figures and thresholds are
+    a gradient's), unless the options set them. ``auto`` (the codec, or the warm-up) is refused: both decide step
+    by step, and outer steps are few and far between."""
+    if config is None:
+        options = {"warmup_steps": 0, "monitor": {"period": 0}, **options}
+    cfg = merge_config(what, codec, config, options, default="none")
+    if cfg.codec == "auto":
+        raise ValueError(f"{what}: codec 'auto' measures the link step by step to choose a codec; name one for the "
+                         "outer step (none, fp16, qsgd, topk, acpsgd, ...)")  # fmt: skip
+    if cfg.warmup == "auto":
+        raise ValueError(f"{what}: warmup 'auto' watches each gradient settle step by step; use warmup_steps (the "
+                         "outer steps averaged in fp32 first)")  # fmt: skip
+    return cfg
+
+
+def check_schedule(what: str, sync_every: Any, fragments: Any, delay: Any, alpha: Any) -> int:
+    """The outer steps' schedule checked (a ValueError naming the value); returns the period, the inner steps
+    between two outer steps (of successive fragments): ``sync_every // fragments``."""
+    if not _is_int(sync_every) or sync_every < 1:
+        raise ValueError(f"{what}: sync_every must be an integer >= 1, got {sync_every!r}")
+    if not _is_int(fragments) or fragments < 1:
+        raise ValueError(f"{what}: fragments must be an integer >= 1, got {fragments!r}")
+    if sync_every % fragments:
+        raise ValueError(
+            f"{what}: sync_every ({sync_every}) must be a multiple of fragments ({fragments}): one fragment "
+            "syncs every sync_every // fragments inner steps"
+        )
+    period: int = sync_every // fragments
+    if not _is_int(delay) or not 0 <= delay < period:
+        raise ValueError(f"{what}: delay must be an integer in [0, sync_every // fragments = {period}), got {delay!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"{what}: alpha must be a number in [0, 1], got {alpha!r}")
+    return period
+
+
+class _Fragment:
+    """One fragment's parameters, global copy (of this rank's part), pseudo-gradient buffer and session."""
+
+    def __init__(self, index: int, named: list[tuple[str, nn.Parameter]]) -> None:
+        self.index = index
+        self.named = named
+        self.params: list[torch.Tensor] = [p for _, p in named]
+        local = self.local()
+        self.shapes = [t.shape for t in local]
+        self.numel = sum(t.numel() for t in local)
+        self.outer = [t.detach().clone() for t in local]
+        self.flat = torch.zeros(self.numel, dtype=torch.float32, device=local[0].device)
+        self.views: list[torch.Tensor] = []
+        at = 0
+        for t in local:
+            self.views.append(self.flat[at : at + t.numel()].view(t.shape))
+            at += t.numel()
+        self.session: Session | None = None
+        self.group: Group | None = None
+        self.pending: Future[Any] | None = None  # the average in flight (started, not applied)
+        self.syncs = 0  # outer steps of this fragment applied or skipped
+
+    def local(self) -> list[torch.Tensor]:
+        """This rank's part of each parameter (read afresh: FSDP2 may replace a shard's tensor object)."""
+        return [_local(p).detach() for p in self.params]
+
+
+def _split(named: list[tuple[str, nn.Parameter]], parts: int) -> list[list[tuple[str, nn.Parameter]]]:
+    """``named`` in order, cut into ``parts`` non-empty runs of about equal numel (``parts <= len(named)``)."""
+    total = sum(p.numel() for _, p in named)
+    out: list[list[tuple[str, nn.Parameter]]] = [[]]
+    seen = 0
+    for i, (name, p) in enumerate(named):
+        k, left = len(out) - 1, len(named) - i
+        # the next part opens once this one has its share, or when each later part needs one of those left
+        if out[k] and k < parts - 1 and (seen >= (k + 1) * total / parts or left <= parts - 1 - k):
+            out.append([])
+        out[-1].append((name, p))
+        seen += p.numel()
+    return out
+
+
+def _check_groups(what: str, transport: Transport, ddp_group: Any, params: list[torch.Tensor]) -> None:
+    """Refuse a DiLoCo group that shares ranks with the replica's own (DDP's group, FSDP2's mesh): the replica
+    group already averages every step, and DiLoCo belongs across groups."""
+    group = getattr(transport, "group", None)
+    if group is None or not isinstance(transport, ProcessGroupTransport):
+        return
+    import torch.distributed as dist
+
+    inner: set[int] = set()
+    if ddp_group is not None:
+        inner = set(dist.get_process_group_ranks(ddp_group))
+    mesh = getattr(params[0], "device_mesh", None)
+    if mesh is not None:
+        inner |= {int(r) for r in mesh.mesh.flatten().tolist()}
+    shared = inner & set(dist.get_process_group_ranks(group))
+    if len(shared) > 1:
+        raise ValueError(
+            f"{what}: its process group and the replica group (DDP's or FSDP2's) share ranks {sorted(shared)}; the "
+            "replica group averages every step already: pass DiLoCo the group across replica groups (this rank and "
+            "the ranks of the same position in the other groups)"
+        )
+
+
+class DiLoCo:
+    """DiLoCo around a replica's training loop: the inner optimizer's ``step()`` does the rest.
+
+    ::
+
+        with DiLoCo(model, opt, sync_every=16, codec="qsgd", bits=2) as diloco:
+            for x, y in data:
+                opt.zero_grad()
+                loss_fn(model(x), y).backward()
+                opt.step()  # every 16th step: the outer step, the pseudo-gradient averaged 2-bit
+        print(diloco.stats())
+
+    Building one is a collective call (the ranks agree on the configuration and start from rank 0's
+    parameters); so is every inner step that syncs a fragment.
+
+    Args:
+        model: the replica (plain, no DDP inside: the replicas train apart between outer steps).
+        inner_optimizer: the optimizer stepping ``model``'s parameters (its ``step()`` is hooked).
+        sync_every: inner steps between two outer steps of a fragment (``H``).
+        outer_optimizer: an optimizer over ``model``'s trainable parameters (default Nesterov SGD, lr 0.7,
+            momentum 0.9): its ``step()`` runs on the global parameters with the averaged pseudo-gradient as
+            their ``.grad``.
+        codec: the algorithm that averages the pseudo-gradient (default ``none``: fp32, DiLoCo as published).
+        fragments: Streaming DiLoCo's fragments (``sync_every`` must be a multiple of it).
+        delay: inner steps between taking a fragment's pseudo-gradient and applying its average (``0 <= delay <
+            sync_every // fragments``).
+        alpha: the share of the replica's own parameters kept when a fragment's update is applied (0: none).
+        transport: the ranks (a :class:`~sylvie_comm.collectives.Transport`; the in-process one in tests).
+        process_group: without ``transport``, the ranks across replica groups (default: the default group, on a
+            dedicated group of its ranks with ``timeout``, seconds, default 600 s); a group given is used as it is,
+            with its own timeout: create it for DiLoCo (``dist.new_group(ranks, timeout=...)``).
+        config: a :class:`~sylvie_comm.config.Config` instead of ``codec`` and keywords (``warmup_steps``
+            counts outer steps averaged in fp32 first; default 0).
+        **options: the codec's options (``bits``, ``ratio``, ``rank``, ...) and Config fields (``seed``).
+    """
+
+    what = "DiLoCo"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        sync_every: int,
+        outer_optimizer: torch.optim.Optimizer | None = None,
+        codec: str | None = None,
+        fragments: int = 1,
+        delay: int = 0,
+        alpha: float = 0.0,
+        transport: Transport | None = None,
+        process_group: Any = None,
+        timeout: float | timedelta | None = None,
+        config: Config | None = None,
+        **options: Any,
+    ) -> None:
+        what = self.what
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{what}: model must be a torch.nn.Module, got {type(model).__name__}")
+        inner_group = None
+        if isinstance(model, nn.parallel.DistributedDataParallel):  # DDP within a replica group, DiLoCo across
+            inner_group = model.process_group
+            model = model.module
+        if not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"{what}: inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}"
+            )
+        self.period = check_schedule(what, sync_every, fragments, delay, alpha)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(f"{what}: model has no trainable parameters")
+        if len(named) < fragments:
+            raise ValueError(f"{what}: fragments ({fragments}) exceeds the model's {len(named)} trainable parameters")
+        device = named[0][1].device
+        for n, p in named:
+            if p.dtype not in PARAM_DTYPES or p.is_complex():
+                raise TypeError(f"{what}: parameter '{n}' is {p.dtype}; expected float32, float16 or bfloat16")
+            if p.device != device:
+                raise ValueError(f"{what}: parameters on {device} and {p.device} ('{n}'); one device per replica")
+        inner_ids = {id(p) for g in inner_optimizer.param_groups for p in g["params"]}
+        missing = [n for n, p in named if id(p) not in inner_ids]
+        if missing:
+            raise ValueError(f"{what}: the inner optimizer does not step parameter '{missing[0]}' of the model")
+        if outer_optimizer is None:
+            outer_optimizer = torch.optim.SGD([p for _, p in named], lr=0.7, momentum=0.9, nesterov=True)
+        elif not isinstance(outer_optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"{what}: outer_optimizer must be a torch.optim.Optimizer over the model's parameters, got "
+                f"{type(outer_optimizer).__name__}"
+            )
+        outer_ids = {id(p) for g in outer_optimizer.param_groups for p in g["params"]}
+        if outer_ids != {id(p) for _, p in named}:
+            raise ValueError(
+                f"{what}: outer_optimizer must step exactly the model's trainable parameters "
+                f"({len(named)}), got {len(outer_ids)} parameters of which "
+                f"{len(outer_ids & {id(p) for _, p in named})} are the model's"
+            )
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.outer_optimizer = outer_optimizer
+        self.sync_every = sync_every
+        self.fragments_count = fragments
+        self.delay = delay
+        self.alpha = float(alpha)
+        self._owns_transport = transport is None
+        if transport is None:
+            # The default group: a dedicated group of its ranks. A group given (the ranks across replica groups, which
+            # differ from rank to rank and so cannot be created here by every rank alike) is used as it is.
+            transport = ProcessGroupTransport(process_group, dedicated=process_group is None, timeout=timeout)
+        self.transport = transport
+        try:
+            _check_groups(what, transport, inner_group, [p for _, p in named])
+        except BaseException:
+            if self._owns_transport:
+                transport.close()  # type: ignore[attr-defined]
+            raise
+        self.world_size = transport.world_size
+        self.rank = transport.rank
+        self._named = named
+        self.inner_step = 0  # inner steps taken (the outer steps' clock)
+        self._skipped = 0
+        self._carried: dict[str, float] = {}  # the counters of the run a checkpoint was written in
+        self._handle: Any = None
+        self._closed = False
+        cfg = diloco_config(what, codec, config, options)
+        self.fragments = [_Fragment(i, part) for i, part in enumerate(_split(named, fragments))]
+        try:
+            for frag in self.fragments:
+                frag.session = self._session(frag, cfg)
+            self._start_from_rank0()
+        except BaseException:
+            self._close_sessions()
+            raise
+        self._handle = inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
+
+    # ------------------------------------------------------------------ set-up
+
+    def _describe(self, frag: _Fragment) -> dict[str, Any]:
+        shapes = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in self._named)
+        outer = type(self.outer_optimizer)
+        hyper = {k: v for k, v in self.outer_optimizer.defaults.items() if isinstance(v, (int, float, bool, str))}
+        return {
+            "diloco": {
+                "sync_every": self.sync_every, "fragments": self.fragments_count, "delay": self.delay,
+                "alpha": self.alpha, "fragment": frag.index, "fragment_numel": frag.numel,
+                "parameters": len(self._named), "parameter_digest": f"{zlib.crc32(shapes.encode()):08x}",
+                "outer_optimizer": f"{outer.__module__}.{outer.__qualname__}", "outer_defaults": hyper,
+            }
+        }  # fmt: skip
+
+    def _session(self, frag: _Fragment, cfg: Config) -> Session:
+        what = f"{self.what}[{cfg.codec}]" + (f" fragment {frag.index}" if self.fragments_count > 1 else "")
+        session = Session.agreed(
+            what, self.transport, lambda: cfg, describe=lambda _: self._describe(frag), close_transport=False,
+            prepare=lambda s: s.policy.check_parameters(frag.named, what),
+        )  # fmt: skip
+        members = []
+        for (name, _), view in zip(frag.named, frag.views, strict=True):
+            compress, opts = session.policy.member_options(name, view.shape)
+            members.append(Member(name, view, compress, opts))
+        frag.group = Group(frag.index, members, flat=frag.flat)
+        return session
+
+    def _start_from_rank0(self) -> None:
+        """Every replica starts from rank 0's parameters (an all-reduce of rank 0's values and zeros elsewhere)."""
+        for frag in self.fragments:
+            with torch.no_grad():
+                local = frag.local()
+                if self.rank == 0:
+                    torch._foreach_copy_(frag.views, [t.float() for t in local])
+                else:
+                    frag.flat.zero_()
+                self.transport.all_reduce(frag.flat).wait()
+                for t, o, v in zip(local, frag.outer, frag.views, strict=True):
+                    t.copy_(v)
+                    o.copy_(t)
+
+    # ------------------------------------------------------------------ the clock
+
+    def _after_inner_step(self) -> None:
+        if self._closed:
+            return
+        self.inner_step += 1
+        at = self.inner_step % self.period
+        k = (self.inner_step - 1) // self.period  # this period's number: fragment k % F syncs in it
+        frag = self.fragments[k % self.fragments_count]
+        if at == (self.period - self.delay) % self.period:
+            self._start(frag)
+        if at == 0:
+            self._apply(frag)
+
+    def _start(self, frag: _Fragment) -> None:
+        """Take ``frag``'s pseudo-gradient (global - current) and start its average."""
+        assert frag.session is not None and frag.group is not None and frag.pending is None
+        with torch.no_grad():
+            torch._foreach_copy_(frag.views, [o.float() for o in frag.outer])
+            torch._foreach_sub_(frag.views, [t.float() for t in frag.local()])
+        session = frag.session
+        frag.pending = session.policy(frag.group, session.step, session.meter())
+
+    def _apply(self, frag: _Fragment) -> None:
+        """Wait for ``frag``'s average and take the outer step on it (or skip it where it is not finite)."""
+        assert frag.session is not None and frag.pending is not None
+        fut, frag.pending = frag.pending, None
+        fut.wait()
+        session = frag.session
+        session.step += 1
+        frag.syncs += 1
+        bad = nonfinite(frag.flat)
+        session.algorithm.guard.settle()  # the algorithm's state goes back where its flag is set
+        with torch.no_grad():
+            if bad is not None and bool(bad):
+                self._skipped += 1
+                torch._foreach_copy_(frag.local(), frag.outer)
+                return
+            now = frag.local()
+            local = [t.clone() for t in now] if self.alpha > 0 else None
+            torch._foreach_copy_(now, frag.outer)
+            grads = {id(p): p.grad for _, p in self._named}
+            for _, p in self._named:
+                p.grad = None
+            for q, v in zip(frag.params, frag.views, strict=True):
+                q.grad = _as_grad(q, v)
+        try:
+            self.outer_optimizer.step()
+        finally:
+            with torch.no_grad():
+                for _, p in self._named:
+                    p.grad = grads[id(p)]
+        with torch.no_grad():
+            now = frag.local()
+            torch._foreach_copy_(frag.outer, now)
+            if local is not None:
+                torch._foreach_lerp_(now, local, self.alpha)
+
+    # ------------------------------------------------------------------ public
+
+    def sync(self) -> None:
+        """Apply every fragment's average still in flight (``delay``) now; a collective. :meth:`close` does it."""
+        for frag in self.fragments:
+            if frag.pending is not None:
+                self._apply(frag)
+
+    def stats(self) -> dict[str, Any]:
+        """Bytes each rank sent for the outer steps, summed over the fragments, next to what plain data-parallel
+        training would have sent for the same inner steps (an fp32 all-reduce of the gradients every step):
+        ``bytes_sent``, ``bytes_uncompressed`` (the pseudo-gradients' fp32 all-reduces), ``compression_ratio``
+        (the codec's own), ``ddp_bytes``, ``reduction_vs_ddp``, ``inner_steps``, ``outer_steps``,
+        ``skipped_nonfinite``, ``encode_seconds``, ``decode_seconds``, ``collectives``."""
+        keys = ("bytes_sent", "bytes_uncompressed", "collectives", "encode_seconds", "decode_seconds")
+        out: dict[str, Any] = dict.fromkeys(keys, 0)
+        for frag in self.fragments:
+            assert frag.session is not None
+            s = frag.session.stats()
+            for k in keys:
+                out[k] += s[k]
+        for k in keys:
+            out[k] += self._carried.get(k, 0)
+        sent = out["bytes_sent"]
+        out["compression_ratio"] = out["bytes_uncompressed"] / sent if sent else math.nan
+        numel = sum(f.numel for f in self.fragments)
+        out["ddp_bytes"] = self.inner_step * wire_bytes("all_reduce", 4 * numel, self.world_size)
+        out["reduction_vs_ddp"] = out["ddp_bytes"] / sent if sent else math.nan
+        out["inner_steps"] = self.inner_step
+        out["outer_steps"] = sum(f.syncs for f in self.fragments)
+        out["skipped_nonfinite"] = self._skipped
+        return out
+
+    def memory_bytes(self) -> int:
+        """Bytes DiLoCo keeps beside the model: the global copy, the pseudo-gradient buffers, the algorithms'
+        state (the outer optimizer's own state is the optimizer's)."""
+        total = 0
+        for frag in self.fragments:
+            assert frag.session is not None
+            total += sum(o.numel() * o.element_size() for o in frag.outer) + frag.flat.numel() * 4
+            total += frag.session.memory_bytes()
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's DiLoCo state: the inner step, the global parameters, the outer optimizer's state, each
+        fragment's session (residuals, per name), and each average in flight (waited for, saved as received).
+        With the model's and the inner optimizer's own state dicts it resumes the run bit for bit."""
+        frags = []
+        for frag in self.fragments:
+            assert frag.session is not None
+            pending = None
+            if frag.pending is not None:
+                frag.pending.wait()
+                pending = frag.flat.detach().clone()
+            frags.append({
+                "outer": {n: o.detach().clone() for (n, _), o in zip(frag.named, frag.outer, strict=True)},
+                "session": frag.session.state_dict(), "syncs": frag.syncs, "pending": pending,
+            })  # fmt: skip
+        stats = self.stats()
+        return {
+            "inner_step": self.inner_step, "skipped": self._skipped, "fragments": frags,
+            "counters": {k: stats[k] for k in ("bytes_sent", "bytes_uncompressed", "collectives", "encode_seconds",
+                                               "decode_seconds")},
+            "outer_optimizer": self.outer_optimizer.state_dict(), "config": self._describe(self.fragments[0]),
+        }  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from this rank's :meth:`state_dict` (a collective: every rank loads its own)."""
+        what = self.what
+        if not isinstance(state, Mapping) or not {"inner_step", "fragments", "outer_optimizer"} <= set(state):
+            raise ValueError(f"{what}: not a DiLoCo state_dict (expected inner_step, fragments, outer_optimizer)")
+        mine = self._describe(self.fragments[0])
+        if state.get("config") != mine:
+            raise ValueError(f"{what}: the checkpoint was written with {state.get('config')}, this run is {mine}")
+        frags = state["fragments"]
+        if not isinstance(frags, list) or len(frags) != len(self.fragments):
+            raise ValueError(f"{what}: the checkpoint has {len(frags)} fragments, this run {len(self.fragments)}")
+        for frag, saved in zip(self.fragments, frags, strict=True):
+            outer = saved["outer"]
+            for (n, _), o in zip(frag.named, frag.outer, strict=True):
+                t = outer.get(n) if isinstance(outer, Mapping) else None
+                if not isinstance(t, torch.Tensor) or t.shape != o.shape or t.dtype != o.dtype:
+                    raise ValueError(f"{what}: the checkpoint's global copy of '{n}' is missing or of another shape")
+        for frag, saved in zip(self.fragments, frags, strict=True):
+            assert frag.session is not None
+            frag.session.load_state_dict(
+                saved["session"], [(n, shape) for (n, _), shape in zip(frag.named, frag.shapes, strict=True)]
+            )
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        with torch.no_grad():
+            for frag, saved in zip(self.fragments, frags, strict=True):
+                for (n, _), o in zip(frag.named, frag.outer, strict=True):
+                    o.copy_(saved["outer"][n])
+                frag.syncs = int(saved["syncs"])
+                frag.pending = None
+                if saved["pending"] is not None:
+                    frag.flat.copy_(saved["pending"])
+                    done: Future[Any] = torch.futures.Future()
+                    done.set_result(None)
+                    frag.pending = done
+        self.inner_step = int(state["inner_step"])
+        self._skipped = int(state.get("skipped", 0))
+        self._carried = dict(state.get("counters", {}))
+
+    def close(self) -> None:
+        """Apply what is in flight, unhook the inner optimizer, stop the algorithms' threads; idempotent."""
+        if self._closed:
+            return
+        try:
+            self.sync()
+        finally:
+            self._closed = True
+            if self._handle is not None:
+                self._handle.remove()
+            self._close_sessions()
+
+    def _close_sessions(self) -> None:
+        for frag in self.fragments if hasattr(self, "fragments") else ():
+            if frag.session is not None:
+                frag.session.close(transport=False)
+        close = getattr(self.transport, "close", None) if hasattr(self, "transport") else None
+        if self._owns_transport and close is not None:
+            close()
+
+    def __enter__(self) -> DiLoCo:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:  # an error mid-loop: unhook without another collective
+            self._closed = True
+            if self._handle is not None:
+                self._handle.remove()
+            self._close_sessions()
+            return
+        self.close()
+
+
+class ReplicaState:
+    """A replica's whole state for a checkpointer that writes one process's model and optimizer only (Lightning,
+    Accelerate): DiLoCo's :meth:`~DiLoCo.state_dict` with this replica's model and inner optimizer state, whose
+    values differ from replica to replica. ``stats()`` and ``close()`` are DiLoCo's."""
+
+    def __init__(self, diloco: DiLoCo) -> None:
+        self.diloco = diloco
+        self.optimizer_state: Any = None  # the last loaded inner optimizer state (to load again after a checkpointer's)
+
+    def stats(self) -> dict[str, Any]:
+        return self.diloco.stats()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "diloco": self.diloco.state_dict(),
+            "model": {k: v.detach().clone() for k, v in self.diloco.model.state_dict().items()},
+            "optimizer": self.diloco.inner_optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if not isinstance(state, Mapping) or not {"diloco", "model", "optimizer"} <= set(state):
+            raise ValueError("DiLoCo: not a replica state (expected diloco, model, optimizer)")
+        self.diloco.model.load_state_dict(state["model"])
+        self.diloco.inner_optimizer.load_state_dict(state["optimizer"])
+        self.optimizer_state = state["optimizer"]
+        self.diloco.load_state_dict(state["diloco"])
+
+    def close(self) -> None:
+        self.diloco.close()
+
+
+__all__ = ["DiLoCo", "ReplicaState", "check_schedule", "diloco_config"]
