@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -84,32 +85,30 @@ def test_ddp_example_runs_in_one_process(tmp_path: Path) -> None:
     assert proc.stdout.startswith("acpsgd: accuracy ")
 
 
-@pytest.mark.multiprocess
-def test_fsdp_example_runs_under_torchrun(tmp_path: Path) -> None:
-    out = tmp_path / "fsdp.json"
+def _torchrun_example(tmp_path: Path, script: str, *args: str) -> tuple[dict[str, Any], str]:
+    """``examples/<script> args`` on 2 processes under torchrun: rank 0's JSON result and the standard output."""
+    out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "examples" / "fsdp_train.py"), "--codec", "fp16", "--steps", "5",
-           "--json-out", str(out)]  # fmt: skip
+           str(ROOT / "examples" / script), *args, "--json-out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.multiprocess
+def test_fsdp_example_runs_under_torchrun(tmp_path: Path) -> None:
+    result, stdout = _torchrun_example(tmp_path, "fsdp_train.py", "--codec", "fp16", "--steps", "5")
     assert (result["codec"], result["steps"], result["world_size"]) == ("fp16", 5, 2)
     assert 0 < result["bytes_sent"] < result["bytes_uncompressed"] and result["codec_state_bytes"] == 0
-    assert proc.stdout.startswith("fp16: accuracy ")
+    assert stdout.startswith("fp16: accuracy ")
 
 
 @pytest.mark.multiprocess
 def test_diloco_example_runs_under_torchrun(tmp_path: Path) -> None:
-    out = tmp_path / "diloco.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "examples" / "diloco_train.py"), "--sync-every", "8", "--steps", "32",
-           "--json-out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(out.read_text())
+    result, stdout = _torchrun_example(tmp_path, "diloco_train.py", "--sync-every", "8", "--steps", "32")
     assert (result["codec"], result["steps"], result["world_size"], result["outer_steps"]) == ("qsgd", 32, 2, 4)
     assert result["bytes_sent"] > 0 and result["reduction_vs_ddp"] > 8
-    assert proc.stdout.startswith("DiLoCo[qsgd], H=8: accuracy ")
+    assert stdout.startswith("DiLoCo[qsgd], H=8: accuracy ")
 
 
 @pytest.mark.multiprocess

@@ -80,21 +80,32 @@ STEPS = {"cnn": 600, "lm": 300}  # bench quality's
 EVAL_EVERY = {"cnn": 50, "lm": 25}
 MIN_COMM_FACTOR = 2.0  # plain DDP's step over the no-comm bound: at least this, or the link is not the bottleneck
 POWERSGD_START_FRACTION = 0.1  # powerSGD_hook's docstring: start_powerSGD_iter at 10 % of the training steps
+DILOCO_EVERY = 16  # the DiLoCo methods' sync_every unless run(sync_every=) says otherwise
+# DiLoCo across the workers (sylvie_comm.diloco, no DDP): the outer step's codec and options. Run when named.
+DILOCO: dict[str, tuple[str, dict[str, Any]]] = {
+    "diloco": ("none", {}),
+    "diloco_qsgd8_noef": ("qsgd", {"bits": 8, "error_feedback": False}),
+    "diloco_qsgd4": ("qsgd", {"bits": 4}),
+    "diloco_qsgd2": ("qsgd", {"bits": 2}),
+    "diloco_qsgd2_noef": ("qsgd", {"bits": 2, "error_feedback": False}),
+}
 
 
 # ---------------------------------------------------------------------- names
 
 
 def known_methods() -> list[str]:
-    """Every method the benchmark knows, in its order: plain, PyTorch's hooks, our algorithms, our optimizers."""
+    """Every method the benchmark knows, in its order: plain, PyTorch's hooks, our algorithms, our optimizers,
+    DiLoCo with the outer step's codecs."""
     from sylvie_comm.algorithms.registry import ALGORITHMS
 
-    return [PLAIN, *TORCH_HOOKS, *ALGORITHMS, *OPTIMIZER_METHODS]
+    return [PLAIN, *TORCH_HOOKS, *ALGORITHMS, *OPTIMIZER_METHODS, *DILOCO]
 
 
 def default_methods(optimizer: str) -> list[str]:
-    """Every method that applies to a workload trained with ``optimizer`` (``sgd`` or ``adamw``)."""
-    return [m for m in known_methods() if OPTIMIZER_METHODS.get(m, optimizer) == optimizer]
+    """Every per-step method that applies to a workload trained with ``optimizer`` (``sgd`` or ``adamw``); the
+    DiLoCo methods run when named."""
+    return [m for m in known_methods() if OPTIMIZER_METHODS.get(m, optimizer) == optimizer and m not in DILOCO]
 
 
 def check_methods(names: Sequence[str], optimizer: str) -> list[str]:
@@ -140,8 +151,13 @@ def powersgd_start(steps: int) -> int:
     return max(2, int(steps * POWERSGD_START_FRACTION))
 
 
-def label(name: str, steps: int) -> str:
+def label(name: str, steps: int, sync_every: int = DILOCO_EVERY) -> str:
     """What a method is, in words."""
+    if name in DILOCO:
+        codec, options = DILOCO[name]
+        opts = "".join(f", {k}={v!r}" for k, v in options.items())
+        return (f"sylvie_comm.diloco.DiLoCo(sync_every={sync_every}, codec={codec!r}{opts}): no DDP, the replicas "
+                "apart between outer steps, Nesterov SGD outer steps (lr 0.7, momentum 0.9)")  # fmt: skip
     if name == PLAIN:
         return "DDP fp32 all-reduce, no hook"
     if name == BOUND:
@@ -403,9 +419,19 @@ def _run_method(cfg: Mapping[str, Any], rank: int, world: int, progress: Callabl
     seed = int(cfg["seed"])
     torch.manual_seed(seed)  # the same initial weights for every method (quality.train's seeding)
     model = wl.make_model()
-    ddp = DDP(model, bucket_cap_mb=1024 if name == "powersgd_hook" else 25)
+    if name in DILOCO:  # no DDP: DiLoCo hooks the workload's own optimizer
+        from sylvie_comm.diloco import DiLoCo
+
+        codec, options = DILOCO[name]
+        ddp: nn.Module = model
+        copt: Any = wl.make_optimizer(model)
+        state: Any = DiLoCo(model, copt, sync_every=int(cfg["sync_every"]), codec=codec,
+                            timeout=cfg["collective_timeout"], **options)  # fmt: skip
+    else:
+        ddp = DDP(model, bucket_cap_mb=1024 if name == "powersgd_hook" else 25)
     try:
-        state, copt = ATTACH.get(name, _register(name))(ddp, wl, cfg)
+        if name not in DILOCO:
+            state, copt = ATTACH.get(name, _register(name))(ddp, wl, cfg)
     except TypeError as exc:
         if name not in TORCH_HOOKS:
             raise
@@ -429,12 +455,15 @@ def _run_method(cfg: Mapping[str, Any], rank: int, world: int, progress: Callabl
         if state is not None or copt is not None:
             stats = (state or copt).stats()
             reported = {"bytes_sent": stats.get("bytes_sent"), "compression_ratio": stats.get("compression_ratio")}
+            for key in ("outer_steps", "reduction_vs_ddp"):  # DiLoCo's
+                if key in stats:
+                    reported[key] = stats[key]
             if "auto" in stats:
                 reported["auto"] = stats["auto"]
             if "monitor" in stats:  # the compression monitor's figures and decisions (auto's moves included)
                 reported["monitor"] = stats["monitor"]
         equal = None
-        if name != BOUND:  # the bound's replicas drift apart by design
+        if name != BOUND and name not in DILOCO:  # these replicas drift apart by design
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             gathered = [torch.empty_like(flat) for _ in range(world)]
             dist.all_gather(gathered, flat)
@@ -491,12 +520,14 @@ def run(
     shaped: bool | None = None,
     echo: Callable[[str], None] | None = print,
     progress: bool = True,
+    sync_every: int = DILOCO_EVERY,
 ) -> dict[str, Any]:
     """Run the no-comm bound and every method in one lab, each in fresh workers; return the record.
 
     ``steps`` (default: 600 for cnn, 300 for lm), ``eval_every`` (default 50 for cnn, 25 for lm), ``seed``: as
     the module says. ``eval_size``: cnn only, test on that many of the 10,000 test images (evenly spaced; default
-    all). ``timeout`` bounds the whole run (:class:`~sylvie_comm.bench.lab.LabError` past it). ``shaped`` as in
+    all). ``sync_every``: the DiLoCo methods' inner steps between outer steps.
+    ``timeout`` bounds the whole run (:class:`~sylvie_comm.bench.lab.LabError` past it). ``shaped`` as in
     :class:`~sylvie_comm.bench.lab.Lab` (None: the lab where possible, loopback otherwise). A method whose workers
     fail is reported in ``failed`` with their output's tail and the others go on; a failure of plain DDP or of the
     bound fails the run.
@@ -506,6 +537,7 @@ def run(
     steps = _check_int("steps", STEPS[workload] if steps is None else steps, 1)
     eval_every = _check_int("eval_every", EVAL_EVERY[workload] if eval_every is None else eval_every, 1)
     seed = _check_int("seed", seed, 0)
+    sync_every = _check_int("sync_every", sync_every, 1)
     names = check_methods(list(methods) if methods is not None else default_methods(opt_name), opt_name)
     if eval_size is not None and workload != "cnn":
         raise ValueError(f"bench tta: eval_size is for the cnn workload only (lm validates on fixed windows), "
@@ -528,6 +560,7 @@ def run(
     with tempfile.TemporaryDirectory(prefix="sylvie-tta-") as tmp, Lab(WORKERS, link, shaped=shaped, echo=echo) as lab:
         base: dict[str, Any] = {"workload": workload, "workload_kw": kw, "steps": steps, "eval_every": eval_every,
                                 "seed": seed, "shaped": lab.shaped, "eval_threads": os.cpu_count() or 1,
+                                "sync_every": sync_every,
                                 "progress": str(Path(tmp) / "progress"),
                                 "collective_timeout": max(60.0, min(timeout, 600.0))}  # fmt: skip
         t0 = time.perf_counter()
@@ -563,7 +596,8 @@ def run(
     probe = quality.SmallCNN() if workload == "cnn" else quality.ByteLM()
     return record(raw, link=link, workload=workload, optimizer=opt_name, steps=steps, eval_every=eval_every,
                   seed=seed, eval_size=eval_size, parameters=sum(p.numel() for p in probe.parameters()),
-                  lab_info=lab_info, failed=failed, skipped=skipped, wall=wall, loads=loads)  # fmt: skip
+                  lab_info=lab_info, failed=failed, skipped=skipped, wall=wall, loads=loads,
+                  sync_every=sync_every)  # fmt: skip
 
 
 def workload_facts(workload: str, optimizer: str) -> dict[str, Any]:
@@ -576,11 +610,13 @@ def workload_facts(workload: str, optimizer: str) -> dict[str, Any]:
 def record(raw: Mapping[str, Sequence[Mapping[str, Any]]], *, link: str, workload: str, optimizer: str, steps: int,
            eval_every: int, seed: int, eval_size: int | None, parameters: int, lab_info: dict[str, Any],
            failed: Mapping[str, str], skipped: Mapping[str, str], wall: float,
-           loads: Mapping[str, Sequence[float]] | None = None) -> dict[str, Any]:  # fmt: skip
+           loads: Mapping[str, Sequence[float]] | None = None,
+           sync_every: int = DILOCO_EVERY) -> dict[str, Any]:  # fmt: skip
     """The run's record from each method's per-rank figures (``raw``, the bound under ``no-comm``; plain needed);
     ``loads``: the machine's 1, 5 and 15 minute load averages as each method started."""
     facts = workload_facts(workload, optimizer)
-    merged = {name: {"label": label(name, steps), **merge_ranks(per_rank), "loadavg_at_start": (loads or {}).get(name)}
+    merged = {name: {"label": label(name, steps, sync_every), **merge_ranks(per_rank),
+                     "loadavg_at_start": (loads or {}).get(name)}
               for name, per_rank in raw.items()}  # fmt: skip
     bound = merged.pop(BOUND)
     for key in ("curve", "final_metric", "replicas_equal"):

@@ -334,6 +334,21 @@ def test_a_method_runs_on_one_rank_from_the_seed():
     assert bound["curve"] == [] and bound["replicas_equal"] is None and bound["eval_s"] == 0.0
 
 
+def test_diloco_methods_run_when_named():
+    assert not set(tta.DILOCO) & (set(tta.default_methods("sgd")) | set(tta.default_methods("adamw")))
+    assert tta.check_methods(["diloco_qsgd2", "diloco"], "sgd") == ["plain", "diloco_qsgd2", "diloco"]
+    assert "DiLoCo(sync_every=32, codec='qsgd', bits=2)" in tta.label("diloco_qsgd2", 600, 32)
+    assert "bits=8, error_feedback=False" in tta.label("diloco_qsgd8_noef", 600)
+
+
+@pytest.mark.usefixtures("one_workload")
+def test_a_diloco_method_runs_on_one_rank_without_ddp():
+    out = _one_rank("diloco_qsgd2", sync_every=2)
+    plain = _one_rank("plain")
+    assert out["curve"][0]["metric"] == plain["curve"][0]["metric"]  # the same initial weights
+    assert out["reported"]["outer_steps"] == 2 and out["replicas_equal"] is None
+
+
 @pytest.mark.usefixtures("one_workload")
 def test_a_pytorch_hook_ddp_refuses_is_skipped_with_its_reason():
     out = _one_rank("bf16_hook")  # DDP refuses bf16_compress_hook without CUDA and NCCL

@@ -1,6 +1,6 @@
-"""CompressedAdamW (or CompressedSGD) over Horovod, run on every rank under ``horovodrun``.
+"""CompressedAdamW (or CompressedSGD, or DiLoCo) over Horovod, run on every rank under ``horovodrun``.
 
-    horovodrun -np 2 --gloo python -m tests.optim.horovod_worker OUT_DIR [adamw|sgd]
+    horovodrun -np 2 --gloo python -m tests.optim.horovod_worker OUT_DIR [adamw|sgd|diloco]
 
 Each rank writes its result (or its traceback) to ``OUT_DIR/rank<r>.pt``; ``tests/optim/test_horovod.py`` launches
 it and compares with the same run in one process (:func:`train`, on the in-process transport).
@@ -20,6 +20,9 @@ from tests.optim import workloads as ow
 
 CODEC = "onebit"
 HYPER: dict[str, dict[str, Any]] = {"adamw": {"lr": 3e-3}, "sgd": {"lr": 0.2, "momentum": 0.9, "nesterov": True}}
+# diloco: tests.optim.test_diloco's run on Horovod's transport, streaming, 2-bit outer steps with error feedback
+DILOCO: dict[str, Any] = {"sync_every": 8, "fragments": 2, "delay": 1, "codec": "qsgd", "bits": 2}
+DILOCO_STEPS = 24
 
 
 def train(rank: int, make: Any, model: torch.nn.Module | None = None) -> dict[str, Any]:
@@ -37,13 +40,19 @@ def train(rank: int, make: Any, model: torch.nn.Module | None = None) -> dict[st
 def horovod_run(rank: int, optimizer: str = "adamw") -> dict[str, Any]:
     import sylvie_comm.horovod as sh
 
+    if optimizer == "diloco":
+        from sylvie_comm.collectives.horovod import HorovodTransport
+        from tests.optim.test_diloco import train as train_diloco
+
+        return train_diloco(HorovodTransport(), DILOCO_STEPS, **DILOCO)
+
     adapter = {"adamw": sh.compressed_adamw, "sgd": sh.compressed_sgd}[optimizer]
     return train(rank, lambda model: adapter(model, **HYPER[optimizer], codec=CODEC, warmup=ow.WARMUP))
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) not in (1, 2) or argv[1:] not in ([], ["adamw"], ["sgd"]):
-        print("usage: horovod_worker OUT_DIR [adamw|sgd]", file=sys.stderr)
+    if len(argv) not in (1, 2) or argv[1:] not in ([], ["adamw"], ["sgd"], ["diloco"]):
+        print("usage: horovod_worker OUT_DIR [adamw|sgd|diloco]", file=sys.stderr)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)

@@ -29,11 +29,10 @@ pytestmark = pytest.mark.multiprocess
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_horovod(tmp_path: Path, optimizer: str = "adamw", worker: str = "tests.optim.horovod_worker") -> list[Any]:
-    """Each rank's result of ``worker`` (``tests.optim.horovod_worker``, ``optimizer``: adamw or sgd) under
-    horovodrun."""
-    args = [optimizer] if worker == "tests.optim.horovod_worker" else []
-    cmd = ["horovodrun", "-np", "2", "--gloo", sys.executable, "-m", worker, str(tmp_path), *args]  # fmt: skip
+def run_horovod(tmp_path: Path, optimizer: str = "adamw") -> list[dict[str, Any]]:
+    """Each rank's result of ``tests.optim.horovod_worker`` (``optimizer``: adamw, sgd or diloco) under horovodrun."""
+    cmd = ["horovodrun", "-np", "2", "--gloo", sys.executable, "-m", "tests.optim.horovod_worker", str(tmp_path),
+           optimizer]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
@@ -78,11 +77,10 @@ def test_horovod_trains_as_the_in_process_run(tmp_path: Path, optimizer: str) ->
 
 def test_diloco_over_horovod_gives_the_in_process_bits(tmp_path: Path) -> None:
     """DiLoCo on Horovod's transport (streaming, 2-bit outer steps with error feedback): the in-process run's bits."""
-    from tests.optim import horovod_diloco_worker as hd
     from tests.optim.test_diloco import train
 
-    results = run_horovod(tmp_path, worker="tests.optim.horovod_diloco_worker")
-    expected = run_local(2, lambda t: train(t, hd.STEPS, **hd.KWARGS))
+    results = run_horovod(tmp_path, "diloco")
+    expected = run_local(2, lambda t: train(t, hw.DILOCO_STEPS, **hw.DILOCO))
     for got, want in zip(results, expected, strict=True):
         for n, v in want["params"].items():
             assert torch.equal(got["params"][n], v), n
