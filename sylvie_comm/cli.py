@@ -136,7 +136,7 @@ def _bench_tta(args: argparse.Namespace) -> int:
     try:
         rec = tta.run(args.link, args.workload, optimizer=args.optimizer, steps=args.steps, eval_every=args.eval_every,
                       seed=args.seed, methods=args.methods, eval_size=args.eval_size,
-                      timeout=args.timeout, sync_every=args.sync_every)  # fmt: skip
+                      timeout=args.timeout, sync_every=args.sync_every, outer_lr=args.outer_lr)  # fmt: skip
     except (ValueError, bl.LabError) as exc:
         print(f"sylvie-comm bench tta: {exc}", file=sys.stderr)
         return 1
@@ -499,6 +499,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "diloco_qsgd2_noef")  # fmt: skip
     tt.add_argument("--sync-every", type=_positive, default=16,
                     help="the DiLoCo methods' inner steps between outer steps (default 16)")  # fmt: skip
+    tt.add_argument("--outer-lr", type=float, default=0.7,
+                    help="the DiLoCo methods' outer lr (Nesterov SGD, momentum 0.9; default 0.7)")  # fmt: skip
     tt.add_argument("--timeout", type=float, default=7200.0, help="seconds for the whole run (default 7200)")
     tt.add_argument("--out", default=None, help="write OUT.json (the record) and OUT.png (metric against wall time)")
     tt.set_defaults(func=_bench_tta)

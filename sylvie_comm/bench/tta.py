@@ -81,6 +81,7 @@ EVAL_EVERY = {"cnn": 50, "lm": 25}
 MIN_COMM_FACTOR = 2.0  # plain DDP's step over the no-comm bound: at least this, or the link is not the bottleneck
 POWERSGD_START_FRACTION = 0.1  # powerSGD_hook's docstring: start_powerSGD_iter at 10 % of the training steps
 DILOCO_EVERY = 16  # the DiLoCo methods' sync_every unless run(sync_every=) says otherwise
+DILOCO_OUTER_LR = 0.7  # their outer Nesterov SGD's learning rate (momentum 0.9) unless run(outer_lr=) says otherwise
 # DiLoCo across the workers (sylvie_comm.diloco, no DDP): the outer step's codec and options. Run when named.
 DILOCO: dict[str, tuple[str, dict[str, Any]]] = {
     "diloco": ("none", {}),
@@ -151,13 +152,13 @@ def powersgd_start(steps: int) -> int:
     return max(2, int(steps * POWERSGD_START_FRACTION))
 
 
-def label(name: str, steps: int, sync_every: int = DILOCO_EVERY) -> str:
+def label(name: str, steps: int, sync_every: int = DILOCO_EVERY, outer_lr: float = DILOCO_OUTER_LR) -> str:
     """What a method is, in words."""
     if name in DILOCO:
         codec, options = DILOCO[name]
         opts = "".join(f", {k}={v!r}" for k, v in options.items())
         return (f"sylvie_comm.diloco.DiLoCo(sync_every={sync_every}, codec={codec!r}{opts}): no DDP, the replicas "
-                "apart between outer steps, Nesterov SGD outer steps (lr 0.7, momentum 0.9)")  # fmt: skip
+                f"apart between outer steps, Nesterov SGD outer steps (lr {outer_lr:g}, momentum 0.9)")  # fmt: skip
     if name == PLAIN:
         return "DDP fp32 all-reduce, no hook"
     if name == BOUND:
@@ -425,7 +426,8 @@ def _run_method(cfg: Mapping[str, Any], rank: int, world: int, progress: Callabl
         codec, options = DILOCO[name]
         ddp: nn.Module = model
         copt: Any = wl.make_optimizer(model)
-        state: Any = DiLoCo(model, copt, sync_every=int(cfg["sync_every"]), codec=codec,
+        outer = torch.optim.SGD(model.parameters(), lr=float(cfg["outer_lr"]), momentum=0.9, nesterov=True)
+        state: Any = DiLoCo(model, copt, sync_every=int(cfg["sync_every"]), codec=codec, outer_optimizer=outer,
                             timeout=cfg["collective_timeout"], **options)  # fmt: skip
     else:
         ddp = DDP(model, bucket_cap_mb=1024 if name == "powersgd_hook" else 25)
@@ -521,12 +523,14 @@ def run(
     echo: Callable[[str], None] | None = print,
     progress: bool = True,
     sync_every: int = DILOCO_EVERY,
+    outer_lr: float = DILOCO_OUTER_LR,
 ) -> dict[str, Any]:
     """Run the no-comm bound and every method in one lab, each in fresh workers; return the record.
 
     ``steps`` (default: 600 for cnn, 300 for lm), ``eval_every`` (default 50 for cnn, 25 for lm), ``seed``: as
     the module says. ``eval_size``: cnn only, test on that many of the 10,000 test images (evenly spaced; default
-    all). ``sync_every``: the DiLoCo methods' inner steps between outer steps.
+    all). ``sync_every``, ``outer_lr``: the DiLoCo methods' inner steps between outer steps and
+    outer learning rate.
     ``timeout`` bounds the whole run (:class:`~sylvie_comm.bench.lab.LabError` past it). ``shaped`` as in
     :class:`~sylvie_comm.bench.lab.Lab` (None: the lab where possible, loopback otherwise). A method whose workers
     fail is reported in ``failed`` with their output's tail and the others go on; a failure of plain DDP or of the
@@ -538,6 +542,8 @@ def run(
     eval_every = _check_int("eval_every", EVAL_EVERY[workload] if eval_every is None else eval_every, 1)
     seed = _check_int("seed", seed, 0)
     sync_every = _check_int("sync_every", sync_every, 1)
+    if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or not outer_lr > 0:
+        raise ValueError(f"bench tta: outer_lr must be a positive number, got {outer_lr!r}")
     names = check_methods(list(methods) if methods is not None else default_methods(opt_name), opt_name)
     if eval_size is not None and workload != "cnn":
         raise ValueError(f"bench tta: eval_size is for the cnn workload only (lm validates on fixed windows), "
@@ -560,7 +566,7 @@ def run(
     with tempfile.TemporaryDirectory(prefix="sylvie-tta-") as tmp, Lab(WORKERS, link, shaped=shaped, echo=echo) as lab:
         base: dict[str, Any] = {"workload": workload, "workload_kw": kw, "steps": steps, "eval_every": eval_every,
                                 "seed": seed, "shaped": lab.shaped, "eval_threads": os.cpu_count() or 1,
-                                "sync_every": sync_every,
+                                "sync_every": sync_every, "outer_lr": float(outer_lr),
                                 "progress": str(Path(tmp) / "progress"),
                                 "collective_timeout": max(60.0, min(timeout, 600.0))}  # fmt: skip
         t0 = time.perf_counter()
@@ -597,7 +603,7 @@ def run(
     return record(raw, link=link, workload=workload, optimizer=opt_name, steps=steps, eval_every=eval_every,
                   seed=seed, eval_size=eval_size, parameters=sum(p.numel() for p in probe.parameters()),
                   lab_info=lab_info, failed=failed, skipped=skipped, wall=wall, loads=loads,
-                  sync_every=sync_every)  # fmt: skip
+                  sync_every=sync_every, outer_lr=outer_lr)  # fmt: skip
 
 
 def workload_facts(workload: str, optimizer: str) -> dict[str, Any]:
@@ -611,11 +617,11 @@ def record(raw: Mapping[str, Sequence[Mapping[str, Any]]], *, link: str, workloa
            eval_every: int, seed: int, eval_size: int | None, parameters: int, lab_info: dict[str, Any],
            failed: Mapping[str, str], skipped: Mapping[str, str], wall: float,
            loads: Mapping[str, Sequence[float]] | None = None,
-           sync_every: int = DILOCO_EVERY) -> dict[str, Any]:  # fmt: skip
+           sync_every: int = DILOCO_EVERY, outer_lr: float = DILOCO_OUTER_LR) -> dict[str, Any]:  # fmt: skip
     """The run's record from each method's per-rank figures (``raw``, the bound under ``no-comm``; plain needed);
     ``loads``: the machine's 1, 5 and 15 minute load averages as each method started."""
     facts = workload_facts(workload, optimizer)
-    merged = {name: {"label": label(name, steps, sync_every), **merge_ranks(per_rank),
+    merged = {name: {"label": label(name, steps, sync_every, outer_lr), **merge_ranks(per_rank),
                      "loadavg_at_start": (loads or {}).get(name)}
               for name, per_rank in raw.items()}  # fmt: skip
     bound = merged.pop(BOUND)

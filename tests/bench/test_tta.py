@@ -339,11 +339,12 @@ def test_diloco_methods_run_when_named():
     assert tta.check_methods(["diloco_qsgd2", "diloco"], "sgd") == ["plain", "diloco_qsgd2", "diloco"]
     assert "DiLoCo(sync_every=32, codec='qsgd', bits=2)" in tta.label("diloco_qsgd2", 600, 32)
     assert "bits=8, error_feedback=False" in tta.label("diloco_qsgd8_noef", 600)
+    assert "(lr 0.35, momentum 0.9)" in tta.label("diloco", 600, 16, 0.35)
 
 
 @pytest.mark.usefixtures("one_workload")
 def test_a_diloco_method_runs_on_one_rank_without_ddp():
-    out = _one_rank("diloco_qsgd2", sync_every=2)
+    out = _one_rank("diloco_qsgd2", sync_every=2, outer_lr=0.7)
     plain = _one_rank("plain")
     assert out["curve"][0]["metric"] == plain["curve"][0]["metric"]  # the same initial weights
     assert out["reported"]["outer_steps"] == 2 and out["replicas_equal"] is None
