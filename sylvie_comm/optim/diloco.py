@@ -127,7 +127,6 @@ class _Fragment:
         self.session: Session | None = None
         self.group: Group | None = None
         self.pending: Future[Any] | None = None  # the average in flight (started, not applied)
-        self.syncs = 0  # outer steps of this fragment applied or skipped
 
     def local(self) -> list[torch.Tensor]:
         """This rank's part of each parameter (read afresh: FSDP2 may replace a shard's tensor object)."""
@@ -378,7 +377,6 @@ class DiLoCo:
         fut.wait()
         session = frag.session
         session.step += 1
-        frag.syncs += 1
         bad = nonfinite(frag.flat)
         session.algorithm.guard.settle()  # the algorithm's state goes back where its flag is set
         with torch.no_grad():
@@ -435,7 +433,7 @@ class DiLoCo:
         out["ddp_bytes"] = self.inner_step * wire_bytes("all_reduce", 4 * numel, self.world_size)
         out["reduction_vs_ddp"] = out["ddp_bytes"] / sent if sent else math.nan
         out["inner_steps"] = self.inner_step
-        out["outer_steps"] = sum(f.syncs for f in self.fragments)
+        out["outer_steps"] = sum(f.session.step for f in self.fragments if f.session is not None)  # taken or skipped
         out["skipped_nonfinite"] = self._skipped
         return out
 
@@ -462,7 +460,7 @@ class DiLoCo:
                 pending = frag.flat.detach().clone()
             frags.append({
                 "outer": {n: o.detach().clone() for (n, _), o in zip(frag.named, frag.outer, strict=True)},
-                "session": frag.session.state_dict(), "syncs": frag.syncs, "pending": pending,
+                "session": frag.session.state_dict(), "pending": pending,
             })  # fmt: skip
         stats = self.stats()
         return {
@@ -499,7 +497,6 @@ class DiLoCo:
             for frag, saved in zip(self.fragments, frags, strict=True):
                 for (n, _), o in zip(frag.named, frag.outer, strict=True):
                     o.copy_(saved["outer"][n])
-                frag.syncs = int(saved["syncs"])
                 frag.pending = None
                 if saved["pending"] is not None:
                     frag.flat.copy_(saved["pending"])
