@@ -196,6 +196,8 @@ def test_each_epoch_reports_its_communication_breakdown():
             assert min(h["compute_s"], h["halo_wait_s"], h["halo_exchange_s"], h["halo_hidden_s"]) >= 0
             assert h["compute_s"] + h["halo_wait_s"] == pytest.approx(h["seconds"], abs=1e-9)
             assert h["halo_hidden_s"] == pytest.approx(max(h["halo_exchange_s"] - h["halo_wait_s"], 0.0))
-            assert h["halo_exchange_s"] > 0
+        # An exchange counts in the epoch during which it finishes: epoch 0 is synchronous and finishes all of
+        # its own; a stale epoch whose exchanges all finish outside it (a loaded machine) reads 0.0.
+        assert r["history"][0]["halo_exchange_s"] > 0
         # How much of the exchange time is waited for depends on the machine's load (on a loaded one every
         # exchange of a run finished before its layer asked, and the waits read 0.0): not asserted here.
