@@ -136,7 +136,8 @@ def _bench_tta(args: argparse.Namespace) -> int:
     try:
         rec = tta.run(args.link, args.workload, optimizer=args.optimizer, steps=args.steps, eval_every=args.eval_every,
                       seed=args.seed, methods=args.methods, eval_size=args.eval_size,
-                      timeout=args.timeout, sync_every=args.sync_every, outer_lr=args.outer_lr)  # fmt: skip
+                      timeout=args.timeout, sync_every=args.sync_every, outer_lr=args.outer_lr,
+                      method_steps=args.method_steps)  # fmt: skip
     except (ValueError, bl.LabError) as exc:
         print(f"sylvie-comm bench tta: {exc}", file=sys.stderr)
         return 1
@@ -155,6 +156,17 @@ def _tta_methods(text: str) -> list[str]:
         return choices.unique_choices([c.strip() for c in text.split(",") if c.strip()], tta.known_methods(), "method")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _method_steps(text: str) -> dict[str, int]:
+    """``NAME=N[,NAME=N...]``: training steps per method (bench tta)."""
+    out: dict[str, int] = {}
+    for item in (c.strip() for c in text.split(",") if c.strip()):
+        name, sep, count = item.partition("=")
+        if not sep or not count.strip().isdigit() or int(count) < 1:
+            raise argparse.ArgumentTypeError(f"expected NAME=STEPS with STEPS a positive integer, got {item!r}")
+        out[name.strip()] = int(count)
+    return out
 
 
 def _fsdp_rows(text: str) -> list[str]:
@@ -342,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--lab-link",
         default="1gbit",
-        choices=("100mbit", "1gbit", "10gbit", "none"),
+        choices=("10mbit", "100mbit", "1gbit", "10gbit", "none"),
         help="the lab part's link (default 1gbit; shaped when run as root, loopback otherwise)",
     )
     demo.add_argument("--lab-workers", type=_positive, default=4, help="the lab part's workers (default 4)")
@@ -457,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
         const=["100mbit", "1gbit", "none"],
         default=None,
         help="run every setting on N workers in a network lab, one per link: a comma list of "
-        "100mbit, 1gbit, 10gbit, none (--link alone: 100mbit,1gbit,none; see sylvie_comm.bench.gnn_link)",
+        "10mbit, 100mbit, 1gbit, 10gbit, none (--link alone: 100mbit,1gbit,none; see sylvie_comm.bench.gnn_link)",
     )
     gn.add_argument("--workers", type=_positive, default=None, help="with --link: workers (default 4)")
     gn.add_argument(
@@ -501,6 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the DiLoCo methods' inner steps between outer steps (default 16)")  # fmt: skip
     tt.add_argument("--outer-lr", type=float, default=0.7,
                     help="the DiLoCo methods' outer lr (Nesterov SGD, momentum 0.9; default 0.7)")  # fmt: skip
+    tt.add_argument("--method-steps", type=_method_steps, default=None, metavar="NAME=N[,NAME=N]",
+                    help="training steps of these methods instead of --steps (a method with cheaper steps can be "
+                    "given more; its schedule spans them)")  # fmt: skip
     tt.add_argument("--timeout", type=float, default=7200.0, help="seconds for the whole run (default 7200)")
     tt.add_argument("--out", default=None, help="write OUT.json (the record) and OUT.png (metric against wall time)")
     tt.set_defaults(func=_bench_tta)

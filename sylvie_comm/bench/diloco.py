@@ -6,12 +6,15 @@ same collectives and bytes as a process group, no network), AdamW inner steps (l
 weight decay 0.1), each replica on batches of its own. ``ddp`` averages the gradients in fp32 every step (what
 DDP does); ``<codec>:<H>`` is DiLoCo with that codec on the outer step every ``H`` inner steps (Nesterov SGD, lr
 0.7, momentum 0.9; ``<codec>:<H>:<lr>:<momentum>`` sets them); ``-noef`` in a codec's name turns its error feedback
-off. The validation loss is rank 0's
-model on 8 fixed batches no replica trains on, after the last step (``steps`` a multiple of every ``H``, so it is
-taken right after an outer step).
+off; ``qsgd2-block`` shares one scale and minimum among at least 2,048 values (qsgd's ``block``). The validation
+loss is rank 0's model on 8 fixed batches no replica trains on, after the last step (``steps`` a multiple of every
+``H``, so it is taken right after an outer step), and along the way every ``eval_every`` steps where that is also
+the end of an outer step (the curve).
 
-Run ``python -m sylvie_comm.bench.diloco`` (``--steps``, ``--world``, ``--runs ddp,none:16,qsgd2:16``, ``--out
-FILE.json``, which writes ``FILE.md`` too). The ratios are to the ``ddp`` run of the same invocation.
+Run ``python -m sylvie_comm.bench.diloco`` (``--steps``, ``--world``, ``--runs ddp,none:16,qsgd2:16``, ``--seed``
+(the initial weights and every replica's batches), ``--eval-every``, ``--out FILE.json``, which writes ``FILE.md``
+and ``FILE.png`` too: the curves, and each run's loss against its bytes). The ratios are to the ``ddp`` run of the
+same invocation.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ CODECS: dict[str, tuple[str, dict[str, Any]]] = {
     "qsgd4-noef": ("qsgd", {"bits": 4, "error_feedback": False}),
     "qsgd2": ("qsgd", {"bits": 2}),
     "qsgd2-noef": ("qsgd", {"bits": 2, "error_feedback": False}),
+    "qsgd2-block": ("qsgd", {"bits": 2, "block": 2048}),
     "topk": ("topk", {"ratio": 0.01}),
     "acpsgd": ("acpsgd", {}),
 }
@@ -82,24 +86,26 @@ def _loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor
         return sum(float(w.loss(model(x), y)) for x, y in batches) / len(batches)
 
 
-def _run_rank(transport: Any, run: str, steps: int) -> dict[str, Any]:
+def _run_rank(transport: Any, run: str, steps: int, seed: int = 0, eval_every: int = 0) -> dict[str, Any]:
     torch.set_num_threads(1)
     w = WORKLOADS["lm"]
     rank, world = transport.rank, transport.world_size
     with _BUILD:
-        model = w.model(0)
+        model = w.model(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     name, h, lr, momentum = _parse(run)
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
-    gen = torch.Generator().manual_seed(1000 + rank)
+    gen = torch.Generator().manual_seed(1000 * (seed + 1) + rank)
+    batches = _validation()
+    curve = []
     diloco = None
     if name != "ddp":
         codec, options = CODECS[name]
         outer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, nesterov=momentum > 0)
         diloco = DiLoCo(model, opt, sync_every=h, outer_optimizer=outer, codec=codec, transport=transport, **options)
     start = time.perf_counter()
-    for _ in range(steps):
+    for step in range(steps):
         x, y = w.batch(gen)
         opt.zero_grad()
         loss: torch.Tensor = w.loss(model(x), y)
@@ -113,8 +119,14 @@ def _run_rank(transport: Any, run: str, steps: int) -> dict[str, Any]:
                 p.grad.copy_(flat[at : at + p.numel()].view(p.shape))  # type: ignore[union-attr]
                 at += p.numel()
         opt.step()
+        done = step + 1
+        if rank == 0 and eval_every and done % eval_every == 0 and done % h == 0 and done < steps:
+            t0 = time.perf_counter()
+            curve.append((done, _loss(model, batches)))
+            start += time.perf_counter() - t0  # the clock stops while evaluating
     seconds = time.perf_counter() - start
-    out: dict[str, Any] = {"seconds": seconds, "val_loss": _loss(model, _validation()) if rank == 0 else None}
+    final = _loss(model, batches) if rank == 0 else None
+    out: dict[str, Any] = {"seconds": seconds, "val_loss": final, "curve": [*curve, (steps, final)]}
     if diloco is None:
         out["bytes_sent"] = steps * wire_bytes("all_reduce", 4 * numel, world)
     else:
@@ -125,18 +137,29 @@ def _run_rank(transport: Any, run: str, steps: int) -> dict[str, Any]:
     return out
 
 
-def measure(steps: int = 1024, world: int = 2, runs: str = DEFAULT_RUNS) -> dict[str, Any]:
-    """Every run of ``runs`` (comma-separated) in turn; rows with the ratios to the ``ddp`` run."""
+def measure(steps: int = 1024, world: int = 2, runs: str = DEFAULT_RUNS, seed: int = 0,
+            eval_every: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Every run of ``runs`` (comma-separated) in turn; rows with the ratios to the ``ddp`` run. ``seed``: the
+    initial weights and the replicas' batches; ``eval_every``: also evaluate at the steps that are multiples of
+    it and end an outer step (0: only at the end)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"bench diloco: seed must be an integer >= 0, got {seed!r}")
+    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 0:
+        raise ValueError(f"bench diloco: eval_every must be an integer >= 0 (0: at the end only), got {eval_every!r}")
     names = [r.strip() for r in runs.split(",") if r.strip()]
     for r in names:
         _, h, _, _ = _parse(r)
         if steps % h:
             raise ValueError(f"bench diloco: steps ({steps}) must be a multiple of every H (run {r!r})")
+    with _BUILD:
+        initial = _loss(WORKLOADS["lm"].model(seed), _validation())
     rows = []
     for r in names:
-        ranks = run_local(world, functools.partial(_run_rank, run=r, steps=steps), timeout=7200)
+        ranks = run_local(world, functools.partial(_run_rank, run=r, steps=steps, seed=seed, eval_every=eval_every),
+                          timeout=7200)  # fmt: skip
         rows.append({"run": r, "val_loss": ranks[0]["val_loss"], "bytes_sent": ranks[0]["bytes_sent"],
-                     "seconds": max(x["seconds"] for x in ranks), "skipped": ranks[0].get("skipped", 0)})  # fmt: skip
+                     "seconds": max(x["seconds"] for x in ranks), "skipped": ranks[0].get("skipped", 0),
+                     "curve": [(0, initial), *ranks[0]["curve"]]})  # fmt: skip
     base = next((row for row in rows if row["run"] == "ddp"), None)
     for row in rows:
         if base is not None:
@@ -144,7 +167,7 @@ def measure(steps: int = 1024, world: int = 2, runs: str = DEFAULT_RUNS) -> dict
             row["fewer_bytes_than_ddp"] = base["bytes_sent"] / row["bytes_sent"] if row["bytes_sent"] else math.inf
     return {
         "benchmark": "diloco", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-        "workload": WORKLOADS["lm"].describe, "steps": steps, "world": world,
+        "workload": WORKLOADS["lm"].describe, "steps": steps, "world": world, "seed": seed, "eval_every": eval_every,
         "inner": "AdamW lr 1e-3 betas (0.9, 0.95) weight decay 0.1", "outer": OUTER_TEXT,
         "rows": rows,
     }  # fmt: skip
@@ -166,21 +189,60 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
+    """Two panels (PNG): each run's validation loss against inner steps, and each run's final loss (x ddp)
+    against how many times fewer bytes than ddp it sent; ``(None, why)`` without matplotlib."""
+    from sylvie_comm.bench.kit import pyplot, save_figure
+    from sylvie_comm.bench.link import NO_MATPLOTLIB
+
+    plt = pyplot()
+    if plt is None:
+        return None, NO_MATPLOTLIB
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    for row in result["rows"]:
+        curve = row.get("curve") or []
+        left.plot([s for s, _ in curve], [v for _, v in curve], marker=".",
+                  linewidth=2.0 if row["run"] == "ddp" else 1.0, label=row["run"])  # fmt: skip
+        if "loss_vs_ddp" in row and math.isfinite(row["fewer_bytes_than_ddp"]):
+            right.scatter(row["fewer_bytes_than_ddp"], row["loss_vs_ddp"], s=18)
+            right.annotate(row["run"], (row["fewer_bytes_than_ddp"], row["loss_vs_ddp"]), fontsize=7,
+                           xytext=(3, 3), textcoords="offset points")  # fmt: skip
+    left.set_xlabel("inner steps")
+    left.set_ylabel("validation loss")
+    left.legend(fontsize=7, ncol=2)
+    right.set_xscale("log")
+    right.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
+    right.set_xlabel("fewer bytes sent than ddp (x, log)")
+    right.set_ylabel("final validation loss / ddp's")
+    fig.suptitle(f"DiLoCo against data parallel: {result['world']} replicas, {result['steps']} inner steps, "
+                 f"seed {result.get('seed', 0)}", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    return save_figure(plt, fig, out)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sylvie_comm.bench.diloco", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=1024)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--runs", default=DEFAULT_RUNS)
-    parser.add_argument("--out", help="write the record as JSON here (and its table as .md beside it)")
+    parser.add_argument("--seed", type=int, default=0, help="the initial weights and the batches (default 0)")
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="evaluate every this many steps where an outer step ends too (default 0: at the end)",
+    )
+    parser.add_argument("--out", help="write the record as JSON here (and its table as .md, its plot as .png)")
     args = parser.parse_args(argv)
     result = {"command": shlex.join(["python", "-m", "sylvie_comm.bench.diloco", *(argv or sys.argv[1:])]),
-              **measure(args.steps, args.world, args.runs)}  # fmt: skip
+              **measure(args.steps, args.world, args.runs, args.seed, args.eval_every)}  # fmt: skip
     text = markdown(result)
     print(text)
     if args.out:
         out = Path(args.out)
         out.write_text(json.dumps(result, indent=2) + "\n")
         out.with_suffix(".md").write_text(text)
+        print(plot(result, out.with_suffix(".png"))[1])
     return 0
 
 

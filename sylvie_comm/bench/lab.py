@@ -104,7 +104,7 @@ class Lab(Launch):
 
     Args:
         workers: number of worker namespaces (ranks), at least 1.
-        link: ``100mbit``, ``1gbit``, ``10gbit`` or ``none`` (namespaces, not shaped).
+        link: ``10mbit``, ``100mbit``, ``1gbit``, ``10gbit`` or ``none`` (namespaces, not shaped).
         shaped: None (default): namespaces where possible, loopback otherwise; False: loopback
             (plain processes on 127.0.0.1); True: namespaces or :class:`LabError`.
         runid: names the run's namespaces (``sclab-<runid>-<i>``); default: ``<pid>-<random>``.

@@ -25,12 +25,13 @@ LAB_PREFIX = "sclab-"
 # milliseconds of traffic at the rate (at least rate / HZ, or tbf cannot reach
 # the rate), the latency bounds the queue.
 LINKS: dict[str, tuple[str, str] | None] = {
+    "10mbit": ("10mbit", "32kb"),
     "100mbit": ("100mbit", "128kb"),
     "1gbit": ("1gbit", "1mb"),
     "10gbit": ("10gbit", "8mb"),
     "none": None,
 }
-LINK_RATES_BPS: dict[str, float | None] = {"100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9, "none": None}
+LINK_RATES_BPS: dict[str, float | None] = {"10mbit": 10e6, "100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9, "none": None}
 TBF_LATENCY = "50ms"
 _IP_TIMEOUT = 20.0  # seconds one ip/tc command may take
 NETNS_ETC = Path("/etc/netns")  # ip netns exec NS bind-mounts /etc/netns/NS/<file> over /etc/<file>

@@ -524,13 +524,16 @@ def run(
     progress: bool = True,
     sync_every: int = DILOCO_EVERY,
     outer_lr: float = DILOCO_OUTER_LR,
+    method_steps: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """Run the no-comm bound and every method in one lab, each in fresh workers; return the record.
 
     ``steps`` (default: 600 for cnn, 300 for lm), ``eval_every`` (default 50 for cnn, 25 for lm), ``seed``: as
     the module says. ``eval_size``: cnn only, test on that many of the 10,000 test images (evenly spaced; default
     all). ``sync_every``, ``outer_lr``: the DiLoCo methods' inner steps between outer steps and
-    outer learning rate.
+    outer learning rate. ``method_steps``: training steps of a method other than ``steps`` (its schedule spans
+    them: a method with cheaper steps can be given more of them; the bound and, unless named, plain DDP take
+    ``steps``).
     ``timeout`` bounds the whole run (:class:`~sylvie_comm.bench.lab.LabError` past it). ``shaped`` as in
     :class:`~sylvie_comm.bench.lab.Lab` (None: the lab where possible, loopback otherwise). A method whose workers
     fail is reported in ``failed`` with their output's tail and the others go on; a failure of plain DDP or of the
@@ -545,6 +548,7 @@ def run(
     if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or not outer_lr > 0:
         raise ValueError(f"bench tta: outer_lr must be a positive number, got {outer_lr!r}")
     names = check_methods(list(methods) if methods is not None else default_methods(opt_name), opt_name)
+    method_steps = check_method_steps(method_steps, names)
     if eval_size is not None and workload != "cnn":
         raise ValueError(f"bench tta: eval_size is for the cnn workload only (lm validates on fixed windows), "
                          f"got {eval_size!r}")  # fmt: skip
@@ -571,9 +575,12 @@ def run(
                                 "collective_timeout": max(60.0, min(timeout, 600.0))}  # fmt: skip
         t0 = time.perf_counter()
         launch = None
-        with ProgressBar(base["progress"], len(runs) * steps, f"tta on {link}", "step", enabled=progress) as poll:
+        total = sum(method_steps.get(name, steps) for name in runs)
+        with ProgressBar(base["progress"], total, f"tta on {link}", "step", enabled=progress) as poll:
             for name in runs:
-                cfg = {**base, "method": name, "result": str(Path(tmp) / f"result-{name}.json")}
+                own = method_steps.get(name, steps)
+                cfg = {**base, "method": name, "result": str(Path(tmp) / f"result-{name}.json"), "steps": own,
+                       "workload_kw": {**kw, "steps": own}}  # fmt: skip
                 cfg_path = Path(tmp) / f"config-{name}.json"
                 cfg_path.write_text(json.dumps(cfg))
                 argv = [sys.executable, "-m", "sylvie_comm.bench.tta", "--worker", str(cfg_path)]
@@ -603,7 +610,19 @@ def run(
     return record(raw, link=link, workload=workload, optimizer=opt_name, steps=steps, eval_every=eval_every,
                   seed=seed, eval_size=eval_size, parameters=sum(p.numel() for p in probe.parameters()),
                   lab_info=lab_info, failed=failed, skipped=skipped, wall=wall, loads=loads,
-                  sync_every=sync_every, outer_lr=outer_lr)  # fmt: skip
+                  sync_every=sync_every, outer_lr=outer_lr, method_steps=method_steps)  # fmt: skip
+
+
+def check_method_steps(method_steps: Mapping[str, int] | None, names: Sequence[str]) -> dict[str, int]:
+    """``method_steps`` as a dict: each name one of the methods run, each count an integer >= 1; ValueError
+    naming the value otherwise."""
+    out: dict[str, int] = {}
+    for name, count in (method_steps or {}).items():
+        if name not in names:
+            raise ValueError(f"bench tta: method_steps names {name!r}, which is not among the methods run "
+                             f"({', '.join(names)})")  # fmt: skip
+        out[name] = _check_int(f"method_steps[{name!r}]", count, 1)
+    return out
 
 
 def workload_facts(workload: str, optimizer: str) -> dict[str, Any]:
@@ -617,12 +636,15 @@ def record(raw: Mapping[str, Sequence[Mapping[str, Any]]], *, link: str, workloa
            eval_every: int, seed: int, eval_size: int | None, parameters: int, lab_info: dict[str, Any],
            failed: Mapping[str, str], skipped: Mapping[str, str], wall: float,
            loads: Mapping[str, Sequence[float]] | None = None,
-           sync_every: int = DILOCO_EVERY, outer_lr: float = DILOCO_OUTER_LR) -> dict[str, Any]:  # fmt: skip
+           sync_every: int = DILOCO_EVERY, outer_lr: float = DILOCO_OUTER_LR,
+           method_steps: Mapping[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
     """The run's record from each method's per-rank figures (``raw``, the bound under ``no-comm``; plain needed);
-    ``loads``: the machine's 1, 5 and 15 minute load averages as each method started."""
+    ``loads``: the machine's 1, 5 and 15 minute load averages as each method started; ``method_steps``: the
+    methods that trained other than ``steps`` steps."""
     facts = workload_facts(workload, optimizer)
-    merged = {name: {"label": label(name, steps, sync_every, outer_lr), **merge_ranks(per_rank),
-                     "loadavg_at_start": (loads or {}).get(name)}
+    own = dict(method_steps or {})
+    merged = {name: {"label": label(name, own.get(name, steps), sync_every, outer_lr), **merge_ranks(per_rank),
+                     "steps": own.get(name, steps), "loadavg_at_start": (loads or {}).get(name)}
               for name, per_rank in raw.items()}  # fmt: skip
     bound = merged.pop(BOUND)
     for key in ("curve", "final_metric", "replicas_equal"):
@@ -664,7 +686,8 @@ NOTES = [
     "evaluation reached it. Not interpolated: a time is one observed at an evaluation point.",
     "ratio: time to target over plain DDP's own (below 1: sooner); gap: final metric minus plain DDP's.",
     "step ms: the median over the steps of the slowest rank's step (batch, forward, backward with DDP's "
-    "collectives, optimizer step); train s: the training wall time of the whole run.",
+    "collectives, optimizer step); train s: the training wall time of the whole run; steps: the steps the method "
+    "trained (its learning-rate schedule spans them).",
     "MB sent/recv: bytes that left and reached each worker's eth0 over the run (mean of the 2 ranks; TCP/IP "
     "headers, gloo's control and the barriers at evaluation points included; lab only, none on loopback).",
     "no-comm: DDP with a hook that sends nothing (each rank keeps its own gradient: not data-parallel, no "
@@ -701,8 +724,8 @@ def format_table(rec: Mapping[str, Any]) -> str:
         f"{'-' if plain_t is None else f'{plain_t:.1f}'} s",
         "",
         f"| method | final {'acc %' if hib else 'val loss'} | gap to plain | time to target s | ratio to plain "
-        "| MB sent/recv per rank | step ms | train s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| MB sent/recv per rank | step ms | train s | steps |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, c in rec["methods"].items():
         t = c["time_to_target_s"]
@@ -712,11 +735,11 @@ def format_table(rec: Mapping[str, Any]) -> str:
             f"| {name} | {_metric(c['final_metric'], hib)} | {'-' if name == PLAIN else gap} "
             f"| {'never' if t is None else f'{t:.1f}'} | {'never' if t is None else ratio} "
             f"| {_mb(c['bytes_sent'])}/{_mb(c['bytes_received'])} | {1e3 * c['median_step_s']:.1f} "
-            f"| {c['train_s']:.1f} |"
+            f"| {c['train_s']:.1f} | {c.get('steps', rec['steps'])} |"
         )
     b = rec["bound"]
     lines.append(f"| {BOUND} (bound) | - | - | - | - | {_mb(b['bytes_sent'])}/{_mb(b['bytes_received'])} "
-                 f"| {1e3 * b['median_step_s']:.1f} | {b['train_s']:.1f} |")  # fmt: skip
+                 f"| {1e3 * b['median_step_s']:.1f} | {b['train_s']:.1f} | {rec['steps']} |")  # fmt: skip
     check = rec["bound_check"]
     factor = f"{check['factor']:g}x"
     enough = f"at least {factor}, the link is the bottleneck" if check["at_least_factor"] else f"below {factor}"

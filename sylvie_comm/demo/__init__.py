@@ -107,7 +107,7 @@ def run(
         gnn_nproc: GNN processes, one graph partition each (default 4).
         echo: receives the report, a few lines at a time.
         lab: run the lab part (DDP on a shaped link; default True).
-        lab_link, lab_workers, lab_steps, lab_model: its link (``100mbit``, ``1gbit``, ``10gbit``,
+        lab_link, lab_workers, lab_steps, lab_model: its link (``10mbit``, ``100mbit``, ``1gbit``, ``10gbit``,
             ``none``), workers, measured steps per codec and workload (``mlp_17m``, ``lm``, ``small``).
         plot: where the lab part saves its plot of speedup over S-SGD (PNG; None: no plot).
 

@@ -102,9 +102,10 @@ def exact_mean(world: int, step: int, shard: int, data: Data = grad) -> torch.Te
     return (sum(data(r, step, world, shard).double() for r in range(world)) / world).view(world, shard)
 
 
-def qsgd_row_bytes(layout: ShardLayout, bits: int = 4) -> int:
+def qsgd_row_bytes(layout: ShardLayout, bits: int = 4, merge: int = 1) -> int:
     """What a rank sends each peer: fp32 scale and minimum per row (per 2048-block of a vector's slice) and the
-    raw segments' values, then the packed values, padded to whole words."""
+    raw segments' values, then the packed values, padded to whole words; ``merge``: rows taken that many at a
+    time (what qsgd's ``block`` option makes of them; a vector's blocks as they are)."""
     words = packed = 0
     for seg in layout.segments:
         if not seg.compress:
@@ -112,7 +113,7 @@ def qsgd_row_bytes(layout: ShardLayout, bits: int = 4) -> int:
             continue
         b = seg.options.get("bits", bits)
         if seg.row > 1:
-            blocks = [(seg.numel // seg.row, seg.row)]
+            blocks = [(seg.numel // seg.row // merge, seg.row * merge)]
         else:
             blocks = [(seg.numel // BLOCK, BLOCK), (1, seg.numel % BLOCK)]
         for rows, cols in blocks:

@@ -5,14 +5,17 @@ the same residuals, at every width and with the feedback off."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
 import torch
 
 from sylvie_comm.algorithms import Group, Member, make_algorithm
+from sylvie_comm.algorithms.qsgd import QSGDAlgorithm, merged_rows
 from sylvie_comm.codecs.feedback import ErrorFeedback
 from sylvie_comm.codecs.quant import QBitCodec
+from sylvie_comm.collectives.accounting import Meter, Stats
 from sylvie_comm.collectives.local import run_local
 
 SHAPES = {"w": (6, 10), "conv": (4, 3, 2, 2), "b": (7,)}
@@ -45,9 +48,19 @@ def run(world: int, options: dict[str, Any]) -> list[dict[str, Any]]:
     return run_local(world, body)
 
 
-def reference(world: int, bits: int, feedback: bool, seeds: list[dict[str, int]]) -> tuple[list[Any], list[Any]]:
+def row_size(shape: tuple[int, ...], block: int) -> int | None:
+    """The codec's rows for ``block``: a tensor's own rows (None) at 1, else the merged rows' length."""
+    if block == 1:
+        return None
+    rows, cols = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
+    return merged_rows(rows, cols, block)[1]
+
+
+def reference(world: int, bits: int, feedback: bool, seeds: list[dict[str, int]],
+              block: int = 1) -> tuple[list[Any], list[Any]]:  # fmt: skip
     efs = [ErrorFeedback() for _ in range(world)]
-    codecs = [{n: QBitCodec(bits=bits, seed=seeds[r][n]) for n in SHAPES} for r in range(world)]
+    codecs = [{n: QBitCodec(bits=bits, seed=seeds[r][n], row_size=row_size(shape, block))
+               for n, shape in SHAPES.items()} for r in range(world)]  # fmt: skip
     outs = []
     for step in range(STEPS):
         encoded = []
@@ -72,9 +85,11 @@ def reference(world: int, bits: int, feedback: bool, seeds: list[dict[str, int]]
 @pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("feedback", [True, False])
-def test_qsgd_gives_the_codecs_bits_and_residuals(world: int, bits: int, feedback: bool) -> None:
-    got = run(world, {"bits": bits, "error_feedback": feedback})
-    want, residuals = reference(world, bits, feedback, [g["seeds"] for g in got])
+@pytest.mark.parametrize("block", [1, 20])
+def test_qsgd_gives_the_codecs_bits_and_residuals(world: int, bits: int, feedback: bool, block: int) -> None:
+    """``block`` 20: w's rows two at a time (3 x 20), conv's (2 x 24), the vector one row as before."""
+    got = run(world, {"bits": bits, "error_feedback": feedback, "block": block})
+    want, residuals = reference(world, bits, feedback, [g["seeds"] for g in got], block)
     for rank in range(world):
         for step in range(STEPS):
             for n in SHAPES:
@@ -82,3 +97,36 @@ def test_qsgd_gives_the_codecs_bits_and_residuals(world: int, bits: int, feedbac
         if feedback:
             for n in SHAPES:
                 assert torch.equal(got[rank]["residuals"][n], residuals[rank][n]), (rank, n)
+
+
+def test_merged_rows_take_the_fewest_whole_rows_that_reach_the_block() -> None:
+    assert merged_rows(384, 128, 1) == (384, 128)  # the default: each row its own
+    assert merged_rows(384, 128, 2048) == (24, 2048)  # 16 rows at a time
+    assert merged_rows(6, 10, 20) == (3, 20) and merged_rows(6, 10, 25) == (2, 30)  # 3 divides 6, 3 x 10 >= 25
+    assert merged_rows(7, 10, 20) == (1, 70)  # no divisor of 7 reaches 20 below 7: the whole tensor
+    assert merged_rows(4, 4096, 2048) == (4, 4096) and merged_rows(1, 100, 2048) == (1, 100)
+
+
+def test_a_larger_block_sends_fewer_scales() -> None:
+    """8 bytes (an fp32 scale and minimum) fewer per merged row, the packed values the same."""
+
+    def sent(block: int) -> int:
+        def body(tr: Any) -> int:
+            alg = make_algorithm("qsgd", tr, {"bits": 2, "block": block}, seed=0)
+            t = torch.randn(64, 32, generator=torch.Generator().manual_seed(tr.rank))
+            stats = Stats()
+            alg(Group(0, [Member("w", t)], flat=t.view(-1)), 0, Meter(2, stats, 0)).wait()
+            alg.close()
+            return int(stats.summary(1)["bytes_sent"])
+
+        return run_local(2, body)[0]
+
+    # 64 rows of 32 values at 2 bits: 8 packed bytes + 8 of metadata a row; block 256: 8 rows of 256.
+    assert sent(1) == 64 * (8 + 8) and sent(256) == 8 * (64 + 8)
+
+
+@pytest.mark.parametrize("block", [0, -2, 1.5, True, "2048"])
+def test_a_bad_block_is_refused_naming_it(block: Any) -> None:
+    said = rf"qsgd: block must be an integer >= 1 \(values per scale and minimum\), got {block!r}"
+    with pytest.raises(ValueError, match=said):
+        QSGDAlgorithm.validate_options({"block": block})

@@ -17,12 +17,29 @@ def test_runs_are_parsed_or_refused_naming_the_run() -> None:
             bd._parse(bad)
     with pytest.raises(ValueError, match=r"steps \(10\) must be a multiple of every H \(run 'none:4'\)"):
         bd.measure(10, 2, "ddp,none:4")
+    with pytest.raises(ValueError, match="seed must be an integer >= 0, got -1"):
+        bd.measure(4, 2, "ddp", seed=-1)
+    with pytest.raises(ValueError, match=r"eval_every must be an integer >= 0 \(0: at the end only\), got -2"):
+        bd.measure(4, 2, "ddp", eval_every=-2)
 
 
-def test_a_few_steps_of_each_run_against_plain_data_parallel() -> None:
-    result = bd.measure(4, 2, "ddp,none:2,qsgd2:2:0.5:0.5")
+def test_a_few_steps_of_each_run_against_plain_data_parallel(tmp_path) -> None:
+    result = bd.measure(4, 2, "ddp,none:2,qsgd2:2:0.5:0.5,qsgd2-block:4", eval_every=2)
     rows = {r["run"]: r for r in result["rows"]}
-    assert list(rows) == ["ddp", "none:2", "qsgd2:2:0.5:0.5"]
+    assert list(rows) == ["ddp", "none:2", "qsgd2:2:0.5:0.5", "qsgd2-block:4"]
+    # The curve: the initial model, every 2nd step where an outer step ends, the end.
+    assert [s for s, _ in rows["none:2"]["curve"]] == [0, 2, 4] and [s for s, _ in rows["ddp"]["curve"]] == [0, 2, 4]
+    assert [s for s, _ in rows["qsgd2-block:4"]["curve"]] == [0, 4]
+    assert len({r["curve"][0][1] for r in rows.values()}) == 1  # the same initial weights
+    assert all(r["curve"][-1][1] == r["val_loss"] for r in rows.values())
+    # One scale per >= 2,048 values: fewer bytes than a scale per row, the same packed values.
+    # Per outer step, against fp32's 16x at 2 bits: the model's rows (a scale and a minimum per row) leave about
+    # 14.3x; whole tensors' blocks of >= 2,048 values leave over 15.6x, 250x at H=16.
+    per_row = rows["qsgd2:2:0.5:0.5"]["fewer_bytes_than_ddp"] / 2
+    block = rows["qsgd2-block:4"]["fewer_bytes_than_ddp"] / 4
+    assert per_row < 14.5 and 16 * block >= 250 and block < 16
+    path, message = bd.plot(result, tmp_path / "run.png")
+    assert message == f"wrote {path}" and path.stat().st_size > 0
     assert rows["ddp"]["loss_vs_ddp"] == 1.0 and rows["ddp"]["fewer_bytes_than_ddp"] == 1.0
     assert rows["none:2"]["fewer_bytes_than_ddp"] == pytest.approx(2.0)  # fp32, every 2nd step
     assert rows["qsgd2:2:0.5:0.5"]["fewer_bytes_than_ddp"] > 2 * 10

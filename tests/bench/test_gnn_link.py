@@ -111,7 +111,7 @@ def test_rounds_pool_the_measured_epochs_of_the_slowest_rank():
 def test_bad_values_are_named(capsys):
     from sylvie_comm import cli
 
-    with pytest.raises(ValueError, match=r"unknown link 'fast'; valid: 100mbit, 1gbit, 10gbit, none"):
+    with pytest.raises(ValueError, match=r"unknown link 'fast'; valid: 10mbit, 100mbit, 1gbit, 10gbit, none"):
         gl.run(["none", "fast"], 2, 2)
     with pytest.raises(ValueError, match=r"unknown link 'fast'"):
         gl.run("none,fast", 2, 2)
@@ -127,7 +127,7 @@ def test_bad_values_are_named(capsys):
         gl.run(["none"], 2, 2, rounds=0)
     assert gl.check_links(None) == ["100mbit", "1gbit", "none"]
     for argv, message in (
-        (["--link", "fast"], "unknown link 'fast'; valid: 100mbit, 1gbit, 10gbit, none"),
+        (["--link", "fast"], "unknown link 'fast'; valid: 10mbit, 100mbit, 1gbit, 10gbit, none"),
         (["--link", "none", "--settings", "zip"], "unknown GNN setting 'zip'"),
         (["--link", "none", "--workers", "0"], "expected a positive integer, got '0'"),
     ):

@@ -84,6 +84,14 @@ def test_the_methods_plain_first_then_pytorchs_hooks_every_algorithm_and_the_opt
         ({"methods": ["plain", "zip"]}, "unknown method 'zip'"),
         ({"workload": "lm", "eval_size": 100}, "eval_size is for the cnn workload only"),
         ({"timeout": 0.0}, "timeout must be positive seconds, got 0.0"),
+        (
+            {"methods": ["plain", "qsgd"], "method_steps": {"diloco": 900}},
+            "method_steps names 'diloco', which is not among the methods run \\(plain, qsgd\\)",
+        ),
+        (
+            {"methods": ["plain", "qsgd"], "method_steps": {"qsgd": 0}},
+            "method_steps\\['qsgd'\\] must be an integer >= 1",
+        ),
     ],
 )
 def test_bad_input_is_an_error_naming_the_value_before_any_lab(kwargs: dict[str, Any], message: str):
@@ -100,6 +108,14 @@ def test_bad_input_is_an_error_naming_the_value_before_any_lab(kwargs: dict[str,
         (["--link", "100mbit", "--methods", "plain,zip"], "argument --methods: unknown method 'zip'"),
         (["--link", "100mbit", "--workload", "vit"], "argument --workload: invalid choice: 'vit'"),
         (["--steps", "10"], "the following arguments are required: --link"),
+        (
+            ["--link", "100mbit", "--method-steps", "diloco"],
+            "argument --method-steps: expected NAME=STEPS with STEPS a positive integer, got 'diloco'",
+        ),
+        (
+            ["--link", "100mbit", "--method-steps", "diloco=0"],
+            "argument --method-steps: expected NAME=STEPS with STEPS a positive integer, got 'diloco=0'",
+        ),
     ],
 )
 def test_the_command_line_names_a_bad_value(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]):
@@ -174,6 +190,14 @@ def test_each_method_against_plain_in_the_same_run():
     assert qsgd["loadavg_at_start"] is None  # not given
 
 
+def test_a_method_given_its_own_steps_says_so():
+    rec = _record(_raw(), method_steps={"qsgd": 8})
+    assert rec["methods"]["qsgd"]["steps"] == 8 and rec["methods"]["plain"]["steps"] == rec["steps"] == 4
+    rows = tta.format_table(rec).splitlines()
+    assert next(r for r in rows if r.startswith("| qsgd |")).endswith("| 8 |")
+    assert next(r for r in rows if r.startswith("| plain |")).endswith("| 4 |")
+
+
 def test_a_loss_is_lower_is_better():
     raw = _raw()
     for per_rank in raw.values():
@@ -211,10 +235,10 @@ def test_the_table_from_fabricated_figures(tmp_path):
     header = next(line for line in lines if line.startswith("| method |"))
     rows = [line for line in lines if line.startswith("| ") and line != header]
     assert len(rows) == 4 and all(line.count("|") == header.count("|") for line in rows)
-    assert "| plain | 80.00 | - | 8.0 | 1.00x | 8.0/8.0 | 2000.0 | 8.0 |" in rows
-    assert "| qsgd | 81.00 | +1.00 | 1.0 | 0.12x | 1.0/1.0 | 500.0 | 2.0 |" in rows
-    assert "| onebit | 75.00 | -5.00 | never | never | 0.5/0.5 | 500.0 | 2.0 |" in rows
-    assert "| no-comm (bound) | - | - | - | - | 0.0/0.0 | 50.0 | 0.2 |" in rows
+    assert "| plain | 80.00 | - | 8.0 | 1.00x | 8.0/8.0 | 2000.0 | 8.0 | 4 |" in rows
+    assert "| qsgd | 81.00 | +1.00 | 1.0 | 0.12x | 1.0/1.0 | 500.0 | 2.0 | 4 |" in rows
+    assert "| onebit | 75.00 | -5.00 | never | never | 0.5/0.5 | 500.0 | 2.0 | 4 |" in rows
+    assert "| no-comm (bound) | - | - | - | - | 0.0/0.0 | 50.0 | 0.2 | 4 |" in rows
     assert "plain DDP's step (2000.0 ms) is 40.00x the no-comm bound (50.0 ms): at least 2x, the link is the " in table
     assert "skipped csgd: sylvie_comm.optim has no CompressedSGD" in table
     assert "FAILED sign: RuntimeError: gloo broke (the workers' output in the JSON: failed)" in table
@@ -367,18 +391,20 @@ def test_two_methods_and_the_bound_in_the_lab():
     need("fashion-mnist")
     steps, params = 24, 225034
     rec = tta.run("100mbit", "cnn", steps=steps, eval_every=8, methods=["plain", "qsgd"], eval_size=500,
-                  timeout=300, echo=None, progress=False)  # fmt: skip
+                  timeout=300, echo=None, progress=False, method_steps={"qsgd": 32})  # fmt: skip
     assert rec["lab"]["shaped"] and rec["failed"] == {} and list(rec["methods"]) == ["plain", "qsgd"]
     plain, qsgd, bound = rec["methods"]["plain"], rec["methods"]["qsgd"], rec["bound"]
-    for c in (plain, qsgd):
-        assert [p["step"] for p in c["curve"]] == [0, 8, 16, 24] and c["replicas_equal"]
-        assert len(c["step_s"]) == steps and c["train_s"] == pytest.approx(sum(c["step_s"]), rel=0.2)
+    for c, own in ((plain, steps), (qsgd, 32)):  # qsgd given more steps than the run's
+        assert [p["step"] for p in c["curve"]] == list(range(0, own + 1, 8)) and c["replicas_equal"]
+        assert c["steps"] == own and len(c["step_s"]) == own
+        assert c["train_s"] == pytest.approx(sum(c["step_s"]), rel=0.2)
         assert c["eval_s"] > 0 and c["curve"][0]["seconds"] == 0.0
+    assert len(bound["step_s"]) == steps
     assert plain["curve"][0]["metric"] == qsgd["curve"][0]["metric"]  # the same initial weights
     assert rec["target"] == plain["final_metric"] and plain["time_to_target_s"] is not None
     # Each rank's eth0: plain's fp32 all-reduce of every gradient each step (at 2 ranks, the whole buffer out).
     assert min(plain["bytes_sent"]) > steps * params * 4 and min(plain["bytes_received"]) > steps * params * 4
-    assert max(qsgd["bytes_sent"]) < min(plain["bytes_sent"]) / 3  # 4 bits after 2 fp32 warm-up steps
+    assert max(qsgd["bytes_sent"]) < min(plain["bytes_sent"]) / 3  # 4 bits after 2 fp32 warm-up steps, 32 steps
     assert max(bound["bytes_sent"]) < 100_000 and bound["median_step_s"] < plain["median_step_s"]
     assert rec["bound_check"]["ratio"] == pytest.approx(plain["median_step_s"] / bound["median_step_s"])
-    assert "| qsgd |" in tta.format_table(rec)
+    assert "| qsgd |" in tta.format_table(rec) and tta.format_table(rec).count(f"| {steps} |") >= 2
