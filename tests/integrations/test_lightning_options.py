@@ -34,7 +34,7 @@ def test_the_ddp_strategy_refuses_what_the_hook_would_refuse() -> None:
     assert "ddp[acpsgd]: warmup_steps must be >= 2 with error feedback (got 0)" in msg, msg
     assert "unknown hook 'zip'" in _error(lambda: ddp("zip")), _error(lambda: ddp("zip"))
     msg = _error(lambda: ddp("qsgd", options={"ratio": 0.1}))
-    assert "qsgd: unknown option(s) ratio; valid: bits, error_feedback" in msg, msg
+    assert "qsgd: unknown option(s) ratio; valid: bits, block, error_feedback" in msg, msg
     # A per-name rule the algorithm cannot honour (checked by the hook's policy).
     cfg = sylvie_comm.Config.from_dict({"codec": "qsgd", "rules": [{"match": "fc.*", "options": {"rank": 2}}]})
     msg = _error(lambda: ddp(config=cfg))
