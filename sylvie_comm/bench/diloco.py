@@ -199,14 +199,15 @@ def plot(result: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
     if plt is None:
         return None, NO_MATPLOTLIB
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    for row in result["rows"]:
+    markers = "osD^v<>phX*"
+    for i, row in enumerate(result["rows"]):
         curve = row.get("curve") or []
-        left.plot([s for s, _ in curve], [v for _, v in curve], marker=".",
-                  linewidth=2.0 if row["run"] == "ddp" else 1.0, label=row["run"])  # fmt: skip
+        (line,) = left.plot([s for s, _ in curve], [v for _, v in curve], marker=".",
+                            linewidth=2.0 if row["run"] == "ddp" else 1.0, label=row["run"])  # fmt: skip
         if "loss_vs_ddp" in row and math.isfinite(row["fewer_bytes_than_ddp"]):
-            right.scatter(row["fewer_bytes_than_ddp"], row["loss_vs_ddp"], s=18)
-            right.annotate(row["run"], (row["fewer_bytes_than_ddp"], row["loss_vs_ddp"]), fontsize=7,
-                           xytext=(3, 3), textcoords="offset points")  # fmt: skip
+            # One colour per run as on the left, a marker of its own: runs close together stay apart in the legend.
+            right.scatter(row["fewer_bytes_than_ddp"], row["loss_vs_ddp"], s=30, color=line.get_color(),
+                          marker=markers[i % len(markers)], label=row["run"])  # fmt: skip
     left.set_xlabel("inner steps")
     left.set_ylabel("validation loss")
     left.legend(fontsize=7, ncol=2)
@@ -214,6 +215,7 @@ def plot(result: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
     right.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
     right.set_xlabel("fewer bytes sent than ddp (x, log)")
     right.set_ylabel("final validation loss / ddp's")
+    right.legend(fontsize=7, ncol=2)
     fig.suptitle(f"DiLoCo against data parallel: {result['world']} replicas, {result['steps']} inner steps, "
                  f"seed {result.get('seed', 0)}", fontsize=10)  # fmt: skip
     fig.tight_layout()
