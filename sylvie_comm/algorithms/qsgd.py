@@ -39,7 +39,7 @@ def merged_rows(rows: int, cols: int, block: int) -> tuple[int, int]:
     the same memory viewed otherwise. ``block`` 1 leaves them as they are."""
     if cols >= block or rows <= 1:
         return rows, cols
-    k = next((k for k in range(1, rows + 1) if rows % k == 0 and k * cols >= block), rows)
+    k = next((k for k in range(-(-block // cols), rows) if rows % k == 0), rows)  # k * cols >= block from the first
     return rows // k, k * cols
 
 

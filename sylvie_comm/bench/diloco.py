@@ -97,7 +97,7 @@ def _run_rank(transport: Any, run: str, steps: int, seed: int = 0, eval_every: i
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     gen = torch.Generator().manual_seed(1000 * (seed + 1) + rank)
-    batches = _validation()
+    batches = _validation() if rank == 0 else []  # rank 0 evaluates
     curve = []
     diloco = None
     if name != "ddp":

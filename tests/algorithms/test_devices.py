@@ -33,8 +33,9 @@ def tensors_of(state: Any) -> list[torch.Tensor]:
     return []
 
 
-def run_on(device: torch.device, name: str, world: int, flat: bool = True) -> list[dict[str, Any]]:
-    config = Config(codec=name)
+def run_on(device: torch.device, name: str, world: int, flat: bool = True,
+           options: dict[str, Any] | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    config = Config(codec=name, options=options or {})
 
     def body(tr: Any) -> dict[str, Any]:
         alg = make_algorithm(name, tr, config.options)
@@ -71,6 +72,13 @@ def test_every_algorithm_runs_with_its_tensors_on_the_meta_device(name: str, wor
         assert all(t.device == META for t in r["state"]), (name, {t.device for t in r["state"]})
         if ALGORITHMS[name].error_feedback and name != "auto":
             assert r["state"], f"{name} kept no state"
+
+
+def test_qsgd_merged_rows_run_on_the_meta_device() -> None:
+    """qsgd's ``block``: rows viewed under fewer scales, the no-feedback encode too, with no buffer off ``meta``."""
+    for options in ({"block": 64}, {"block": 64, "error_feedback": False}):
+        for r in run_on(META, "qsgd", 2, True, options):
+            assert all(t.device == META for t in r["outs"] + r["state"]), options
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))

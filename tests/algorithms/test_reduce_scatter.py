@@ -89,6 +89,20 @@ def test_the_shard_stays_on_the_inputs_device(name):
     assert all(out.device.type == "meta" for out in run_local(2, body))
 
 
+def test_qsgd_block_keeps_the_shard_on_the_inputs_device():
+    """Merged rows (``a.weight``'s 3 rows under one scale) and wider vector blocks on ``meta``."""
+
+    def body(tr: Any) -> torch.Tensor:
+        alg = make_algorithm("qsgd", tr, {"block": 4096})
+        out = torch.empty(UNIT, device="meta")
+        for step in range(2):  # the residual made, then read
+            alg.reduce_scatter(torch.empty(2 * UNIT, device="meta"), out, step, None, LAYOUT).wait()
+        alg.close()
+        return out
+
+    assert all(out.device.type == "meta" for out in run_local(2, body))
+
+
 def test_algorithms_without_a_form_are_refused_with_the_reason():
     having = [n for n, cls in ALGORITHMS.items() if cls.shards]
     assert having == ["none", "fp16", "bf16", "onebit", "qsgd"]
