@@ -50,6 +50,7 @@ MONITOR_DEFAULTS: dict[str, Any] = {
     "patience": 2,
     "adapt": False,
     "budget": 2.0,
+    "share": 0.02,
 }
 
 # Bounds on a YAML config (Config.from_yaml). A real one is a few hundred bytes and a few dozen nodes;
@@ -91,7 +92,7 @@ def check_monitor(monitor: Any) -> dict[str, Any]:
         v = out[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f"config: monitor {key} must be an integer >= {low}, got {v!r}")
-    for key, rule in (("max_lag", "> 0"), ("max_error", "> 0"), ("budget", ">= 1")):
+    for key, rule in (("max_lag", "> 0"), ("max_error", "> 0"), ("budget", ">= 1"), ("share", "> 0")):
         v = out[key]
         number = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
         if not number or not (v >= 1 if key == "budget" else v > 0):

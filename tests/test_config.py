@@ -69,3 +69,18 @@ def test_shipped_example_configs_load():
 
     for path in sorted((Path(__file__).parents[1] / "examples" / "configs").glob("*.yaml")):
         Config.from_yaml(path)
+
+
+def test_the_monitor_guide_lists_every_setting_with_its_default():
+    """docs/guide/monitor.md's settings table is MONITOR_DEFAULTS: the same names, the same defaults."""
+    import re
+    from pathlib import Path
+
+    from sylvie_comm.config import MONITOR_DEFAULTS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "monitor.md").read_text()
+    table = text.split("## Settings", 1)[1]
+    rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+?) \|", table, flags=re.M))
+    assert set(rows) == set(MONITOR_DEFAULTS)
+    for name, default in MONITOR_DEFAULTS.items():
+        assert rows[name] == str(default).lower(), (name, rows[name], default)

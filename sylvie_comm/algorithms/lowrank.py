@@ -94,22 +94,22 @@ class LowRankAlgorithm(Algorithm):
         op = oq = 0
         for m, (n, k), r in zip(comp, shapes, ranks, strict=True):
             p, q = pbuf[op : op + n * r].view(n, r), qbuf[oq : oq + k * r].view(k, r)
-            if m.name in self._factors and self._factors[m.name][0].shape == p.shape:  # regrouped: carried over
-                old_p, old_q = self._factors[m.name]
-                p.copy_(old_p)
-                q.copy_(old_q)
-            elif m.name in self._factors:  # its rank changed (the monitor's adaptation): keep what fits
-                old_p, old_q = self._factors[m.name]
+            # The factors it has: carried over from its last group, or a checkpoint's (whose residual owes
+            # nothing: state_dict applied what was owed).
+            old = self._factors.get(m.name)
+            if old is None and m.name in self._loaded:
+                old = (self._loaded[m.name]["p"], self._loaded[m.name]["q"])
+            if old is not None and old[0].shape == p.shape:  # regrouped, or resumed: carried over
+                p.copy_(old[0])
+                q.copy_(old[1])
+            elif old is not None:  # its rank changed (the monitor's adaptation, live or at a resume): keep what fits
                 self._settle_owed(m.name)
                 p0, q0 = self._init_factors(m)
-                keep = min(r, old_p.shape[1])
+                keep = min(r, old[0].shape[1])
                 p.copy_(p0)
                 q.copy_(q0)
-                p[:, :keep].copy_(old_p[:, :keep])
-                q[:, :keep].copy_(old_q[:, :keep])
-            elif m.name in self._loaded:
-                p.copy_(self._loaded[m.name]["p"])
-                q.copy_(self._loaded[m.name]["q"])
+                p[:, :keep].copy_(old[0][:, :keep])
+                q[:, :keep].copy_(old[1][:, :keep])
             else:
                 p0, q0 = self._init_factors(m)
                 p.copy_(p0)
@@ -206,7 +206,11 @@ class LowRankAlgorithm(Algorithm):
         """``||E - P' Q'^T||^2`` and ``<E - P' Q'^T, other>`` without forming the owed product."""
         res = self._residuals.get(name)
         if res is None:
-            return None
+            res = self._loaded_residual(name)  # resumed, not placed in a group yet: it owes nothing
+            if res is None:
+                return None
+            if other is not None:
+                res = res.to(other.device)
         flat = res.reshape(-1)
         sq = torch.dot(flat, flat)  # one pass, no temporary
         dot = torch.zeros((), device=res.device)
@@ -221,9 +225,14 @@ class LowRankAlgorithm(Algorithm):
                 dot = dot - ((m @ q) * p).sum()
         return sq, dot
 
+    def _loaded_residual(self, name: str) -> torch.Tensor | None:
+        """A checkpoint's residual of ``name`` not yet placed in a group (a copy), or None."""
+        loaded = self._loaded.get(name)
+        return None if loaded is None else loaded["residual"].clone()
+
     def forget(self, name: str) -> torch.Tensor | None:
         self.guard.settle()
-        res = self._residual(name) if name in self._residuals else None
+        res = self._residual(name) if name in self._residuals else self._loaded_residual(name)
         for store in (self._factors, self._residuals, self._pending, self._pending_bufs, self._loaded):
             store.pop(name, None)
         self.relayout()

@@ -107,6 +107,10 @@ class Monitor:
         self.patience: int = s["patience"]
         self.adapt: bool = s["adapt"]
         self.budget: float = float(s["budget"])
+        # The exact check's share of the traffic it watches: its fp32 window is at most this fraction of the bytes
+        # the checked group (or FSDP unit) sent compressed since the check before (2% by default, whatever the
+        # model), plus 24 bytes per tensor per check for the ranks' figures.
+        self.share: float = float(s["share"])
         # The checks: at ``first`` compressed steps, then at gaps that double up to ``period`` (10, 30, 70, 120,
         # 170, ... at the defaults), so a codec that is hurting a model is caught in its first steps, when the
         # harm is largest, and the steady state costs what ``period`` says.
@@ -130,7 +134,13 @@ class Monitor:
         self._flush: set[str] = set()  # names gone raw whose residual still has to be sent
         self._carry: set[str] = set()  # names whose residual is sent with their next gradient (auto moved them)
         self._rewritten: dict[Any, ShardLayout] = {}  # per layout key, the last layout its decisions made
-        self.checks = 0
+        self.checks = 0  # check steps (a step's groups are one check)
+        self._checked_at: int | None = None  # the step the last check was counted at
+        # Verdicts of the last check (name, "up" or "down", figure, bound), applied in name order before the next
+        # step's first group, so the decisions do not depend on how the step's tensors were grouped
+        # (a framework's first step after a resume groups them its own way: DDP rebuilds its buckets).
+        self._verdicts: list[tuple[str, str, float, float]] = []
+        self._verdicts_at: int | None = None  # the step that judged them (None: a checkpoint's, applied first)
         self.bytes = 0
         self.events: list[str] = []
         self._loaded: dict[str, Mapping[str, Any]] = {}  # figures of a checkpoint, for tensors not yet seen
@@ -182,6 +192,8 @@ class Monitor:
     def around(self, group: Group, step: int, meter: Meter, run: Any) -> Future[None]:
         """Run ``run(group)`` (the algorithm on ``group`` with adaptation's decisions applied) with this
         step's measurements around it."""
+        if self._verdicts and step != self._verdicts_at:
+            self._apply_verdicts()
         due, measures = self.due(step), self.measures(step)
         if not due and not measures:  # most steps: adaptation's decisions only, no measurement
             plain: Future[None] = run(self.rewrite(group))
@@ -204,7 +216,8 @@ class Monitor:
             inner = alg.residual_inner(m.name, g)
             g2 = torch.dot(g, g)
             before[m.name] = (g2, g2 if inner is None else g2 + 2 * inner[1] + inner[0])  # none yet: r = 0
-        exact = self._exact_launch(group.key, comp, meter) if due else None
+        exact = self._exact_launch(group.key, comp, meter, self._allowance(step, [
+            (m.tensor.shape, m.options) for m in comp])) if due else None  # fmt: skip
 
         def after(_: Future[None]) -> None:
             with self._lock:
@@ -235,6 +248,8 @@ class Monitor:
         at the checks the exact mean of a window of every shard (an fp32 all-reduce of a copy of that window of
         ``flat``, on the channel) against ``out``'s. Adaptation rewrites the segments' options, or sends a
         segment raw (its residual added to ``flat`` once)."""
+        if self._verdicts and step != self._verdicts_at:
+            self._apply_verdicts()
         w = self.algorithm.world_size
         shard = out.numel()
         rows = flat.reshape(w, shard)
@@ -264,12 +279,17 @@ class Monitor:
             g2 = torch.dot(g, g)
             before[m.name] = (g2, g2 if inner is None else g2 + 2 * inner[1] + inner[0])
         exact = launched = None
-        size = min(shard, EXACT_ELEMENTS)
+        size = 0
+        if self.due(step):
+            size = min(shard, EXACT_ELEMENTS, self._allowance(step, [(residual_shape(g, 1), g.options) for g in comp],
+                                                              copies=w) // w)  # fmt: skip
         at = (self.checks * size) % shard if shard > size else 0
         at = min(at, shard - size)
         if self.due(step) and size:
             # Every shard's window [at, at + size): one all-reduce gives each rank the exact mean of its own.
-            exact = rows[:, at : at + size].float().contiguous()  # a copy: the algorithm may change flat
+            # A copy, always: the all-reduce sums it in place while the algorithm reads ``flat`` (a window of the
+            # whole shard of fp32 would otherwise be ``flat`` itself, and the ranks' gradients summed into it).
+            exact = rows[:, at : at + size].to(torch.float32, memory_format=torch.contiguous_format, copy=True)
             if self._channel is not None:
                 meter.collective("all_reduce", exact)
                 self.bytes += wire_bytes("all_reduce", 4 * exact.numel(), w)
@@ -338,20 +358,36 @@ class Monitor:
 
         self.algorithm.guard.on_settle(add)
 
-    def _exact_launch(self, key: int, comp: list[Member], meter: Meter) -> Any:
-        """The exact fp32 average of ``sample`` tensors of the group (in turn), at most :data:`EXACT_ELEMENTS` of
-        each (a window that moves from check to check), launched on the channel."""
+    def _allowance(self, step: int, tensors: list[tuple[Any, Mapping[str, Any]]], copies: int = 1) -> int:
+        """Elements the exact check at compressed step ``step`` may all-reduce: ``share`` of the bytes
+        the checked ``(shape, options)`` tensors (each ``copies`` times: a reduce-scatter's every shard) sent
+        since the check before, in fp32. A function of the step and the layout only: every rank, and a resumed
+        run, finds the same."""
+        i = bisect.bisect_left(self._ramp, step)  # past the ramp, checks are ``period`` apart
+        since = self.period if i >= len(self._ramp) else step - (self._ramp[i - 1] if i > 0 else 0)
+        sent = sum(math.prod(shape) * copies * self.algorithm.bytes_per_element(tuple(shape), options)
+                   for shape, options in tensors)  # fmt: skip
+        return int(self.share * max(since, 1) * sent / 4)
+
+    def _exact_launch(self, key: int, comp: list[Member], meter: Meter, allowance: int) -> Any:
+        """The exact fp32 average of ``sample`` tensors of the group (in turn), of at most :data:`EXACT_ELEMENTS`
+        elements of each and ``allowance`` in all (a window that moves from check to check), launched on the
+        channel; None where the allowance holds no element."""
         if not comp:
             return None
         start = self._cursor.get(key, 0) % len(comp)
+        count = min(self.sample, len(comp))
+        each = allowance // count
+        self._cursor[key] = start + count
+        if each < 1:
+            return None
         picked = []
-        for i in range(min(self.sample, len(comp))):
+        for i in range(count):
             m = comp[(start + i) % len(comp)]
             n = m.tensor.numel()
-            size = min(n, EXACT_ELEMENTS)
+            size = min(n, EXACT_ELEMENTS, each)
             at = (self.checks * size) % n if n > size else 0
             picked.append((m, at if at + size <= n else n - size, size))
-        self._cursor[key] = start + len(picked)
         flat = torch.cat([m.tensor.detach().reshape(-1)[at : at + size].float() for m, at, size in picked])
         if self._channel is not None:
             meter.collective("all_reduce", flat)
@@ -383,6 +419,7 @@ class Monitor:
             return
         # The last step's figures are added once it is decided; a later group of this step leaves it alone.
         self.algorithm.guard.settle_before(step)
+        self._count_check(step)
         names = [m.name for m in comp]
         device = comp[0].tensor.device
         zero = torch.zeros((), device=device)
@@ -404,10 +441,10 @@ class Monitor:
         summed = torch.stack(rows).float()
         if self._channel is not None:
             meter.collective("all_reduce", summed)
+            self.bytes += wire_bytes("all_reduce", 4 * summed.numel(), self.algorithm.world_size)
         self._collective(summed).wait()
         figures = (summed / self.algorithm.world_size).tolist()  # the host reads once per check
-        self.checks += 1
-        over = []
+        over, lighter = [], []
         patience = self.algorithm.patience(key, self.patience)
         for n, (lag, err, count, ex_rel, ex_cos, has) in zip(names, figures, strict=True):
             t = self._tensors[n]
@@ -420,27 +457,50 @@ class Monitor:
             # The report keeps a figure not measured since the last check (a tensor not sampled this time).
             t.last = {k: v if v is not None else t.last.get(k) for k, v in fresh.items()}
             verdict = self._judge(n, t, fresh, patience)
-            if verdict is not None:
-                over.append((n, t, *verdict))
-        if not over:
-            return
-        moved = self.algorithm.demote(key)  # auto: the whole group to its next-fastest candidate
+            if verdict == "down":
+                lighter.append((n, "down", 0.0, 0.0))
+            elif verdict is not None:
+                over.append((n, "up", *verdict))
+        moved = self.algorithm.demote(key) if over else None  # auto: the whole group to its next-fastest candidate
         if moved is not None:
             for n in names:
                 self._tensors[n].over = self._tensors[n].under = 0
                 self._carry.add(n)
             n, _, figure, bound = over[0]
             self._event(f"group {key} ('{n}' {figure:.3g} > {bound:.3g}): {moved[0]} -> {moved[1]}")
-        elif self.adapt:
-            for n, t, figure, bound in over:
+        elif self.adapt and (over or lighter):
+            for n, *_ in over:
+                self._tensors[n].over = 0
+            for n, *_ in lighter:
+                self._tensors[n].under = 0
+            with self._lock:
+                self._verdicts.extend(over + lighter)
+                self._verdicts_at = step
+
+    def _count_check(self, step: int) -> None:
+        """Count a check once per step, however many groups the step has."""
+        if self._checked_at != step:
+            self._checked_at = step
+            self.checks += 1
+
+    def _apply_verdicts(self) -> None:
+        """The last check's verdicts, in name order (see ``_verdicts``): a tensor over its bound gets a safer
+        setting or goes raw, one well under it a lighter setting."""
+        with self._lock:
+            verdicts, self._verdicts = sorted(self._verdicts), []
+        for n, kind, figure, bound in verdicts:
+            t = self._tensors[n]  # judged at the check, or restored with its shape from the checkpoint
+            if kind == "up":
                 self._escalate(n, t, figure, bound)
-                t.over = 0
+            elif n not in self.raw:
+                self._relax(n, t)
 
     def _judge(
         self, name: str, t: _Tensor, fresh: Mapping[str, float | None], patience: int
-    ) -> tuple[float, float] | None:
+    ) -> tuple[float, float] | str | None:
         """Count the check for or against ``name`` (on the figures measured since the last check), warn once;
-        ``(figure, bound)`` where it is to be adapted (over the bound at ``patience`` checks in a row)."""
+        ``(figure, bound)`` where it is to be adapted (over the bound at ``patience`` checks in a row), ``"down"``
+        where adaptation may make it lighter (well under the bound as long)."""
         lag, exact = fresh["lag"], fresh["exact_error"]
         if lag is not None:
             figure, bound, what = lag, self.max_lag, "lag (residual / gradient)"
@@ -465,8 +525,7 @@ class Monitor:
                 )  # fmt: skip
             return figure, bound
         if t.under >= self.patience and self.adapt and name not in self.raw:
-            self._relax(name, t)
-            t.under = 0
+            return "down"
         return None
 
     def _bytes(self, name: str, options: Mapping[str, Any] | None) -> float:
@@ -546,7 +605,7 @@ class Monitor:
                     "lag_sum": _host(t.lag_sum), "err_sum": _host(t.err_sum), "count": _host(t.count),
                     "exact": None if t.exact is None else [_host(t.exact[0]), _host(t.exact[1])],
                     "over": t.over, "under": t.under, "warned": t.warned, "failed": sorted(t.failed),
-                    "variant": t.variant, "feedback": t.feedback,
+                    "variant": t.variant, "feedback": t.feedback, "shape": list(t.shape), "base": dict(t.base),
                 }  # fmt: skip
         return {
             "tensors": per,
@@ -558,6 +617,7 @@ class Monitor:
             "checks": self.checks,
             "bytes": self.bytes,
             "events": list(self.events),
+            "verdicts": [list(v) for v in self._verdicts],  # the last check's, applied at the next step
         }
 
     @staticmethod
@@ -567,8 +627,12 @@ class Monitor:
         if not isinstance(state, Mapping):
             raise ValueError(f"monitor state must be a mapping, got {type(state).__name__}")
         keys = {"tensors", "overrides", "raw", "flush", "carry", "cursor", "checks", "bytes", "events"}
-        if set(state) != keys:
-            raise ValueError(f"monitor state has {sorted(state)}; expected {sorted(keys)}")
+        if set(state) - {"verdicts"} != keys:  # (a checkpoint of an older release has no verdicts)
+            raise ValueError(f"monitor state has {sorted(state)}; expected {sorted(keys | {'verdicts'})}")
+        for v in state.get("verdicts", ()):
+            ok = isinstance(v, (list, tuple)) and len(v) == 4 and isinstance(v[0], str) and v[1] in ("up", "down")
+            if not ok or not all(_finite(x) for x in v[2:]):
+                raise ValueError(f"monitor state: a verdict must be [name, 'up' or 'down', figure, bound], got {v!r}")
         overrides, raw = state["overrides"], state["raw"]
         if not isinstance(overrides, Mapping) or not all(isinstance(v, Mapping) for v in overrides.values()):
             raise ValueError("monitor state: 'overrides' must map names to option dicts")
@@ -579,7 +643,9 @@ class Monitor:
                 isinstance(s, Mapping)
                 and all(_finite(s.get(k)) for k in ("lag_sum", "err_sum", "count"))
                 and all(_count(s.get(k)) for k in ("over", "under"))
-            )
+                and ("shape" not in s or (isinstance(s["shape"], (list, tuple)) and all(map(_count, s["shape"]))
+                                          and isinstance(s.get("base"), Mapping)))
+            )  # fmt: skip
             if not ok:
                 raise ValueError(f"monitor state of '{n}' must hold finite sums and counts >= 0, got {s!r}")
         for k in ("checks", "bytes"):
@@ -598,11 +664,16 @@ class Monitor:
             self._carry = set(state["carry"])
             self._cursor = {int(k): int(v) for k, v in state["cursor"].items()}
             self.checks, self.bytes, self.events = int(state["checks"]), int(state["bytes"]), list(state["events"])
-            self._loaded = dict(state["tensors"])
+            self._verdicts = [(str(n), str(k), float(f), float(b)) for n, k, f, b in state.get("verdicts", ())]
+            self._verdicts_at = None
+            self._loaded = {}
             for n, s in state["tensors"].items():
                 t = self._tensors.get(n)
+                if t is None and "shape" in s:  # the verdicts of the last check may name it before it is seen
+                    t = self._tensors[n] = _Tensor(tuple(s["shape"]), dict(s["base"]))
                 if t is None:
-                    continue  # placed when the tensor is first seen
+                    self._loaded[n] = s  # (an older release's checkpoint) placed when the tensor is first seen
+                    continue
                 self._restore(t, s, device)
 
         self.algorithm.relayout()

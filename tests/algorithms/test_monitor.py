@@ -86,14 +86,20 @@ def test_every_tensor_has_its_figures_and_every_rank_reads_the_same(codec: str) 
         assert 0 < t["error"] <= 1.5, name
         assert t["exact_error"] is not None and t["exact_cos"] is not None, name  # 2 of 2 sampled each check
         assert t["setting"] == {}
-    # Three checks of two tensors, all-reduced in fp32 over two ranks: 2 (w - 1) / w of the bytes.
-    assert a["bytes"] == 3 * 4 * (32 * 24 + 24 * 16)
-    assert res[0]["stats"]["bytes_sent"] > a["bytes"]
+    # Three checks of two tensors: the ranks' six figures per tensor, and exact windows of at most `share` of
+    # the compressed bytes (all-reduced in fp32 over two ranks: 2 (w - 1) / w of the bytes). Whole tensors, as
+    # the checks sent before the share, would be 3 * 4 * (32 * 24 + 24 * 16) = 13,824 bytes.
+    figures = 3 * 2 * 6 * 4
+    exact = a["bytes"] - figures
+    assert 0 < exact <= MONITOR_DEFAULTS["share"] * res[0]["stats"]["bytes_sent"], (
+        exact,
+        res[0]["stats"]["bytes_sent"],
+    )
 
 
 def test_the_exact_check_compares_with_the_exact_average() -> None:
     """For fp16 the exact relative error is fp16's rounding (about 2**-11) and the cosine 1; recomputed here."""
-    config = Config("fp16", warmup_steps=0, monitor={"period": 3, "sample": 3})
+    config = Config("fp16", warmup_steps=0, monitor={"period": 3, "sample": 3, "share": 1.0})  # whole tensors
     res = run(2, 7, config)  # checks at steps 3 and 6: the second reads the exact check of step 3
     t = res[0]["stats"]["monitor"]["tensors"]
     assert res[0]["stats"]["monitor"]["checks"] == 2
@@ -306,7 +312,7 @@ def test_the_reduce_scatter_form_is_monitored_per_segment(codec: str) -> None:
 
     world, shard = 2, 24
     layout = ShardLayout("unit", (Segment("a", 0, 16, row=4), Segment("b", 16, 8, row=1, compress=False)))
-    config = _Config(codec, warmup_steps=0, monitor={"period": 2})
+    config = _Config(codec, warmup_steps=0, monitor={"period": 2, "share": 100.0})  # the whole shard each check
 
     def flat_of(rank: int, step: int) -> torch.Tensor:
         return torch.randn(world * shard, generator=torch.Generator().manual_seed(31 * step + rank))
@@ -529,3 +535,89 @@ def test_auto_checks_count_from_the_end_of_its_probe() -> None:
         return due
 
     assert run_local(1, body)[0] == [20, 40, 80, 130]
+
+
+@pytest.mark.parametrize("codec", ["acpsgd", "powersgd", "topk", "qsgd"])
+def test_a_resume_at_any_step_is_the_straight_run(codec: str) -> None:
+    """Saved after every step of a run whose monitor adapts (the ranks, bits or ratio changing at the checks, and
+    tensors going raw), resumed in two buckets: the outputs, the decisions in their order, the number of checks
+    and every counter are the straight run's (a low-rank checkpoint written at the step a rank changed included).
+    The figures since the last check are the straight run's to fp32 rounding: the resumed low-rank residual holds
+    the owed update applied, where the straight run reads it unapplied (the same value, summed in another order)."""
+    config = Config(codec, warmup_steps=1, options={"rank": 1} if codec in ("acpsgd", "powersgd") else {},
+                    monitor={"period": 3, "max_lag": 0.05, "patience": 1, "adapt": True, "budget": 8.0})  # fmt: skip
+    steps = 14
+    straight = run(2, steps, config, buckets=2)
+    assert len(straight[0]["stats"]["monitor"]["adapted"]) >= 2, "the bound must make things adapt in this test"
+    for save_at in range(1, steps):
+        saved = run(2, save_at, config, save_at=save_at, buckets=2)
+        resumed = run(2, steps, config, state=[r["saved"] for r in saved], buckets=2)
+        for a, b in zip(straight, resumed, strict=True):
+            for s, out in enumerate(b["outs"]):
+                for n in SHAPES:
+                    assert torch.equal(a["outs"][save_at + s][n], out[n]), (save_at, s, n)
+            ma, mb = a["end"]["monitor"], b["end"]["monitor"]
+            assert {k: v for k, v in ma.items() if k != "tensors"} == {k: v for k, v in mb.items() if k != "tensors"}
+            for n, ta in ma["tensors"].items():
+                tb = mb["tensors"][n]
+                for k, v in ta.items():
+                    if k in ("lag_sum", "err_sum"):
+                        assert v == pytest.approx(tb[k], rel=1e-6), (save_at, n, k)
+                    else:
+                        assert v == tb[k], (save_at, n, k)
+            assert a["stats"]["monitor"]["checks"] == b["stats"]["monitor"]["checks"], save_at
+
+
+@pytest.mark.parametrize("codec", ["onebit", "qsgd", "fp16"])
+def test_the_monitor_without_adaptation_changes_no_bit_of_a_reduce_scatter(codec: str) -> None:
+    """The exact check reads a copy of the unit's buffer: a whole shard smaller than the exact window (a small
+    FSDP2 unit) was once the buffer itself, all-reduced in place while the algorithm encoded it."""
+    from sylvie_comm.algorithms.base import Segment, ShardLayout
+
+    world, shard = 2, 24
+    layout = ShardLayout("unit", (Segment("a", 0, 16, row=4), Segment("b", 16, 8, row=1, compress=False)))
+
+    def body(tr: Any, monitor: dict[str, Any]) -> list[torch.Tensor]:
+        session = Session("t", _Config(codec, warmup_steps=0, monitor=monitor), tr)
+        outs = []
+        for step in range(9):
+            flat = torch.randn(world * shard, generator=torch.Generator().manual_seed(31 * step + tr.rank))
+            out = torch.empty(shard)
+            session.reduce_scatter(flat, out, layout, step).wait()
+            outs.append(out)
+        session.close()
+        return outs
+
+    off = run_local(world, lambda tr: body(tr, {"period": 0}))
+    on = run_local(world, lambda tr: body(tr, {"period": 2, "first": 2, "share": 100.0}))
+    for a, b in zip(off, on, strict=True):
+        for step, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(x, y), step
+
+
+def test_the_monitors_bytes_are_bounded_by_its_share_of_the_traffic() -> None:
+    """At the defaults, on a unit small enough that one exact window was the whole gradient in fp32 (a third of
+    one-bit's traffic on a small model): the monitor's bytes are at most ``share`` of the compressed bytes plus its
+    figures, and the run sends at most that much more than with the monitor off."""
+    from sylvie_comm.algorithms.base import Segment, ShardLayout
+
+    world, shard, steps = 2, 1024, 60
+    layout = ShardLayout("unit", (Segment("w", 0, 1024, row=32),))
+
+    def body(tr: Any, monitor: dict[str, Any]) -> dict[str, Any]:
+        session = Session("t", _Config("onebit", warmup_steps=0, monitor=monitor), tr)
+        for step in range(steps):
+            flat = torch.randn(world * shard, generator=torch.Generator().manual_seed(31 * step + tr.rank))
+            session.step = step
+            session.reduce_scatter(flat, torch.empty(shard), layout, step).wait()
+        stats = session.stats()
+        session.close()
+        return stats
+
+    off = run_local(world, lambda tr: body(tr, {"period": 0}))[0]
+    on = run_local(world, lambda tr: body(tr, {}))[0]
+    mon = on["monitor"]
+    assert mon["checks"] == 2  # compressed steps 10 and 30 (the defaults' first checks; the next is at 70)
+    figures = mon["checks"] * 6 * 4  # one tensor
+    assert 0 < mon["bytes"] - figures <= MONITOR_DEFAULTS["share"] * off["bytes_sent"], (mon["bytes"], off)
+    assert on["bytes_sent"] - off["bytes_sent"] == mon["bytes"]

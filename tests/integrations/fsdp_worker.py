@@ -131,10 +131,12 @@ def resume(
     for _ in range(k):
         _step(model, opt, xtr, ytr, g)
     resumed = _params(model)
+    monitor = state.stats().get("monitor", {})
     state.close()
     diff = max((straight[n] - resumed[n]).abs().max().item() for n in straight)
     return {"bitwise": all(torch.equal(straight[n], resumed[n]) for n in straight), "max_diff": diff,
-            "state_names": sorted(saved["codec"]["params"]), "step": saved["codec"]["step"]}  # fmt: skip
+            "state_names": sorted(saved["codec"]["params"]), "step": saved["codec"]["step"],
+            "checks": monitor.get("checks", 0)}  # fmt: skip
 
 
 def errors(rank: int, world: int) -> dict[str, str]:

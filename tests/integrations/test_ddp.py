@@ -158,6 +158,26 @@ def test_resume_in_the_adaptive_warm_up_is_bit_identical(tmp_path):
     assert warm == torch.load(tmp_path / "onebit-rank1.pt", weights_only=False)["hook"]["warmup"]
 
 
+def test_resume_across_monitor_checks_is_bit_identical():
+    """The monitor on (at its defaults: the first check at step 12; and adapting, with checks every 2 compressed
+    steps and a bound tight enough that ranks, ratios and raw fallbacks change at them), resumed before a check,
+    at it and after it: the straight run's parameters, checks and decisions in their order. (A low-rank checkpoint
+    written at the step the monitor changed a rank could not be resumed; the first step after a resume, which DDP
+    runs in buckets of its own, counted and ordered the decisions its own way.)"""
+    adapting = {"first": 2, "period": 2, "max_lag": 0.05, "patience": 1, "adapt": True, "budget": 8.0}
+    hooks = [("acpsgd", {}), ("onebit", {}), ("acpsgd", {"rank": 2, "monitor": adapting}),
+             ("powersgd", {"rank": 2, "monitor": adapting}), ("topk", {"ratio": 0.1, "monitor": adapting})]  # fmt: skip
+    res = run_distributed(wl.monitor_resume_run, 2, hooks, 16, [4, 5, 6, 8], timeout=600)
+    for r in res:
+        for hook, runs in r.items():
+            for k, run in runs.items():
+                assert run["bitwise"], (hook, k)
+                assert run["checks"][0] == run["checks"][1] > 0, (hook, k, run["checks"])
+                assert run["adapted"][0] == run["adapted"][1], (hook, k, run["adapted"])
+    adapted = [len(runs[4]["adapted"][0]) for hook, runs in res[0].items() if "adapt" in hook]
+    assert min(adapted) > 0, adapted  # every adapting hook changed something
+
+
 def test_resume_survives_a_new_bucket_size(tmp_path):
     """State is keyed by parameter name: resuming into one big bucket gives the same parameters."""
     k, hooks = 3, [("acpsgd", {"rank": 2}), ("powersgd", {"rank": 2}), ("onebit", {"chunk_size": 16})]

@@ -123,6 +123,21 @@ def test_a_resumed_run_is_bit_identical() -> None:
             assert set(res["step"]) == {"0", "2", "4"} and set(res["step"].values()) == {5}, res["step"]
 
 
+def _resume_across(rank: int, world: int, cases: list[tuple[str, str]], k: int) -> dict[str, Any]:
+    return {f"{c}/{o}": fw.resume(rank, world, c, {}, o, k=k) for c, o in cases}
+
+
+def test_a_run_resumed_across_a_monitor_check_is_bit_identical() -> None:
+    """At the defaults (the monitor on: its first check at step 12, its figures taken on steps 7-11), saved at
+    step 8 and resumed to 16: the straight run's bits. (The exact check of a unit smaller than its window once
+    all-reduced the unit's own buffer in place while the algorithm encoded it: runs differed from the check on.)"""
+    cases = [("onebit", "sgd_momentum"), ("qsgd", "adam")]
+    for r in run_distributed(_resume_across, 2, cases, 8, timeout=600):
+        for key, res in r.items():
+            assert res["bitwise"], (key, res["max_diff"])
+            assert res["checks"] == 1, (key, res["checks"])  # the check at step 12 ran in the resumed half
+
+
 def test_register_errors_name_the_problem_on_every_rank() -> None:
     for res in run_distributed(fw.errors, 2, timeout=300):
         assert "ranks disagree on the configuration: 'warmup_steps' is 2 on rank 0 but 3 on rank 1" in res["disagree"]

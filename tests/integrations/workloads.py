@@ -135,6 +135,48 @@ def resume_run(
     return finals
 
 
+def monitor_resume_run(
+    rank: int, world: int, hooks: list[tuple[str, dict[str, Any]]], steps: int, saves: list[int]
+) -> dict[str, Any]:  # fmt: skip
+    """Per hook: ``steps`` steps straight, and for each of ``saves`` that many steps, a checkpoint (model,
+    optimizer, hook state), fresh objects that load it and the steps left: whether each resumed run ends with the
+    straight run's parameters, checks and the monitor's decisions in their order."""
+
+    def fresh(name: str, opts: dict[str, Any]) -> tuple[nn.Module, nn.Module, Any, torch.optim.Optimizer]:
+        model = mlp()
+        ddp = DDP(model, bucket_cap_mb=TINY_BUCKET_MB)
+        state = sylvie_comm.ddp.register(ddp, name, **opts)
+        return model, ddp, state, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    out: dict[str, Any] = {}
+    for name, opts in hooks:
+        model, ddp, state, opt = fresh(name, opts)
+        train_steps(ddp, opt, rank, range(steps))
+        straight = [p.detach().clone() for p in model.parameters()]
+        mon = state.stats()["monitor"]
+        state.close()
+        runs = {}
+        for k in saves:
+            model, ddp, state, opt = fresh(name, opts)
+            train_steps(ddp, opt, rank, range(k))
+            saved = {"model": model.state_dict(), "optim": opt.state_dict(), "hook": state.state_dict()}
+            state.close()
+            model, ddp, state, opt = fresh(name, opts)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optim"])
+            state.load_state_dict(saved["hook"])
+            train_steps(ddp, opt, rank, range(k, steps))
+            got = state.stats()["monitor"]
+            state.close()
+            runs[k] = {
+                "bitwise": all(torch.equal(a, p) for a, p in zip(straight, model.parameters(), strict=True)),
+                "checks": (mon["checks"], got["checks"]),
+                "adapted": (mon["adapted"], got["adapted"]),
+            }
+        out[f"{name} {opts}"] = runs
+    return out
+
+
 # ---------------------------------------------------------------- convergence on a real data set
 
 
