@@ -9,6 +9,7 @@ from sylvie_comm.collectives.transport import (
     SerialExecutor,
     Transport,
     agree,
+    wait,
 )
 
 __all__ = [
@@ -22,5 +23,6 @@ __all__ = [
     "Transport",
     "agree",
     "fusion",
+    "wait",
     "wire_bytes",
 ]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import queue
+import re
 import threading
 import weakref
 from collections.abc import Callable
@@ -111,6 +112,25 @@ def check_reduce_scatter(out: torch.Tensor, t: torch.Tensor, world_size: int) ->
 
 class CollectiveError(RuntimeError):
     """A collective did not complete: a peer is gone (it died or closed its connection) or did not answer in time."""
+
+
+# A CollectiveError's words inside the RuntimeError torch raises where a ``then()`` callback re-raised it.
+_COLLECTIVE_ERROR = re.compile(r"(?<!\w)CollectiveError: (.*?)(?:\n\nAt:|$)", re.DOTALL)
+
+
+def wait(fut: Any) -> Any:
+    """``fut.wait()``, a failed collective raising its :class:`CollectiveError`: where a ``then()`` callback
+    re-raised it (an algorithm's decode after its collective), torch hands a RuntimeError on with only the
+    error's words (and the callback's traceback), which ``except CollectiveError`` would miss."""
+    try:
+        return fut.wait()
+    except CollectiveError:
+        raise
+    except RuntimeError as exc:
+        found = _COLLECTIVE_ERROR.search(str(exc))
+        if found is None:
+            raise
+        raise CollectiveError(found.group(1).strip()) from exc
 
 
 def _timeout_seconds(timeout: float | timedelta | None) -> float:

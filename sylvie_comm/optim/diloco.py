@@ -20,14 +20,31 @@ the pseudo-gradient buffers (fp32, a model's worth over the fragments); the algo
 one fp32 residual per compressed parameter).
 
 **Non-finite**: a fragment whose averaged pseudo-gradient holds a NaN or an Inf (some replica diverged) is not
-applied on any rank: the replicas go back to the fragment's last global parameters, the outer optimizer's state
-and the algorithm's residuals stay as they were, and ``stats()["skipped_nonfinite"]`` counts it. That decision is
-one host read per outer step (every ``sync_every // F`` inner steps).
+applied on any rank: every replica goes back to the global parameters of every fragment (a NaN left in one
+fragment would reach the others through the next backward pass), a replica whose inner optimizer state holds a
+NaN or an Inf clears that state (AdamW's moments, SGD's momentum: kept, they would poison every later step), the
+outer optimizer's state and the algorithm's residuals stay as they were, ``stats()["skipped_nonfinite"]`` counts
+it and each rank logs one warning. That decision is one host read per outer step (every ``sync_every // F`` inner
+steps); a skip reads the replica's parameters and inner state once more. ``SKIPPED_CYCLES`` cycles of skipped outer
+steps in a row (every fragment skipped that many times running, despite the resets) fail the run on every rank.
+
+**GradScaler**: ``torch.amp.GradScaler`` steps an optimizer only where the gradients are finite, so a step it
+skipped on one replica would not be counted there and that replica would sync one inner step after the others for
+the rest of the run. DiLoCo marks the inner optimizer as one that handles the scaling itself
+(``_step_supports_amp_scaling``, as torch's fused optimizers are): the scaler calls its ``step()`` every time, and
+DiLoCo unscales the gradients (as ``unscale_`` does) and steps, or skips the update where the scaler found an Inf,
+counting the inner step either way.
+
+**Failures**: a collective that fails (a peer died or did not answer within the timeout) raises the transport's
+:class:`~sylvie_comm.collectives.CollectiveError` from ``opt.step()``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import types
+import weakref
 import zlib
 from collections.abc import Mapping
 from datetime import timedelta
@@ -39,12 +56,22 @@ from torch import nn
 from sylvie_comm.algorithms import Group, Member
 from sylvie_comm.algorithms.guard import nonfinite
 from sylvie_comm.algorithms.session import Session, merge_config
-from sylvie_comm.collectives import ProcessGroupTransport, Transport, wire_bytes
-from sylvie_comm.config import Config
+from sylvie_comm.collectives import ProcessGroupTransport, Transport, agree, wait, wire_bytes
+from sylvie_comm.config import Config, differences
 
 Future = torch.futures.Future
 
+LOG = logging.getLogger("sylvie_comm")
+
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Cycles of skipped outer steps in a row (each fragment skipped this many times running, the replicas reset to the
+# global parameters after each) after which the run fails instead of training on with nothing applied.
+SKIPPED_CYCLES = 3
+
+# The open DiLoCo of each model and inner optimizer (weakly: a DiLoCo dropped unclosed lives as long as the hook it
+# left on its optimizer): a second one would hook the same step() and take a second outer step every period.
+_OPEN: weakref.WeakKeyDictionary[Any, weakref.ref[DiLoCo]] = weakref.WeakKeyDictionary()
 
 
 def _is_int(value: Any) -> bool:
@@ -68,6 +95,26 @@ def _as_grad(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return DTensor.from_local(values, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                   stride=p.stride())  # fmt: skip
     return values
+
+
+def _unscale(opt: torch.optim.Optimizer, grad_scale: torch.Tensor) -> None:
+    """Divide the gradients ``opt`` steps by ``grad_scale`` as ``GradScaler.unscale_`` does: the same reciprocal,
+    the same kernel, by device and dtype (so the bits are the scaler's own)."""
+    inv = grad_scale.double().reciprocal().float()
+    grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            if g.dtype == torch.float16:
+                raise ValueError("DiLoCo: GradScaler does not unscale float16 gradients (it refuses them itself); "
+                                 "keep the parameters in float32 and run the forward pass under autocast")  # fmt: skip
+            g = g._values() if g.is_sparse else g
+            grads.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _), tensors in grads.items():
+        found = torch.zeros((), device=device)  # the scaler has already looked for an Inf
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv.to(device))
 
 
 def diloco_config(what: str, codec: str | None, config: Config | None, options: Mapping[str, Any]) -> Config:
@@ -289,8 +336,10 @@ class DiLoCo:
         self.world_size = transport.world_size
         self.rank = transport.rank
         self._named = named
-        self.inner_step = 0  # inner steps taken (the outer steps' clock)
+        self.inner_step = 0  # inner steps taken (the outer steps' clock), GradScaler's skipped ones included
         self._skipped = 0
+        self._skipped_in_a_row = 0  # outer steps skipped since the last one applied
+        self._amp_step: Any = None  # the step() wrapper GradScaler calls (see _hook_amp)
         self._carried: dict[str, float] = {}  # the counters of the run a checkpoint was written in
         self._handle: Any = None
         self._closed = False
@@ -304,6 +353,73 @@ class DiLoCo:
             self._close_sessions()
             raise
         self._handle = inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
+        self._hook_amp()
+        _OPEN[model] = _OPEN[inner_optimizer] = weakref.ref(self)
+
+    def _check_unclaimed(self) -> None:
+        """Refuse a model or inner optimizer that an open DiLoCo trains already (a ValueError naming it)."""
+        for key, role in ((self.model, "model"), (self.inner_optimizer, "inner optimizer")):
+            ref = _OPEN.get(key)
+            other = ref() if ref is not None else None
+            if other is not None and not other._closed:
+                raise ValueError(
+                    f"{self.what}: this {type(key).__name__} ({role}) belongs to an open DiLoCo already "
+                    f"(sync_every={other.sync_every}, fragments={other.fragments_count}), which hooks the inner "
+                    "optimizer's step(): a second DiLoCo would take a second outer step every period (two outer "
+                    "momentum updates, twice the bytes); close() that one first, or keep using it"
+                )
+
+    def _hook_amp(self) -> None:
+        """Let ``torch.amp.GradScaler`` call the inner optimizer's ``step()`` on every step, a skipped one
+        included, so that every replica counts the same inner steps.
+
+        The scaler steps an optimizer that does not handle the scaling itself only where its gradients are
+        finite: a skip on one replica would leave it an inner step behind the others for the rest of the run.
+        Marked ``_step_supports_amp_scaling`` (as torch's fused optimizers are), the optimizer is stepped every
+        time with ``grad_scale`` and ``found_inf`` set; the wrapper here reads ``found_inf`` (the host read the
+        scaler makes itself otherwise), unscales the gradients and steps where it is zero, and counts the inner
+        step where it is not. Without a scaler it calls the optimizer's own ``step()``.
+        """
+        opt = self.inner_optimizer
+        if getattr(opt, "_step_supports_amp_scaling", False):
+            return  # the scaler calls its step() every time already (torch's fused ones, the compressed ones)
+        step = opt.step
+
+        def amp_step(this: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+            found_inf = this.__dict__.pop("found_inf", None)
+            if found_inf is None:  # no scaler, or a disabled one
+                return step(*args, **kwargs)
+            grad_scale = this.__dict__.pop("grad_scale", None)
+            try:
+                if found_inf.item():
+                    self._after_inner_step()  # the scaler skips the update: still an inner step
+                    return None
+                if grad_scale is not None:  # None where the loop ran scaler.unscale_(opt) itself
+                    _unscale(this, grad_scale)
+                return step(*args, **kwargs)  # torch's own optimizers refuse grad_scale and found_inf
+            finally:
+                this.__dict__.update(found_inf=found_inf, grad_scale=grad_scale)  # the scaler deletes them
+
+        if getattr(step, "_wrapped_by_lr_sched", False):  # an LR scheduler's, built before: it checks for its mark
+            amp_step.__dict__["_wrapped_by_lr_sched"] = True
+        # A bound method, as torch's LR schedulers expect of step() (one built after wraps its __func__).
+        self._amp_step = opt.__dict__["step"] = types.MethodType(amp_step, opt)
+        opt.__dict__["_step_supports_amp_scaling"] = True
+
+    def _release(self) -> None:
+        """Unhook the inner optimizer and free the model for another DiLoCo (idempotent)."""
+        self._closed = True
+        if self._handle is not None:
+            self._handle.remove()
+        opt = self.inner_optimizer
+        # An LR scheduler built after DiLoCo wrapped the wrapper: it stays then (it steps as the optimizer would).
+        if self._amp_step is not None and opt.__dict__.get("step") is self._amp_step:
+            del opt.__dict__["step"]
+            opt.__dict__.pop("_step_supports_amp_scaling", None)
+        for key in (self.model, opt):
+            ref = _OPEN.get(key)
+            if ref is not None and ref() is self:
+                del _OPEN[key]
 
     # ------------------------------------------------------------------ set-up
 
@@ -322,9 +438,15 @@ class DiLoCo:
 
     def _session(self, frag: _Fragment, cfg: Config) -> Session:
         what = f"{self.what}[{cfg.codec}]" + (f" fragment {frag.index}" if self.fragments_count > 1 else "")
+
+        def prepare(s: Session) -> None:
+            if frag.index == 0:  # inside the agreement: a rank that refuses fails every rank
+                self._check_unclaimed()
+            s.policy.check_parameters(frag.named, what)
+
         session = Session.agreed(
             what, self.transport, lambda: cfg, describe=lambda _: self._describe(frag), close_transport=False,
-            prepare=lambda s: s.policy.check_parameters(frag.named, what),
+            prepare=prepare,
         )  # fmt: skip
         members = []
         for (name, _), view in zip(frag.named, frag.views, strict=True):
@@ -342,7 +464,7 @@ class DiLoCo:
                     torch._foreach_copy_(frag.views, [t.float() for t in local])
                 else:
                     frag.flat.zero_()
-                self.transport.all_reduce(frag.flat).wait()
+                wait(self.transport.all_reduce(frag.flat))
                 for t, o, v in zip(local, frag.outer, frag.views, strict=True):
                     t.copy_(v)
                     o.copy_(t)
@@ -371,19 +493,22 @@ class DiLoCo:
         frag.pending = session.policy(frag.group, session.step, session.meter())
 
     def _apply(self, frag: _Fragment) -> None:
-        """Wait for ``frag``'s average and take the outer step on it (or skip it where it is not finite)."""
-        assert frag.session is not None and frag.pending is not None
+        """Wait for ``frag``'s average and take the outer step on it (or skip it where it is not finite); nothing
+        where :meth:`sync` applied it already."""
+        assert frag.session is not None
+        if frag.pending is None:
+            return
         fut, frag.pending = frag.pending, None
-        fut.wait()
+        wait(fut)
         session = frag.session
         session.step += 1
         bad = nonfinite(frag.flat)
         session.algorithm.guard.settle()  # the algorithm's state goes back where its flag is set
+        if bad is not None and bool(bad):
+            self._skip(frag)
+            return
+        self._skipped_in_a_row = 0
         with torch.no_grad():
-            if bad is not None and bool(bad):
-                self._skipped += 1
-                torch._foreach_copy_(frag.local(), frag.outer)
-                return
             now = frag.local()
             local = [t.clone() for t in now] if self.alpha > 0 else None
             torch._foreach_copy_(now, frag.outer)
@@ -404,10 +529,64 @@ class DiLoCo:
             if local is not None:
                 torch._foreach_lerp_(now, local, self.alpha)
 
+    def _skip(self, frag: _Fragment) -> None:
+        """The outer step of ``frag`` is not applied (its average is not finite; every rank decides alike): every
+        replica goes back to the global parameters of every fragment, and a replica whose inner optimizer state is
+        not finite clears it; one warning; the run fails after ``SKIPPED_CYCLES`` cycles of skips in a row."""
+        self._skipped += 1
+        self._skipped_in_a_row += 1
+        with torch.no_grad():
+            mine = nonfinite(*[t for f in self.fragments for t in f.local()])
+            diverged = mine is not None and bool(mine)  # for the message only: one more read, on a skip only
+            for f in self.fragments:
+                torch._foreach_copy_(f.local(), f.outer)
+        cleared = self._clear_nonfinite_inner_state()
+        LOG.warning(
+            "sylvie_comm %s rank %d: outer step of fragment %d of %d skipped at inner step %d: the averaged "
+            "pseudo-gradient holds a NaN or an Inf (this replica's parameters are %s); every replica goes back to the "
+            "global parameters%s; %d skipped in all, %d in a row",
+            self.what, self.rank, frag.index, self.fragments_count, self.inner_step,
+            "not finite" if diverged else "finite",
+            f", and this replica's inner optimizer state of {cleared} parameter(s), not finite, is cleared"
+            if cleared else "", self._skipped, self._skipped_in_a_row,
+        )  # fmt: skip
+        limit = SKIPPED_CYCLES * self.fragments_count
+        if self._skipped_in_a_row >= limit:
+            raise RuntimeError(
+                f"{self.what}: {self._skipped_in_a_row} outer steps in a row skipped ({SKIPPED_CYCLES} cycles of "
+                f"{self.fragments_count} fragment(s), at most {limit - 1} allowed), at inner step {self.inner_step}: "
+                f"each averaged pseudo-gradient held a NaN or an Inf although every replica went back to the global "
+                f"parameters after each; some replica diverges within sync_every={self.sync_every} inner steps, or "
+                f"its data is not finite (this rank's parameters were {'not ' if diverged else ''}finite): lower the "
+                "inner learning rate or check the data"
+            )
+
+    def _clear_nonfinite_inner_state(self) -> int:
+        """Drop the inner optimizer's state of each parameter where it holds a NaN or an Inf (the optimizer makes it
+        afresh at its next step); returns how many. One host read for all of them."""
+        state = self.inner_optimizer.state
+        device = self._named[0][1].device
+        keys, flags = [], []
+        for p, entry in state.items():
+            values = entry.values() if isinstance(entry, Mapping) else ()
+            # this rank's part (FSDP2's shard), on the parameters' device (not Adam's step counter on the CPU)
+            tensors = [_local(v) for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+            flag = nonfinite(*[t for t in tensors if t.device == device])
+            if flag is not None:
+                keys.append(p)
+                flags.append(flag.to(device))
+        if not flags:
+            return 0
+        bad = [p for p, b in zip(keys, torch.stack(flags).tolist(), strict=True) if b]
+        for p in bad:
+            del state[p]
+        return len(bad)
+
     # ------------------------------------------------------------------ public
 
     def sync(self) -> None:
-        """Apply every fragment's average still in flight (``delay``) now; a collective. :meth:`close` does it."""
+        """Apply every fragment's average still in flight (``delay``) now; a collective. :meth:`close` does it. The
+        schedule goes on: a fragment applied here is not applied again at its scheduled inner step."""
         for frag in self.fragments:
             if frag.pending is not None:
                 self._apply(frag)
@@ -456,7 +635,7 @@ class DiLoCo:
             assert frag.session is not None
             pending = None
             if frag.pending is not None:
-                frag.pending.wait()
+                wait(frag.pending)
                 pending = frag.flat.detach().clone()
             frags.append({
                 "outer": {n: o.detach().clone() for (n, _), o in zip(frag.named, frag.outer, strict=True)},
@@ -464,29 +643,57 @@ class DiLoCo:
             })  # fmt: skip
         stats = self.stats()
         return {
-            "inner_step": self.inner_step, "skipped": self._skipped, "fragments": frags,
+            "inner_step": self.inner_step, "skipped": self._skipped, "skipped_in_a_row": self._skipped_in_a_row,
+            "fragments": frags,
             "counters": {k: stats[k] for k in ("bytes_sent", "bytes_uncompressed", "collectives", "encode_seconds",
                                                "decode_seconds")},
             "outer_optimizer": self.outer_optimizer.state_dict(), "config": self._describe(self.fragments[0]),
         }  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from this rank's :meth:`state_dict` (a collective: every rank loads its own)."""
+        """Resume from this rank's :meth:`state_dict` (a collective: every rank loads its own).
+
+        Every rank checks its checkpoint, then the ranks agree: all load, or every rank raises (a ValueError naming
+        the field that does not fit, or the rank that refused). Checkpoints of different inner steps are refused:
+        the ranks would sync out of phase from then on."""
         what = self.what
-        if not isinstance(state, Mapping) or not {"inner_step", "fragments", "outer_optimizer"} <= set(state):
-            raise ValueError(f"{what}: not a DiLoCo state_dict (expected inner_step, fragments, outer_optimizer)")
-        mine = self._describe(self.fragments[0])
-        if state.get("config") != mine:
-            raise ValueError(f"{what}: the checkpoint was written with {state.get('config')}, this run is {mine}")
+
+        def checked() -> int:
+            if not isinstance(state, Mapping) or not {"inner_step", "fragments", "outer_optimizer"} <= set(state):
+                raise ValueError(f"{what}: not a DiLoCo state_dict (expected inner_step, fragments, outer_optimizer)")
+            step = state["inner_step"]
+            if not _is_int(step) or step < 0:
+                raise ValueError(f"{what}: the checkpoint's inner_step must be an integer >= 0, got {step!r}")
+            saved_config = state.get("config")
+            if not isinstance(saved_config, Mapping):
+                raise ValueError(f"{what}: the checkpoint holds no DiLoCo configuration ('config'), expected a "
+                                 f"mapping, got {type(saved_config).__name__}")  # fmt: skip
+            diff = differences(saved_config, self._describe(self.fragments[0]))
+            if diff:
+                fields = "; ".join(f"{field} is {a!r} in the checkpoint, {b!r} in this run" for field, a, b in diff)
+                raise ValueError(f"{what}: the checkpoint was written with another configuration: {fields}")
+            frags = state["fragments"]
+            if not isinstance(frags, list) or len(frags) != len(self.fragments):
+                got = len(frags) if isinstance(frags, list) else type(frags).__name__
+                raise ValueError(f"{what}: the checkpoint has {got} fragments, this run {len(self.fragments)}")
+            for frag, saved in zip(self.fragments, frags, strict=True):
+                if not isinstance(saved, Mapping) or not {"outer", "session", "pending"} <= set(saved):
+                    raise ValueError(f"{what}: the checkpoint's fragment {frag.index} is not a mapping of outer, "
+                                     "session and pending")  # fmt: skip
+                outer = saved["outer"]
+                for (n, _), o in zip(frag.named, frag.outer, strict=True):
+                    t = outer.get(n) if isinstance(outer, Mapping) else None
+                    if not isinstance(t, torch.Tensor) or t.shape != o.shape or t.dtype != o.dtype:
+                        raise ValueError(f"{what}: the checkpoint's global copy of '{n}' is missing or of another "
+                                         f"shape or dtype (expected {tuple(o.shape)} {o.dtype})")  # fmt: skip
+                pending = saved["pending"]
+                if pending is not None and (not isinstance(pending, torch.Tensor) or pending.numel() != frag.numel):
+                    raise ValueError(f"{what}: the checkpoint's average in flight of fragment {frag.index} must be "
+                                     f"None or a tensor of {frag.numel} values")  # fmt: skip
+            return int(step)
+
+        agree(self.transport, checked, lambda step: {"inner_step": step}, f"{what} load_state_dict", "checkpoint")
         frags = state["fragments"]
-        if not isinstance(frags, list) or len(frags) != len(self.fragments):
-            raise ValueError(f"{what}: the checkpoint has {len(frags)} fragments, this run {len(self.fragments)}")
-        for frag, saved in zip(self.fragments, frags, strict=True):
-            outer = saved["outer"]
-            for (n, _), o in zip(frag.named, frag.outer, strict=True):
-                t = outer.get(n) if isinstance(outer, Mapping) else None
-                if not isinstance(t, torch.Tensor) or t.shape != o.shape or t.dtype != o.dtype:
-                    raise ValueError(f"{what}: the checkpoint's global copy of '{n}' is missing or of another shape")
         for frag, saved in zip(self.fragments, frags, strict=True):
             assert frag.session is not None
             frag.session.load_state_dict(
@@ -505,6 +712,7 @@ class DiLoCo:
                     frag.pending = done
         self.inner_step = int(state["inner_step"])
         self._skipped = int(state.get("skipped", 0))
+        self._skipped_in_a_row = int(state.get("skipped_in_a_row", 0))
         self._carried = dict(state.get("counters", {}))
 
     def close(self) -> None:
@@ -514,9 +722,7 @@ class DiLoCo:
         try:
             self.sync()
         finally:
-            self._closed = True
-            if self._handle is not None:
-                self._handle.remove()
+            self._release()
             self._close_sessions()
 
     def _close_sessions(self) -> None:
@@ -532,9 +738,7 @@ class DiLoCo:
 
     def __exit__(self, *exc: object) -> None:
         if exc[0] is not None:  # an error mid-loop: unhook without another collective
-            self._closed = True
-            if self._handle is not None:
-                self._handle.remove()
+            self._release()
             self._close_sessions()
             return
         self.close()
