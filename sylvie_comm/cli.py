@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,6 +40,27 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _positive_number(text: str) -> float:
+    """A finite number > 0 (a rate, seconds): ``inf`` and ``nan`` parse as floats, and are refused here."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
     return value
 
 
@@ -139,7 +161,7 @@ def _bench_tta(args: argparse.Namespace) -> int:
                       timeout=args.timeout, sync_every=args.sync_every, outer_lr=args.outer_lr,
                       method_steps=args.method_steps)  # fmt: skip
     except (ValueError, bl.LabError) as exc:
-        print(f"sylvie-comm bench tta: {exc}", file=sys.stderr)
+        print(f"sylvie-comm bench tta: {str(exc).removeprefix('bench tta: ')}", file=sys.stderr)
         return 1
     print(tta.format_table(rec))
     if args.out:
@@ -503,7 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="evaluate every this many steps, the clock stopped (default cnn 50, lm 25)")  # fmt: skip
     tt.add_argument("--eval-size", type=_positive, default=None,
                     help="cnn: test on this many of the 10,000 test images (evenly spaced; default all)")  # fmt: skip
-    tt.add_argument("--seed", type=int, default=0, help="initial weights and data order of every method (default 0)")
+    tt.add_argument("--seed", type=_non_negative, default=0,
+                    help="initial weights and data order of every method (default 0)")  # fmt: skip
     tt.add_argument("--methods", type=_tta_methods, default=None,
                     help="comma-separated methods (default: all for the optimizer: plain, bf16_hook, "
                     "fp16_hook, powersgd_hook, every sylvie algorithm, cadamw (adamw) or csgd (sgd)); "
@@ -511,12 +534,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "diloco_qsgd2_noef")  # fmt: skip
     tt.add_argument("--sync-every", type=_positive, default=16,
                     help="the DiLoCo methods' inner steps between outer steps (default 16)")  # fmt: skip
-    tt.add_argument("--outer-lr", type=float, default=0.7,
+    tt.add_argument("--outer-lr", type=_positive_number, default=0.7,
                     help="the DiLoCo methods' outer lr (Nesterov SGD, momentum 0.9; default 0.7)")  # fmt: skip
     tt.add_argument("--method-steps", type=_method_steps, default=None, metavar="NAME=N[,NAME=N]",
                     help="training steps of these methods instead of --steps (a method with cheaper steps can be "
                     "given more; its schedule spans them)")  # fmt: skip
-    tt.add_argument("--timeout", type=float, default=7200.0, help="seconds for the whole run (default 7200)")
+    tt.add_argument("--timeout", type=_positive_number, default=7200.0,
+                    help="seconds for the whole run (default 7200)")  # fmt: skip
     tt.add_argument("--out", default=None, help="write OUT.json (the record) and OUT.png (metric against wall time)")
     tt.set_defaults(func=_bench_tta)
 

@@ -22,6 +22,7 @@ the valid names of that role, and what the name is elsewhere.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from typing import Any
 
 ROLES = {
@@ -60,17 +61,45 @@ def roles_of(name: object) -> list[str]:
     return [role for role in ROLES if isinstance(name, str) and name in names(role)]
 
 
-def unknown(name: object, role: str, noun: str | None = None, extra: str = "") -> ValueError:
+def unknown(
+    name: object, role: str, noun: str | None = None, extra: str = "", exclude: Collection[str] = ()
+) -> ValueError:
     """The error for a ``name`` that ``role`` does not accept: its valid names, and what ``name`` is elsewhere.
 
-    ``noun`` is what the caller calls the name (DDP says "hook"); ``extra`` follows the valid names.
+    ``noun`` is what the caller calls the name (DDP says "hook"); ``extra`` follows the valid names; ``exclude``:
+    names of ``role`` the caller refuses too (``auto`` as a candidate of ``auto``), left out of the valid ones.
     """
     noun = noun or {"codec": "codec", "algorithm": "algorithm", "halo": "halo precision"}[role]
-    message = f"unknown {noun} {name!r}; valid: {', '.join(names(role))}{extra}"
+    valid = [n for n in names(role) if n not in exclude]
+    message = f"unknown {noun} {name!r}; valid: {', '.join(valid)}{extra}"
     elsewhere = [ROLES[r] for r in roles_of(name) if r != role]
     if elsewhere:
         message += f" ({name!r} is a {' and a '.join(elsewhere)})"
     return ValueError(message)
+
+
+def options_of(role: str) -> dict[str, list[str]]:
+    """Each name of ``role`` (``"codec"`` or ``"algorithm"``) with the options it takes."""
+    if role == "codec":
+        from sylvie_comm.codecs import CODECS, codec_options
+
+        return {n: codec_options(CODECS[n]) for n in sorted(CODECS)}
+    if role == "algorithm":
+        from sylvie_comm.algorithms.registry import ALGORITHMS
+
+        return {n: sorted(ALGORITHMS[n].option_defaults) for n in sorted(ALGORITHMS)}
+    raise ValueError(f"role {role!r} has no options; roles with options: codec, algorithm")
+
+
+def takers(options: Iterable[str], role: str) -> str:
+    """Which names of ``role`` take each of ``options`` (options some other name refused), for its message:
+    ``bits is an option of qbit; no codec takes zap``."""
+    every = options_of(role)
+    parts = []
+    for option in options:
+        which = [n for n, opts in every.items() if option in opts]
+        parts.append(f"{option} is an option of {', '.join(which)}" if which else f"no {role} takes {option}")
+    return "; ".join(parts)
 
 
 def table() -> list[tuple[str, list[str]]]:
@@ -98,4 +127,4 @@ def check() -> None:
             raise AssertionError(f"{form!r} is a halo precision for codec {codec!r} and an algorithm for another")
 
 
-__all__ = ["HALO_FORMS", "ROLES", "check", "names", "roles_of", "table", "unknown"]
+__all__ = ["HALO_FORMS", "ROLES", "check", "names", "options_of", "roles_of", "table", "takers", "unknown"]

@@ -89,7 +89,7 @@ class AutoAlgorithm(Algorithm):
             if n == cls.name:
                 raise ValueError("auto: 'auto' cannot be its own candidate")
             if not isinstance(n, str) or n not in cls.registered:
-                raise unknown(n, "algorithm", "candidate")  # lists the valid names
+                raise unknown(n, "algorithm", "candidate", exclude=(cls.name,))  # lists the valid names
         out["candidates"] = names
         probes = out["probe_steps"]
         if isinstance(probes, bool) or not isinstance(probes, int) or probes < 1:

@@ -22,6 +22,7 @@ import torch
 
 from sylvie_comm.algorithms.guard import StepGuard
 from sylvie_comm.collectives import Meter, SerialExecutor, Transport, fusion
+from sylvie_comm.registry import takers
 
 Future = torch.futures.Future
 T = TypeVar("T")
@@ -205,7 +206,9 @@ class Algorithm:
     name: ClassVar[str]
     codec_name: ClassVar[str | None] = None  # the registered codec it encodes with (None: its own format, e.g. factors)
     serial: ClassVar[bool] = False
-    error_feedback: ClassVar[bool] = False
+    # Whether it keeps an error-feedback residual (the hooks' warm-up must then cover DDP's bucket rebuild): the
+    # class's default, which an instance whose option turns it off (qsgd's ``error_feedback=False``) overrides.
+    error_feedback: bool = False
     option_defaults: ClassVar[dict[str, Any]] = {}
     # Options a per-name rule may set (each tensor's own value is honoured); the others hold for the whole run.
     per_name_options: ClassVar[frozenset[str]] = frozenset()
@@ -262,8 +265,11 @@ class Algorithm:
         """Defaults merged with ``options``; raise ValueError on an unknown or invalid one."""
         unknown = sorted(set(options) - set(cls.option_defaults))
         if unknown:
-            valid = ", ".join(sorted(cls.option_defaults)) or "none"
-            raise ValueError(f"{cls.name}: unknown option(s) {', '.join(unknown)}; valid: {valid}")
+            given, owners = ", ".join(unknown), takers(unknown, "algorithm")
+            if not cls.option_defaults:
+                raise ValueError(f"{cls.name}: takes no options, got {given} ({owners})")
+            valid = ", ".join(sorted(cls.option_defaults))
+            raise ValueError(f"{cls.name}: unknown option(s) {given}; valid: {valid} ({owners})")
         return {**cls.option_defaults, **options}
 
     def compresses_dtype(self, dtype: torch.dtype) -> bool:

@@ -214,6 +214,9 @@ class QSGDAlgorithm(FeedbackAlgorithm):
         super().__init__(transport, options, seed=seed)
         self.bits: int = self.options["bits"]
         self.feedback_on: bool = self.options["error_feedback"]
+        # Off, no residual is kept: nothing for the hooks' warm-up to wait for (DDP's bucket rebuild), and none
+        # for the monitor to read.
+        self.error_feedback = self.feedback_on
         self.block: int = self.options["block"]
         self._codecs: dict[str, QBitCodec] = {}
         self._shard_rows: dict[tuple[str, int], _ShardRow] = {}

@@ -14,7 +14,8 @@ the end of an outer step (the curve).
 Run ``python -m sylvie_comm.bench.diloco`` (``--steps``, ``--world``, ``--runs ddp,none:16,qsgd2:16``, ``--seed``
 (the initial weights and every replica's batches), ``--eval-every``, ``--out FILE.json``, which writes ``FILE.md``
 and ``FILE.png`` too: the curves, and each run's loss against its bytes). The ratios are to the ``ddp`` run of the
-same invocation.
+same invocation. Every argument, and ``--out``'s folder, is checked before the first run: a bad one is a usage
+error (exit status 2) naming the value and what was expected.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import argparse
 import functools
 import json
 import math
+import os
 import shlex
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -66,13 +69,49 @@ def _parse(run: str) -> tuple[str, int, float, float]:
     try:
         name, h = parts[0], int(parts[1])
         lr, momentum = (float(parts[2]), float(parts[3])) if len(parts) == 4 else OUTER
-        ok = name in CODECS and h >= 1 and len(parts) in (2, 4) and lr > 0 and 0 <= momentum < 1
+        ok = name in CODECS and h >= 1 and len(parts) in (2, 4) and math.isfinite(lr) and lr > 0
+        ok = ok and 0 <= momentum < 1
     except (IndexError, ValueError):
         ok = False
     if not ok:
         raise ValueError(f"bench diloco: run {run!r}: expected ddp or <codec>:<H>[:<outer lr>:<outer momentum>] with "
-                         f"codec in {', '.join(CODECS)}")  # fmt: skip
+                         f"codec in {', '.join(CODECS)}, H an integer >= 1, the outer lr a finite number > 0 and "
+                         "the outer momentum in [0, 1)")  # fmt: skip
     return name, h, lr, momentum
+
+
+def _split_runs(runs: str) -> list[str]:
+    """The runs of a comma-separated ``runs``, each checked (:func:`_parse`); a ValueError where it names none."""
+    if not isinstance(runs, str):
+        raise ValueError(f"bench diloco: runs must be a comma-separated string of runs, got {runs!r}")
+    names = [r.strip() for r in runs.split(",") if r.strip()]
+    if not names:
+        raise ValueError(f"bench diloco: runs {runs!r} names no run; expected a comma-separated list such as "
+                         f"{DEFAULT_RUNS}")  # fmt: skip
+    for r in names:
+        _parse(r)
+    return names
+
+
+def _check_int(what: str, value: Any, low: int, meaning: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"bench diloco: {what} must be an integer >= {low}{meaning}, got {value!r}")
+    return value
+
+
+def check(steps: int, world: int, runs: str, seed: int = 0, eval_every: int = 0) -> list[str]:
+    """Every argument of :func:`measure`, checked before any run (a ValueError naming the value and what was
+    expected); returns the runs."""
+    _check_int("steps", steps, 1)
+    _check_int("world", world, 1, " (replicas)")
+    _check_int("seed", seed, 0)
+    _check_int("eval_every", eval_every, 0, " (0: at the end only)")
+    names = _split_runs(runs)
+    for r in names:
+        _, h, _, _ = _parse(r)
+        if steps % h:
+            raise ValueError(f"bench diloco: steps ({steps}) must be a multiple of every H (run {r!r})")
+    return names
 
 
 def _validation() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -142,15 +181,7 @@ def measure(steps: int = 1024, world: int = 2, runs: str = DEFAULT_RUNS, seed: i
     """Every run of ``runs`` (comma-separated) in turn; rows with the ratios to the ``ddp`` run. ``seed``: the
     initial weights and the replicas' batches; ``eval_every``: also evaluate at the steps that are multiples of
     it and end an outer step (0: only at the end)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"bench diloco: seed must be an integer >= 0, got {seed!r}")
-    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 0:
-        raise ValueError(f"bench diloco: eval_every must be an integer >= 0 (0: at the end only), got {eval_every!r}")
-    names = [r.strip() for r in runs.split(",") if r.strip()]
-    for r in names:
-        _, h, _, _ = _parse(r)
-        if steps % h:
-            raise ValueError(f"bench diloco: steps ({steps}) must be a multiple of every H (run {r!r})")
+    names = check(steps, world, runs, seed, eval_every)
     with _BUILD:
         initial = _loss(WORKLOADS["lm"].model(seed), _validation())
     rows = []
@@ -222,26 +253,75 @@ def plot(result: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
     return save_figure(plt, fig, out)
 
 
+def _integer(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _runs(text: str) -> str:
+    """An argparse type: ``--runs``, every run checked (:func:`_split_runs`)."""
+    try:
+        _split_runs(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("bench diloco: ")) from None
+    return text
+
+
+def check_out(out: str) -> Path:
+    """``--out``: its folder must exist and be writable, checked before any run (the record is written after
+    the last); a ValueError naming the folder otherwise."""
+    path = Path(out)
+    folder = path.parent
+    if not folder.is_dir():
+        raise ValueError(f"argument --out: {out!r} is in folder {str(folder)!r}, which does not exist; expected a "
+                         "path in an existing folder")  # fmt: skip
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"argument --out: {out!r} is in folder {str(folder)!r}, which is not writable; expected a "
+                         "path in a writable folder")  # fmt: skip
+    if path.is_dir():
+        raise ValueError(f"argument --out: {out!r} is a folder; expected a file name such as "
+                         f"{str(path / 'diloco.json')!r}")  # fmt: skip
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sylvie_comm.bench.diloco", description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=1024)
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--runs", default=DEFAULT_RUNS)
-    parser.add_argument("--seed", type=int, default=0, help="the initial weights and the batches (default 0)")
+    parser.add_argument("--steps", type=_integer(1), default=1024, help="inner steps per run (default 1024)")
+    parser.add_argument("--world", type=_integer(1), default=2, help="replicas (default 2)")
+    parser.add_argument("--runs", type=_runs, default=DEFAULT_RUNS,
+                        help=f"comma-separated ddp or <codec>:<H>[:<outer lr>:<outer momentum>] (default "
+                        f"{DEFAULT_RUNS})")  # fmt: skip
+    parser.add_argument("--seed", type=_integer(0), default=0, help="the initial weights and the batches (default 0)")
     parser.add_argument(
         "--eval-every",
-        type=int,
+        type=_integer(0),
         default=0,
         help="evaluate every this many steps where an outer step ends too (default 0: at the end)",
     )
     parser.add_argument("--out", help="write the record as JSON here (and its table as .md, its plot as .png)")
     args = parser.parse_args(argv)
+    # Everything that can be refused is refused before the first run (a run takes minutes; the record is written
+    # after the last).
+    try:
+        check(args.steps, args.world, args.runs, args.seed, args.eval_every)
+        out = check_out(args.out) if args.out else None
+    except ValueError as exc:
+        parser.error(str(exc).removeprefix("bench diloco: "))
     result = {"command": shlex.join(["python", "-m", "sylvie_comm.bench.diloco", *(argv or sys.argv[1:])]),
               **measure(args.steps, args.world, args.runs, args.seed, args.eval_every)}  # fmt: skip
     text = markdown(result)
     print(text)
-    if args.out:
-        out = Path(args.out)
+    if out is not None:
         out.write_text(json.dumps(result, indent=2) + "\n")
         out.with_suffix(".md").write_text(text)
         print(plot(result, out.with_suffix(".png"))[1])

@@ -58,7 +58,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from sylvie_comm.bench import quality
+from sylvie_comm.bench import datasets, quality
 from sylvie_comm.bench.choices import unique_choices
 from sylvie_comm.bench.lab import Lab, LabError, ProgressBar, check_link, leave_worker, start_worker, worker_cli
 from sylvie_comm.bench.link import machine, pyplot, save_figure
@@ -75,6 +75,9 @@ TORCH_HOOKS: dict[str, str] = {
 # A compressed optimizer replaces the workload's optimizer: it runs only on workloads trained with that one.
 OPTIMIZER_METHODS: dict[str, str] = {CADAMW: "adamw", CSGD: "sgd"}
 WORKLOADS = ("cnn", "lm")
+# The data set each workload reads (sylvie_comm.bench.datasets), checked before the lab starts: a missing one would
+# otherwise fail every worker of the first method, after the lab and its namespaces were built.
+DATASETS = {"cnn": "fashion-mnist", "lm": "pydocs"}
 WORKERS = 2
 STEPS = {"cnn": 600, "lm": 300}  # bench quality's
 EVAL_EVERY = {"cnn": 50, "lm": 25}
@@ -502,6 +505,11 @@ def worker_main(config_path: str) -> NoReturn:
 # ---------------------------------------------------------------------- driver side
 
 
+def _finite(value: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def _check_int(what: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"bench tta: {what} must be an integer >= {low}, got {value!r}")
@@ -534,7 +542,9 @@ def run(
     outer learning rate. ``method_steps``: training steps of a method other than ``steps`` (its schedule spans
     them: a method with cheaper steps can be given more of them; the bound and, unless named, plain DDP take
     ``steps``).
-    ``timeout`` bounds the whole run (:class:`~sylvie_comm.bench.lab.LabError` past it). ``shaped`` as in
+    ``timeout`` bounds the whole run (:class:`~sylvie_comm.bench.lab.LabError` past it). Every argument, and the
+    workload's data set (:data:`DATASETS`, :func:`sylvie_comm.bench.datasets.missing`), is checked before the lab
+    starts: a ValueError naming the value, or the missing file. ``shaped`` as in
     :class:`~sylvie_comm.bench.lab.Lab` (None: the lab where possible, loopback otherwise). A method whose workers
     fail is reported in ``failed`` with their output's tail and the others go on; a failure of plain DDP or of the
     bound fails the run.
@@ -545,15 +555,19 @@ def run(
     eval_every = _check_int("eval_every", EVAL_EVERY[workload] if eval_every is None else eval_every, 1)
     seed = _check_int("seed", seed, 0)
     sync_every = _check_int("sync_every", sync_every, 1)
-    if isinstance(outer_lr, bool) or not isinstance(outer_lr, (int, float)) or not outer_lr > 0:
-        raise ValueError(f"bench tta: outer_lr must be a positive number, got {outer_lr!r}")
+    if not _finite(outer_lr) or not outer_lr > 0:
+        raise ValueError(f"bench tta: outer_lr must be a finite number > 0, got {outer_lr!r}")
     names = check_methods(list(methods) if methods is not None else default_methods(opt_name), opt_name)
     method_steps = check_method_steps(method_steps, names)
     if eval_size is not None and workload != "cnn":
         raise ValueError(f"bench tta: eval_size is for the cnn workload only (lm validates on fixed windows), "
                          f"got {eval_size!r}")  # fmt: skip
-    if not timeout > 0:
-        raise ValueError(f"bench tta: timeout must be positive seconds, got {timeout!r}")
+    if not _finite(timeout) or not timeout > 0:
+        raise ValueError(f"bench tta: timeout must be positive seconds (a finite number), got {timeout!r}")
+    # The data set last: every value above is refused by name whether or not it is installed.
+    absent = datasets.missing(DATASETS[workload])
+    if absent is not None:
+        raise ValueError(f"bench tta: workload {workload} reads data set {absent}")
     skipped: dict[str, str] = {}
     if CSGD in names:
         why = csgd_missing()
@@ -562,7 +576,7 @@ def run(
             skipped[CSGD] = why
     kw: dict[str, Any] = {"steps": steps}
     if workload == "cnn":
-        kw.update(optimizer=opt_name, eval_size=eval_size)
+        kw.update(optimizer=opt_name, eval_size=eval_size, images=DATASETS["cnn"])
     runs = [BOUND, *names]
     raw: dict[str, list[dict[str, Any]]] = {}
     failed: dict[str, str] = {}

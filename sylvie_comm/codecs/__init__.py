@@ -28,6 +28,7 @@ __all__ = [
     "TensorMeta",
     "TopKCodec",
     "available_codecs",
+    "codec_options",
     "get_codec",
     "lowrank",
 ]
@@ -42,22 +43,31 @@ def available_codecs() -> list[str]:
     return sorted(CODECS)
 
 
+def codec_options(cls: type[Codec]) -> list[str]:
+    """The options a codec class takes: its constructor's named parameters (none for a codec without a
+    constructor of its own, such as ``none``: ``object.__init__``'s ``*args, **kwargs`` take nothing)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in inspect.signature(cls.__init__).parameters.values() if p.name != "self" and p.kind in kinds]
+
+
 def get_codec(name: str, **options: Any) -> Codec:
     """Build a codec by name, e.g. ``get_codec("qbit", bits=2, seed=7)``.
 
     Raises:
         ValueError: unknown name (the message lists the valid ones), unknown
-            option (lists the codec's options) or an invalid option value.
+            option (lists the codec's options, and the codecs that take it) or an invalid option value.
     """
+    from sylvie_comm import registry
+
     try:
         cls = CODECS[name]
     except (KeyError, TypeError):
-        from sylvie_comm import registry
-
         raise registry.unknown(name, "codec") from None
-    valid = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    valid = codec_options(cls)
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        listed = ", ".join(valid) if valid else "none"
-        raise ValueError(f"codec {name!r} has no option(s) {', '.join(unknown)}; its options: {listed}")
+        given, owners = ", ".join(unknown), registry.takers(unknown, "codec")
+        if not valid:
+            raise ValueError(f"codec {name!r} takes no options, got {given} ({owners})")
+        raise ValueError(f"codec {name!r} has no option(s) {given}; its options: {', '.join(valid)} ({owners})")
     return cls(**options)

@@ -132,6 +132,8 @@ class CompressedAdamW(MomentumOptimizer):
     warmup_why = _WARMUP_WHY
     default_warmup_fraction = DEFAULT_WARMUP_FRACTION
     fp32_counts = ("step", "freeze_step")
+    state_keys = frozenset({"step", "exp_avg", "exp_avg_sq"})
+    optional_state_keys = frozenset({"freeze_step"})  # once the variance is frozen
 
     def __init__(
         self,

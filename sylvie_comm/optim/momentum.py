@@ -23,7 +23,8 @@ update rule (the hooks listed in :class:`MomentumOptimizer`). The base holds the
   scale, are often all skipped). The host learns each step's verdict at the start of the next step, from a copy
   made without waiting for the device (see :meth:`MomentumOptimizer._settle_verdict`);
 * **checkpoints**: torch.optim's state plus ``sylvie_comm`` (the session's one checkpoint format, the phase and
-  ``warmup_skipped``), checked before anything is loaded, the ranks agreeing; ``stats()``, ``memory_bytes()``,
+  ``warmup_skipped``), checked before anything is loaded (another optimizer's by its state's keys and its
+  hyperparameters), the ranks agreeing; ``stats()``, ``memory_bytes()``,
   ``close()``.
 """
 
@@ -123,6 +124,11 @@ def saved_states(
     return out
 
 
+def _and_list(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
 def ranks_text(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
@@ -172,6 +178,13 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
     warmup_why: ClassVar[str] = ""  # why a shorter one is refused
     default_warmup_fraction: ClassVar[float] = 0.1
     fp32_counts: ClassVar[tuple[str, ...]] = ("step",)  # per-parameter state kept fp32 on the device on load
+    # A checkpoint's per-parameter state holds every one of ``state_keys`` and perhaps some of
+    # ``optional_state_keys`` (or nothing: a parameter not stepped yet), and its parameter groups every
+    # hyperparameter the optimizer was built with. Another optimizer's checkpoint of the same codec and warm-up
+    # passes the compression state's checks, and torch.optim's load would take its state and groups as they are:
+    # the first step would then fail on a key of this optimizer's that is missing (see _check_checkpoint_kind).
+    state_keys: ClassVar[frozenset[str]] = frozenset({"step"})
+    optional_state_keys: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(
         self, params: Iterable[Any], hyperparameters: Callable[[], dict[str, Any]], *, transport: Transport,
@@ -189,6 +202,8 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
 
         def build() -> Config:
             defaults = hyperparameters()
+            # The hyperparameters every checkpoint's groups must hold (torch.optim adds to ``defaults`` on a load).
+            self._hyperparameters = tuple(defaults)
             steps = resolve_warmup(warmup, total_steps, warmup_fraction, what=what, minimum=self.warmup_minimum,
                                    default_fraction=self.default_warmup_fraction, meaning=self.warmup_meaning,
                                    why=self.warmup_why)  # fmt: skip
@@ -268,6 +283,32 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
 
     def _check_checkpoint(self, state_dict: Mapping[str, Any], what: str) -> None:
         """The subclass's checks of a checkpoint's torch.optim state (a ValueError names what does not fit)."""
+
+    def _check_checkpoint_kind(self, state_dict: Mapping[str, Any], what: str) -> None:
+        """A checkpoint of this optimizer's kind: each parameter's state holds :attr:`state_keys` (and perhaps
+        some of :attr:`optional_state_keys`), each parameter group every hyperparameter it was built with; else a
+        ValueError naming the parameter or group, what it holds and what was expected."""
+        expected = _and_list(sorted(self.state_keys))
+        if self.optional_state_keys:
+            expected += f", with or without {_and_list(sorted(self.optional_state_keys))}"
+        allowed = self.state_keys | self.optional_state_keys
+        for name, _, entry in saved_states(state_dict, self.param_groups, self._names):
+            keys = set(entry)
+            if keys and not self.state_keys <= keys <= allowed:
+                raise ValueError(
+                    f"{what}: checkpoint state of parameter '{name}' holds {', '.join(sorted(map(str, keys)))}; "
+                    f"expected {expected} (a {self.what} checkpoint)"
+                )
+        groups = state_dict.get("param_groups")
+        for i, group in enumerate(groups if isinstance(groups, list) else ()):
+            absent = [k for k in self._hyperparameters if isinstance(group, Mapping) and k not in group]
+            if absent:
+                held = sorted(str(k) for k in group if k not in ("params", "param_names"))
+                raise ValueError(
+                    f"{what}: checkpoint param_groups[{i}] has no {', '.join(absent)} (it holds "
+                    f"{', '.join(held) or 'no hyperparameters'}); expected {self.what}'s hyperparameters "
+                    f"{', '.join(self._hyperparameters)}"
+                )
 
     # ------------------------------------------------------------------ steps
 
@@ -569,6 +610,7 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
                 raise ValueError(f"{what}: checkpoint phase {phase!r} does not fit its step {step} with "
                                  f"{skipped} warm-up steps skipped (expected {expected!r} with warmup "
                                  f"{self.warmup})")  # fmt: skip
+            self._check_checkpoint_kind(state_dict, what)
             self._check_checkpoint(state_dict, what)
 
         # The session appends ' load_state_dict' to the name it is given in the ranks' agreement.

@@ -133,6 +133,7 @@ class CompressedSGD(MomentumOptimizer):
     warmup_minimum = 0
     default_warmup_fraction = SGD_WARMUP_FRACTION
     fp32_counts = ("step",)
+    state_keys = frozenset({"step", "momentum_buffer"})
 
     def __init__(
         self,
@@ -171,14 +172,11 @@ class CompressedSGD(MomentumOptimizer):
                                group["nesterov"], where=f"{WHAT}: param_groups[{index}]")  # fmt: skip
 
     def _check_checkpoint(self, state_dict: Mapping[str, Any], what: str) -> None:
-        """Each parameter's state is a step count and a finite momentum buffer of its shape (another optimizer's
-        checkpoint of the same codec and warm-up would pass the compression state's checks)."""
+        """Each parameter's momentum buffer is finite and of its shape (its state's keys, a step count and the
+        buffer, are checked by the base: :attr:`state_keys`)."""
         for name, p, entry in saved_states(state_dict, self.param_groups, self._names):
-            if set(entry) != {"step", "momentum_buffer"}:
-                raise ValueError(
-                    f"{what}: checkpoint state of parameter '{name}' holds {', '.join(sorted(map(str, entry)))}; "
-                    f"expected momentum_buffer and step (a {WHAT} checkpoint)"
-                )
+            if not entry:
+                continue  # not stepped yet: its first step fills it
             buf = entry["momentum_buffer"]
             if not isinstance(buf, torch.Tensor) or tuple(buf.shape) != tuple(p.shape):
                 got = tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__

@@ -128,3 +128,17 @@ def test_a_resumed_run_keeps_the_choice_and_continues_bit_identically():
 def test_bad_options_name_the_value(options, message):
     with pytest.raises(ValueError, match=message):
         algorithm_class("auto").validate_options(options)
+
+
+def test_an_unknown_candidate_lists_only_the_valid_candidates():
+    """``auto`` is refused as its own candidate, so the valid ones listed leave it out."""
+    from sylvie_comm.algorithms.registry import ALGORITHMS
+
+    valid = ", ".join(n for n in sorted(ALGORITHMS) if n != "auto")
+    with pytest.raises(ValueError) as exc:
+        algorithm_class("auto").validate_options({"candidates": ["threebit"]})
+    assert str(exc.value) == f"unknown candidate 'threebit'; valid: {valid}"
+    with pytest.raises(ValueError) as exc:
+        algorithm_class("auto").validate_options({"candidates": ["qbit"]})  # a codec, not an algorithm
+    assert str(exc.value) == (f"unknown candidate 'qbit'; valid: {valid} ('qbit' is a codec "
+                              "(sylvie_comm.codecs.get_codec))")  # fmt: skip

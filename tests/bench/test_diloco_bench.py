@@ -47,3 +47,55 @@ def test_a_few_steps_of_each_run_against_plain_data_parallel(tmp_path) -> None:
         assert row["val_loss"] > 0 and row["skipped"] == 0
     table = bd.markdown(result)
     assert "| none:2 |" in table and "| 2x |" in table
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "-4"], "argument --steps: expected an integer >= 1, got '-4'"),
+        (["--steps", "0"], "argument --steps: expected an integer >= 1, got '0'"),
+        (["--steps", "many"], "argument --steps: expected an integer >= 1, got 'many'"),
+        (["--world", "0"], "argument --world: expected an integer >= 1, got '0'"),
+        (["--seed", "-1"], "argument --seed: expected an integer >= 0, got '-1'"),
+        (["--eval-every", "-2"], "argument --eval-every: expected an integer >= 0, got '-2'"),
+        (["--runs", ","], "argument --runs: runs ',' names no run; expected a comma-separated list such as ddp,"),
+        (["--runs", "ddp,none:16:inf:0.9"], "argument --runs: run 'none:16:inf:0.9': expected ddp or <codec>:<H>"),
+        (["--runs", "ddp,none:16:nan:0.9"], "the outer lr a finite number > 0 and the outer momentum in [0, 1)"),
+        (["--runs", "ddp,zip:16"], "argument --runs: run 'zip:16': expected ddp or <codec>:<H>"),
+        (["--steps", "10", "--runs", "ddp,none:4"], "error: steps (10) must be a multiple of every H (run 'none:4')"),
+        (
+            ["--out", "{tmp}/missing/run.json"],
+            "argument --out: '{tmp}/missing/run.json' is in folder '{tmp}/missing', "
+            "which does not exist; expected a path in an existing folder",
+        ),
+        (["--out", "{tmp}"], "argument --out: '{tmp}' is a folder; expected a file name such as '{tmp}/diloco.json'"),
+    ],
+)
+def test_the_command_line_refuses_a_bad_value_before_any_run(
+    argv: list[str], message: str, tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A usage error (exit status 2) on one line naming the value, the output folder checked first: nothing runs
+    (the record of runs that took minutes is not lost at the end)."""
+
+    def no_run(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(bd, "measure", no_run)
+    with pytest.raises(SystemExit) as exc:
+        bd.main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # after the usage
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    assert last.startswith("python -m sylvie_comm.bench.diloco: error: ") and message.format(tmp=tmp_path) in last, err
+
+
+def test_measure_refuses_counts_and_runs_naming_the_value() -> None:
+    for args, message in [
+        ((0, 2, "ddp"), "steps must be an integer >= 1, got 0"),
+        ((-4, 2, "ddp"), "steps must be an integer >= 1, got -4"),
+        ((4, 0, "ddp"), r"world must be an integer >= 1 \(replicas\), got 0"),
+        ((4, 2, ","), "runs ',' names no run"),
+        ((4, 2, "ddp,none:2:inf:0.5"), "run 'none:2:inf:0.5': expected ddp or <codec>:<H>"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            bd.measure(*args)  # type: ignore[arg-type]

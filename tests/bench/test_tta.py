@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import pytest
@@ -83,7 +84,11 @@ def test_the_methods_plain_first_then_pytorchs_hooks_every_algorithm_and_the_opt
         ({"seed": -1}, "seed must be an integer >= 0, got -1"),
         ({"methods": ["plain", "zip"]}, "unknown method 'zip'"),
         ({"workload": "lm", "eval_size": 100}, "eval_size is for the cnn workload only"),
-        ({"timeout": 0.0}, "timeout must be positive seconds, got 0.0"),
+        ({"timeout": 0.0}, r"timeout must be positive seconds \(a finite number\), got 0.0"),
+        ({"timeout": math.inf}, r"timeout must be positive seconds \(a finite number\), got inf"),
+        ({"outer_lr": math.inf}, "outer_lr must be a finite number > 0, got inf"),
+        ({"outer_lr": math.nan}, "outer_lr must be a finite number > 0, got nan"),
+        ({"outer_lr": 0}, "outer_lr must be a finite number > 0, got 0"),
         (
             {"methods": ["plain", "qsgd"], "method_steps": {"diloco": 900}},
             "method_steps names 'diloco', which is not among the methods run \\(plain, qsgd\\)",
@@ -116,12 +121,45 @@ def test_bad_input_is_an_error_naming_the_value_before_any_lab(kwargs: dict[str,
             ["--link", "100mbit", "--method-steps", "diloco=0"],
             "argument --method-steps: expected NAME=STEPS with STEPS a positive integer, got 'diloco=0'",
         ),
+        (["--link", "100mbit", "--outer-lr", "inf"], "argument --outer-lr: expected a finite number > 0, got 'inf'"),
+        (["--link", "100mbit", "--outer-lr", "nan"], "argument --outer-lr: expected a finite number > 0, got 'nan'"),
+        (["--link", "100mbit", "--outer-lr", "-0.5"], "argument --outer-lr: expected a finite number > 0, got '-0.5'"),
+        (["--link", "100mbit", "--timeout", "inf"], "argument --timeout: expected a finite number > 0, got 'inf'"),
+        (["--link", "100mbit", "--seed", "-1"], "argument --seed: expected an integer >= 0, got '-1'"),
     ],
 )
 def test_the_command_line_names_a_bad_value(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]):
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "tta", *argv])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.fixture
+def no_lab(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """An empty data folder, and a lab that fails the test if it is built (it needs root and namespaces)."""
+    monkeypatch.setenv("SYLVIE_COMM_DATA", str(tmp_path / "data"))
+
+    def lab(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the lab was started")
+
+    monkeypatch.setattr(tta, "Lab", lab)
+
+
+@pytest.mark.usefixtures("no_lab")
+@pytest.mark.parametrize(("workload", "missing"), [("cnn", "fashion-mnist/train-images-idx3-ubyte"),
+                                                   ("lm", "pydocs/MANIFEST.json")])  # fmt: skip
+def test_a_missing_data_set_is_one_line_before_the_lab_starts(
+    workload: str, missing: str, tmp_path, capsys: pytest.CaptureFixture[str]
+):
+    data = tta.DATASETS[workload]
+    message = (
+        f"workload {workload} reads data set {data}: {tmp_path / 'data' / missing} is missing (run scripts/data.sh)"
+    )
+    with pytest.raises(ValueError, match=re.escape(f"bench tta: {message}")):
+        tta.run("100mbit", workload, echo=None, progress=False)
+    assert cli.main(["bench", "tta", "--link", "100mbit", "--workload", workload]) == 1
+    out = capsys.readouterr()
+    assert out.err == f"sylvie-comm bench tta: {message}\n" and out.out == ""
 
 
 def test_the_command_line_refuses_a_method_the_workload_cannot_run(capsys: pytest.CaptureFixture[str]):

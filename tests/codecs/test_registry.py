@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -20,6 +22,47 @@ def test_unknown_codec_lists_valid_names():
 def test_unknown_option_lists_valid_options():
     with pytest.raises(ValueError, match=r"no option\(s\) bit.*bits, seed, meta_dtype, row_size"):
         sylvie_comm.get_codec("qbit", bit=2)
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("none", {"bits": 2}, "codec 'none' takes no options, got bits (bits is an option of qbit)"),
+        ("none", {"ratio": 0.1, "zap": 1},
+         "codec 'none' takes no options, got ratio, zap (ratio is an option of topk; no codec takes zap)"),
+        ("fp16", {"bits": 2}, "codec 'fp16' has no option(s) bits; its options: divide_by (bits is an option of qbit)"),
+        ("sign", {"scale": "max", "chunk_size": 8},
+         "codec 'sign' has no option(s) chunk_size; its options: scale (chunk_size is an option of onebit)"),
+    ],
+)  # fmt: skip
+def test_an_option_a_codec_does_not_take_names_the_codecs_that_do(name, options, message):
+    """A codec without options says so (not "its options: none", nor object's ``args, kwargs``)."""
+    with pytest.raises(ValueError) as exc:
+        sylvie_comm.get_codec(name, **options)
+    assert str(exc.value) == message
+
+
+@pytest.mark.parametrize(
+    ("name", "options", "message"),
+    [
+        ("none", {"bits": 2}, "none: takes no options, got bits (bits is an option of qsgd)"),
+        ("fp16", {"rank": 2, "zap": 1},
+         "fp16: takes no options, got rank, zap (rank is an option of acpsgd, auto, powersgd; no algorithm takes zap)"),
+        ("qsgd", {"ratio": 0.1},
+         "qsgd: unknown option(s) ratio; valid: bits, block, error_feedback (ratio is an option of topk)"),
+    ],
+)  # fmt: skip
+def test_an_option_an_algorithm_does_not_take_names_the_algorithms_that_do(name, options, message):
+    """``ddp.register(model, "none", bits=2)``: the algorithm's check of its options (``codec="none", bits=2``),
+    as the hooks build it."""
+    from sylvie_comm.algorithms.registry import ALGORITHMS, make_algorithm
+    from sylvie_comm.collectives.local import LocalGroup
+
+    with pytest.raises(ValueError) as exc:
+        ALGORITHMS[name].validate_options(options)
+    assert str(exc.value) == message
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_algorithm(name, LocalGroup(1).transport(0), options)
 
 
 @pytest.mark.parametrize(

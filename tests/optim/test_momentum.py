@@ -106,6 +106,51 @@ def test_a_checkpoint_of_another_codec_or_phase_is_refused_on_every_rank(optimiz
     assert run_local(2, body) == ["ok", "ok"]
 
 
+# What each optimizer says of the other's checkpoint: of its per-parameter state (a stepped one) and of its
+# parameter groups' hyperparameters (one saved before any step holds no state).
+OTHERS_STATE = {
+    "adamw": r"'w1' holds momentum_buffer, step; expected exp_avg, exp_avg_sq and step, with or without freeze_step "
+    r"\(a CompressedAdamW checkpoint\)",
+    "sgd": r"'w1' holds exp_avg, exp_avg_sq, freeze_step, step; expected momentum_buffer and step \(a CompressedSGD "
+    r"checkpoint\)",
+}
+OTHERS_GROUPS = {
+    "adamw": r"param_groups\[0\] has no betas, eps, denom_floor \(it holds dampening, lr, momentum, nesterov, "
+    r"weight_decay\); expected CompressedAdamW's hyperparameters lr, betas, eps, weight_decay, denom_floor",
+    "sgd": r"param_groups\[0\] has no momentum, dampening, nesterov \(it holds betas, denom_floor, eps, lr, "
+    r"weight_decay\); expected CompressedSGD's hyperparameters lr, momentum, dampening, weight_decay, nesterov",
+}
+
+
+@pytest.mark.parametrize(("name", "other"), [("adamw", "sgd"), ("sgd", "adamw")], ids=["adamw", "sgd"])
+def test_the_other_optimizers_checkpoint_is_refused_naming_its_state_on_every_rank(name: str, other: str) -> None:
+    """CompressedAdamW and CompressedSGD of the same codec and warm-up: the compression state of one's checkpoint
+    fits the other, its torch.optim state and hyperparameters do not (loaded, the first step would fail on a
+    missing key: KeyError 'betas')."""
+    optimizer, theirs = OPTIMIZERS[name], OPTIMIZERS[other]
+
+    def body(tr: Any) -> str:
+        params, opt = stepped(tr, optimizer.make, 3, codec="onebit", warmup=2)
+        ckpt = snapshot(opt.state_dict())
+        _, stepped_other = stepped(tr, theirs.make, 3, codec="onebit", warmup=2)
+        with pytest.raises(ValueError, match=OTHERS_STATE[name]):
+            opt.load_state_dict(snapshot(stepped_other.state_dict()))
+        _, fresh_other = stepped(tr, theirs.make, 0, codec="onebit", warmup=2)
+        fresh_params, fresh = stepped(tr, optimizer.make, 0, codec="onebit", warmup=2)
+        with pytest.raises(ValueError, match=OTHERS_GROUPS[name]):
+            fresh.load_state_dict(snapshot(fresh_other.state_dict()))
+        set_grads(fresh_params, tr.rank, 0)
+        fresh.step()  # its own hyperparameters are still there
+        opt.load_state_dict(ckpt)  # nothing was loaded by the refused ones: the good one still loads and steps
+        set_grads(params, tr.rank, 3)
+        opt.step()
+        for o in (opt, stepped_other, fresh_other, fresh):
+            o.close()
+        return "ok"
+
+    assert run_local(2, body) == ["ok", "ok"]
+
+
 # ---------------------------------------------------------------- non-finite gradients and skipped steps
 
 
