@@ -29,7 +29,12 @@ def _extension():
     sources = [str(CSRC / "module.cpp"), str(CSRC / "ops" / "ops.cpp"), str(CSRC / "cpu" / "kernels.cpp")]
     # No FMA contraction: the kernels must round exactly like the pure-torch reference.
     # -fopenmp: at::parallel_for is inlined from ATen's OpenMP header; without it the loops run serially.
-    cxx = ["-O3", "-std=c++17", "-ffp-contract=off", "-fopenmp"]
+    # No -std: BuildExtension passes the C++ standard torch was built with (C++20 from torch 2.10, C++17 before).
+    # Torch's headers compiled under another one define its inline functions and types otherwise than the
+    # libraries they link against do, the ground on which C++ exceptions cross between the two (and the kernels
+    # throw none for a bad argument: the ops' checks run in Python first, sylvie_comm/kernels/checks.py).
+    # Nothing else here makes a throw unsafe across that boundary: no -fvisibility, no static libstdc++/libgcc.
+    cxx = ["-O3", "-ffp-contract=off", "-fopenmp"]
     link = ["-fopenmp"]
     return CppExtension(
         "sylvie_comm._C",

@@ -2,6 +2,11 @@
 
 ``import sylvie_comm`` works without it: one warning names the reason and every
 kernel falls back to its pure-torch reference (same bits, slower).
+
+The extension declares the ops twice (``csrc/ops/ops.cpp``): ``torch.ops.sylvie_comm.*``, whose CPU kernels
+:mod:`sylvie_comm.kernels.compiled` registers (the op's Python argument checks, then the C++ kernel), and
+``torch.ops.sylvie_comm_cpu.*``, the C++ kernels themselves, entered only through those checks. Both get the fakes
+below.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ if os.environ.get("SYLVIE_COMM_DISABLE_EXTENSION") == "1":
     _C, LOAD_ERROR = None, "disabled by SYLVIE_COMM_DISABLE_EXTENSION=1"
 else:
     try:
-        _C = importlib.import_module("sylvie_comm._C")  # registers torch.ops.sylvie_comm.*
+        _C = importlib.import_module("sylvie_comm._C")  # defines torch.ops.sylvie_comm{,_cpu}.*
     except ImportError as exc:  # the build failed or was skipped; the references still work
         _C, LOAD_ERROR = None, f"{type(exc).__name__}: {exc}"
     else:
@@ -36,6 +41,9 @@ if _C is None:
 
 HAS_EXTENSION: bool = _C is not None
 
+# The namespace of the C++ CPU kernels (csrc/cpu/kernels.cpp), entered only after the ops' Python checks.
+CPU_NAMESPACE = "sylvie_comm_cpu"
+
 
 def _packed_cols(cols: int, bits: int) -> int:
     return (cols * bits + 7) // 8
@@ -43,15 +51,14 @@ def _packed_cols(cols: int, bits: int) -> int:
 
 def _register_fakes() -> None:
     """Shape-only (fake) implementations of every op: outputs of the right shape, dtype and device, no data,
-    so the ops trace (``torch.compile``) and propagate shapes and devices without running a kernel."""
-    lib = "sylvie_comm::"
+    so the ops trace (``torch.compile``) and propagate shapes and devices without running a kernel: for the public
+    ops and for the C++ kernels' own namespace alike, so that a direct call of either traces."""
 
     def no_output(*args: object, **kwargs: object) -> None:  # the op writes into its arguments only
         return None
 
-    for name in ("onebit_decode_into", "qbit_decode_into", "onebit_feedback_encode", "onebit_mean_feedback_encode",
-                 "lowrank_project", "lowrank_gram", "lowrank_outer_into", "copy_if"):  # fmt: skip
-        torch.library.register_fake(lib + name)(no_output)
+    writes_only = ("onebit_decode_into", "qbit_decode_into", "onebit_feedback_encode", "onebit_mean_feedback_encode",
+                   "lowrank_project", "lowrank_gram", "lowrank_outer_into", "copy_if")  # fmt: skip
 
     def _pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
         return values.new_empty((values.shape[0], _packed_cols(values.shape[1], bits)), dtype=torch.uint8)
@@ -80,8 +87,11 @@ def _register_fakes() -> None:
 
     shaped = {"pack_bits": _pack_bits, "unpack_bits": _unpack_bits, "onebit_encode": _onebit_encode,
               "onebit_decode": _onebit_decode, "qbit_encode": _qbit_encode, "qbit_decode": _qbit_decode}  # fmt: skip
-    for name, fake in shaped.items():
-        torch.library.register_fake(lib + name)(fake)
+    for lib in ("sylvie_comm::", f"{CPU_NAMESPACE}::"):
+        for name in writes_only:
+            torch.library.register_fake(lib + name)(no_output)
+        for name, fake in shaped.items():
+            torch.library.register_fake(lib + name)(fake)
 
 
 if _C is not None:
@@ -102,7 +112,7 @@ def set_cpu_isa(name: str) -> None:
     """Select the CPU kernels' instruction set (for tests and benchmarks)."""
     if _C is None:
         raise RuntimeError(f"sylvie_comm: compiled kernels unavailable ({LOAD_ERROR})")
-    try:
-        _C.set_cpu_isa(name)
-    except ValueError as exc:
-        raise ValueError(str(exc)) from None
+    if not _C.set_cpu_isa(name):  # the extension answers False rather than throw through pybind11
+        raise ValueError(
+            f"unknown or unsupported CPU instruction set {name!r}; available: {', '.join(available_cpu_isas())}"
+        )

@@ -121,6 +121,12 @@ SC_HD float sc_dequantize(uint32_t q, float scale, float mn) {
   return static_cast<float>(q) * scale + mn;
 }
 
-SC_HD int64_t sc_packed_cols(int64_t cols, int bits) { return (cols * bits + 7) / 8; }
+// Bytes that `cols` >= 0 values of `bits` <= 8 bits take in a row: ceil(cols * bits / 8), without the
+// overflow of (cols * bits + 7) / 8 for any int64 cols (an argument the Python checks accept is never
+// judged otherwise here).
+SC_HD int64_t sc_packed_cols(int64_t cols, int bits) { return cols / 8 * bits + ((cols % 8) * bits + 7) / 8; }
+
+// ceil(n / d) for n >= 0 and d > 0, without the overflow of (n + d - 1) / d (a chunk_size near 2**63).
+SC_HD int64_t sc_ceil_div(int64_t n, int64_t d) { return n == 0 ? 0 : 1 + (n - 1) / d; }
 
 }  // namespace sylvie_comm

@@ -11,8 +11,9 @@ namespace cpu {
 std::vector<std::string> available_isas();
 // The instruction set in use: the best available, or SYLVIE_COMM_CPU_ISA if set.
 std::string current_isa();
-// Select an instruction set by name; throws if it is not available.
-void set_isa(const std::string& name);
+// Select an instruction set by name; false (and nothing changed) if it is not available. No exception: it
+// would cross pybind11's boundary into Python (sylvie_comm._ops.set_cpu_isa raises the ValueError).
+bool set_isa(const std::string& name);
 
 }  // namespace cpu
 }  // namespace sylvie_comm

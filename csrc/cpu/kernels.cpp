@@ -11,7 +11,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <stdexcept>
 #include <vector>
 
 #include "../common/sc_math.h"
@@ -230,7 +229,7 @@ std::tuple<at::Tensor, at::Tensor> onebit_encode_cpu(const at::Tensor& x_, int64
   checks::chunk_size(chunk_size, "onebit_encode");
   at::Tensor x = x_.contiguous();
   const int64_t n = x.numel();
-  const int64_t chunks = (n + chunk_size - 1) / chunk_size;
+  const int64_t chunks = sc_ceil_div(n, chunk_size);
   at::Tensor packed = at::empty({(n + 7) / 8}, x.options().dtype(at::kByte));
   at::Tensor scales = at::empty({chunks}, x.options().dtype(at::kFloat));
   uint8_t* out = packed.data_ptr<uint8_t>();
@@ -259,7 +258,7 @@ void onebit_decode_into_cpu(const at::Tensor& packed_, const at::Tensor& scales_
                             const at::Tensor& out) {
   checks::onebit_decode_into(packed_, scales_, chunk_size, out, kCPU);
   const int64_t numel = out.numel();
-  const int64_t chunks = (numel + chunk_size - 1) / chunk_size;
+  const int64_t chunks = sc_ceil_div(numel, chunk_size);
   at::Tensor packed = packed_.contiguous(), scales = scales_.contiguous();
   const uint8_t* p = packed.data_ptr<uint8_t>();
   const float* sc = scales.data_ptr<float>();
@@ -461,7 +460,7 @@ void onebit_feedback_encode_cpu(const at::Tensor& residual, const c10::optional<
   float* sv = saved_ptr(saved);
   const int64_t n = residual.numel();
   const bool has_grad = grad.has_value() && grad->defined();
-  const int64_t chunks = (n + chunk_size - 1) / chunk_size;
+  const int64_t chunks = sc_ceil_div(n, chunk_size);
   float* e = residual.data_ptr<float>();
   const float* g = has_grad ? grad->data_ptr<float>() : nullptr;
   uint8_t* out = packed.data_ptr<uint8_t>();
@@ -485,7 +484,7 @@ void onebit_mean_feedback_encode_cpu(const at::Tensor& residual, const at::Tenso
   checks::saved_copy(saved, residual, kCPU, "onebit_mean_feedback_encode");
   float* sv = saved_ptr(saved);
   const int64_t n = residual.numel();
-  const int64_t chunks = (n + chunk_size - 1) / chunk_size;
+  const int64_t chunks = sc_ceil_div(n, chunk_size);
   const int w = static_cast<int>(parts_packed.size(0));
   const float wf = static_cast<float>(w);
   const uint8_t* pp = parts_packed.data_ptr<uint8_t>();
@@ -534,6 +533,7 @@ void lowrank_project_cpu(const at::Tensor& residual, const c10::optional<at::Ten
   checks::saved_copy(saved, residual, kCPU, "lowrank_project");
   float* sv = saved_ptr(saved);
   const int64_t n = residual.size(0), k = residual.size(1), r = q.size(1);
+  if (n == 0) return;  // p, the residual, grad and saved are empty (and no factor is copied for nothing)
   const int64_t rp = (r + 3) / 4 * 4;
   const int64_t ldq = padded_stride(k);
   const std::vector<float> qt = transposed(q, rp, ldq, 1.0f);
@@ -563,6 +563,7 @@ void lowrank_gram_cpu(const at::Tensor& residual, const c10::optional<at::Tensor
   checks::saved_copy(saved, residual, kCPU, "lowrank_gram");
   float* sv = saved_ptr(saved);
   const int64_t n = residual.size(0), k = residual.size(1), r = p.size(1);
+  if (k == 0) return;  // q, the residual, grad and saved are empty
   // Column tiles: each element of Q^T sums the rows in order whatever the tiling, so any thread count
   // gives the same bits. A tile's accumulators (r x width floats) stay within 16 KiB, half of a
   // common L1, so they stay there while the rows stream past.
@@ -595,6 +596,7 @@ void lowrank_outer_into_cpu(const at::Tensor& out, const at::Tensor& p, const at
     if (!*when->data_ptr<bool>()) return;
   }
   const int64_t n = out.size(0), k = out.size(1), r = p.size(1);
+  if (n == 0 || k == 0) return;  // out is empty
   const int64_t ldq = padded_stride(k);
   const std::vector<float> qt = transposed(q, r, ldq, static_cast<float>(alpha));
   float* o = out.data_ptr<float>();
@@ -630,22 +632,22 @@ std::vector<std::string> available_isas() {
 
 std::string current_isa() { return impl().name; }
 
-void set_isa(const std::string& name) {
+bool set_isa(const std::string& name) {
   for (const Impl* i : supported()) {
     if (name == i->name) {
       impl_slot().store(i);
-      return;
+      return true;
     }
   }
-  std::string valid;
-  for (const auto& n : available_isas()) valid += (valid.empty() ? "" : ", ") + n;
-  throw std::invalid_argument("unknown or unsupported CPU instruction set '" + name + "'; available: " + valid);
+  return false;
 }
 
 }  // namespace cpu
 }  // namespace sylvie_comm
 
-TORCH_LIBRARY_IMPL(sylvie_comm, CPU, m) {
+// The raw kernels, under their own namespace: torch.ops.sylvie_comm.*'s CPU kernels (sylvie_comm/kernels/compiled.py)
+// call them once the op's Python checks have passed (csrc/ops/ops.cpp says why).
+TORCH_LIBRARY_IMPL(sylvie_comm_cpu, CPU, m) {
   using namespace sylvie_comm::cpu;
   m.impl("pack_bits", &pack_bits_cpu);
   m.impl("unpack_bits", &unpack_bits_cpu);

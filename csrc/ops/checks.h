@@ -1,6 +1,12 @@
-// Argument checks of every op's CPU registration (csrc/cpu/kernels.cpp). The
-// Triton ops (sylvie_comm/kernels/triton/) check the same conditions with the
-// same messages, so every device accepts the same inputs.
+// Argument checks of the C++ CPU kernels (csrc/cpu/kernels.cpp): the second line
+// of defence. The first is sylvie_comm/kernels/checks.py, the same rules with the
+// same messages in Python, run before any of these kernels is entered (by the
+// CPU kernels of torch.ops.sylvie_comm.* and by the entry points of
+// sylvie_comm.kernels, see sylvie_comm/kernels/compiled.py) and by the Triton ops,
+// so every device accepts the same inputs and a bad argument never makes a C++
+// exception cross from this extension into torch (which an extension built by
+// another compiler than torch's may not survive). Keep the two in step: a rule
+// added here and not there would throw here.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -82,7 +88,7 @@ inline void onebit_decode_into(const at::Tensor& packed, const at::Tensor& scale
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.numel() == (numel + 7) / 8, "onebit_decode: expected ",
               (numel + 7) / 8, " uint8 bytes for ", numel, " values, got ", packed.numel(), " of ",
               packed.scalar_type());
-  const int64_t chunks = (numel + chunk - 1) / chunk;
+  const int64_t chunks = sc_ceil_div(numel, chunk);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == chunks, "onebit_decode: expected ", chunks,
               " float32 scales, got ", scales.numel(), " of ", scales.scalar_type());
   on_device(packed, type, "onebit_decode");
@@ -125,7 +131,7 @@ inline int64_t onebit_feedback(const at::Tensor& residual, int64_t chunk, const 
   f32_contiguous(residual, type, op, "residual");
   const int64_t n = residual.numel();
   contiguous_like(packed, at::kByte, (n + 7) / 8, residual, type, op, "packed");
-  contiguous_like(scales, at::kFloat, (n + chunk - 1) / chunk, residual, type, op, "scales");
+  contiguous_like(scales, at::kFloat, sc_ceil_div(n, chunk), residual, type, op, "scales");
   return n;
 }
 
@@ -145,7 +151,7 @@ inline void onebit_mean_feedback_encode(const at::Tensor& residual, const at::Te
                                         const at::Tensor& scales, c10::DeviceType type) {
   const char* op = "onebit_mean_feedback_encode";
   const int64_t n = onebit_feedback(residual, chunk, packed, scales, type, op);
-  onebit_parts(parts_packed, parts_scales, n, (n + chunk - 1) / chunk, type, op);
+  onebit_parts(parts_packed, parts_scales, n, sc_ceil_div(n, chunk), type, op);
   same_device(parts_packed, residual, "parts_packed", op);
   same_device(parts_scales, residual, "parts_scales", op);
 }
@@ -182,16 +188,17 @@ inline void decode_alloc(at::ScalarType dtype, int64_t count, const char* what, 
   TORCH_CHECK(count >= 0, op, ": ", what, " must be >= 0, got ", count);
 }
 
-// The low-rank ops: a 2-D fp32 contiguous residual (or output) `mat`, an optional grad of as many
+// The low-rank ops: a 2-D fp32 contiguous residual (or output) `mat`, named `mat_name`, an optional grad of as many
 // elements, and the factors `a` and `b`: 2-D, fp32, contiguous, the same number (> 0) of columns;
 // every tensor on mat's device, of type `type`.
-inline void lowrank(const at::Tensor& mat, const c10::optional<at::Tensor>& grad, const at::Tensor& a,
-                    const at::Tensor& b, c10::DeviceType type, const char* op, const char* a_name, const char* b_name) {
-  f32_contiguous(mat, type, op, "residual");
-  TORCH_CHECK(mat.dim() == 2, op, ": expected a 2-D residual, got shape ", mat.sizes());
+inline void lowrank(const at::Tensor& mat, const char* mat_name, const c10::optional<at::Tensor>& grad,
+                    const at::Tensor& a, const at::Tensor& b, c10::DeviceType type, const char* op,
+                    const char* a_name, const char* b_name) {
+  f32_contiguous(mat, type, op, mat_name);
+  TORCH_CHECK(mat.dim() == 2, op, ": expected a 2-D ", mat_name, ", got shape ", mat.sizes());
   if (grad.has_value() && grad->defined()) {
     f32_contiguous(*grad, type, op, "grad");
-    TORCH_CHECK(grad->numel() == mat.numel(), op, ": grad has ", grad->numel(), " elements, residual ",
+    TORCH_CHECK(grad->numel() == mat.numel(), op, ": grad has ", grad->numel(), " elements, ", mat_name, " ",
                 mat.numel());
     same_device(*grad, mat, "grad", op);
   }
@@ -209,7 +216,7 @@ inline void lowrank_project(const at::Tensor& residual, const c10::optional<at::
                             const at::Tensor& p, const c10::optional<at::Tensor>& pending_p,
                             const c10::optional<at::Tensor>& pending_q, c10::DeviceType type) {
   const char* op = "lowrank_project";
-  lowrank(residual, grad, q, p, type, op, "q", "p");
+  lowrank(residual, "residual", grad, q, p, type, op, "q", "p");
   const int64_t n = residual.size(0), k = residual.size(1);
   TORCH_CHECK(q.size(0) == k && p.size(0) == n, op, ": residual ", residual.sizes(), " needs q of ", k,
               " rows and p of ", n, " rows, got ", q.sizes(), " and ", p.sizes());
@@ -218,7 +225,7 @@ inline void lowrank_project(const at::Tensor& residual, const c10::optional<at::
   TORCH_CHECK(has_pp == has_pq, op, ": pending_p and pending_q go together, got ", has_pp ? "pending_p" : "pending_q",
               " alone");
   if (has_pp) {
-    lowrank(residual, c10::nullopt, *pending_p, *pending_q, type, op, "pending_p", "pending_q");
+    lowrank(residual, "residual", c10::nullopt, *pending_p, *pending_q, type, op, "pending_p", "pending_q");
     TORCH_CHECK(pending_p->size(0) == n && pending_q->size(0) == k, op, ": residual ", residual.sizes(),
                 " needs pending_p of ", n, " rows and pending_q of ", k, " rows, got ", pending_p->sizes(), " and ",
                 pending_q->sizes());
@@ -229,7 +236,7 @@ inline void lowrank_project(const at::Tensor& residual, const c10::optional<at::
 inline void lowrank_gram(const at::Tensor& residual, const c10::optional<at::Tensor>& grad, const at::Tensor& p,
                          const at::Tensor& q, c10::DeviceType type) {
   const char* op = "lowrank_gram";
-  lowrank(residual, grad, p, q, type, op, "p", "q");
+  lowrank(residual, "residual", grad, p, q, type, op, "p", "q");
   const int64_t n = residual.size(0), k = residual.size(1);
   TORCH_CHECK(p.size(0) == n && q.size(0) == k, op, ": residual ", residual.sizes(), " needs p of ", n,
               " rows and q of ", k, " rows, got ", p.sizes(), " and ", q.sizes());
@@ -239,7 +246,7 @@ inline void lowrank_gram(const at::Tensor& residual, const c10::optional<at::Ten
 inline void lowrank_outer_into(const at::Tensor& out, const at::Tensor& p, const at::Tensor& q,
                                c10::DeviceType type) {
   const char* op = "lowrank_outer_into";
-  lowrank(out, c10::nullopt, p, q, type, op, "p", "q");
+  lowrank(out, "out", c10::nullopt, p, q, type, op, "p", "q");
   const int64_t n = out.size(0), k = out.size(1);
   TORCH_CHECK(p.size(0) == n && q.size(0) == k, op, ": out ", out.sizes(), " needs p of ", n, " rows and q of ",
               k, " rows, got ", p.sizes(), " and ", q.sizes());

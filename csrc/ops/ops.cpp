@@ -1,10 +1,25 @@
-// Operator schemas of the sylvie_comm kernels. CPU kernels register in
-// csrc/cpu/kernels.cpp; the GPU kernels are the Triton ops of the same names and
-// schemas (torch.ops.sylvie_comm_triton, sylvie_comm/kernels/triton/); the
-// pure-torch reference of each op is sylvie_comm/kernels/reference.py.
+// Operator schemas of the sylvie_comm kernels, declared twice from one list:
+//
+// * torch.ops.sylvie_comm.*: the public ops. Their CPU kernels are Python functions
+//   (sylvie_comm/kernels/compiled.py) that run the op's argument checks
+//   (sylvie_comm/kernels/checks.py) and then the C++ kernel of the second set: a bad argument
+//   is a Python exception, never a C++ one (a C++ exception has to unwind through
+//   this extension into torch, which an extension built by another compiler than
+//   torch's may not survive: segmentation faults on an H200 machine whose g++ 13.3
+//   built it against a torch built by gcc-toolset-13).
+// * torch.ops.sylvie_comm_cpu.*: the C++ CPU kernels (csrc/cpu/kernels.cpp), entered
+//   only through those checks; their own TORCH_CHECKs (csrc/ops/checks.h) are a
+//   second line that no bad argument reaches.
+//
+// The GPU kernels are the Triton ops of the same names and schemas
+// (torch.ops.sylvie_comm_triton, sylvie_comm/kernels/triton/), checked by the same
+// Python checks; the pure-torch reference of each op is
+// sylvie_comm/kernels/reference.py.
 #include <torch/library.h>
 
-TORCH_LIBRARY(sylvie_comm, m) {
+namespace {
+
+void define_ops(torch::Library& m) {
   // values: (rows, cols) uint8 < 2**bits -> (rows, ceil(cols * bits / 8)) uint8.
   m.def("pack_bits(Tensor values, int bits) -> Tensor");
   m.def("unpack_bits(Tensor packed, int bits, int cols) -> Tensor");
@@ -45,3 +60,9 @@ TORCH_LIBRARY(sylvie_comm, m) {
   // skipped for a non-finite input).
   m.def("copy_if(Tensor(a!) dst, Tensor? src, Tensor flag) -> ()");
 }
+
+}  // namespace
+
+TORCH_LIBRARY(sylvie_comm, m) { define_ops(m); }
+
+TORCH_LIBRARY(sylvie_comm_cpu, m) { define_ops(m); }

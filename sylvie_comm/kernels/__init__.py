@@ -1,7 +1,9 @@
 """Kernel entry points: the compiled ops when they can run, else the references.
 
 Every function here has the semantics of the function of the same name in
-:mod:`sylvie_comm.kernels.reference`. CPU tensors take the C++ kernels of the extension; CUDA tensors take the
+:mod:`sylvie_comm.kernels.reference`. CPU tensors take the C++ kernels of the extension, entered only once the op's
+argument checks (:mod:`sylvie_comm.kernels.checks`) have passed in Python (:mod:`sylvie_comm.kernels.compiled`: a bad
+argument never throws in C++); CUDA tensors take the
 Triton kernels (:mod:`sylvie_comm.kernels.triton`, compiled by Triton at run time; torch's CUDA wheels install
 Triton); any other tensor, or a machine without them, takes the references. The kernels return the references' bits (the
 one-bit scales of the C++ kernels to within one fp32 ulp, their float64 sums running in another order; the
@@ -18,8 +20,7 @@ from typing import Any
 
 import torch
 
-from sylvie_comm import _ops
-from sylvie_comm.kernels import reference
+from sylvie_comm.kernels import compiled, reference
 from sylvie_comm.kernels import triton as _triton
 
 __all__ = [
@@ -66,14 +67,14 @@ def _cpu_triton() -> bool:
 
 
 def _ops_for(device: torch.device) -> Any:
-    """The op namespace that runs tensors on ``device`` (``torch.ops.sylvie_comm_triton`` or
-    ``torch.ops.sylvie_comm``), or None for the references."""
+    """The op namespace that runs tensors on ``device`` (``torch.ops.sylvie_comm_triton``, or the checked C++
+    kernels: :func:`sylvie_comm.kernels.compiled.namespace`), or None for the references."""
     if device.type == "cuda":
         return torch.ops.sylvie_comm_triton if _triton.load() else None
     if device.type == "cpu":
         if _cpu_triton():
             return torch.ops.sylvie_comm_triton
-        return torch.ops.sylvie_comm if _ops.HAS_EXTENSION else None
+        return compiled.namespace()
     return None
 
 

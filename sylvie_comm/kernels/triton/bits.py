@@ -1,6 +1,7 @@
 """Bit packing and the masked copy in Triton: ``pack_bits``, ``unpack_bits`` and ``copy_if`` under
-``torch.ops.sylvie_comm_triton``, with the schemas of the compiled ``sylvie_comm`` ops (``csrc/ops/ops.cpp``), the
-same argument checks and messages (``csrc/ops/checks.h``) and the bits of :mod:`sylvie_comm.kernels.reference`.
+``torch.ops.sylvie_comm_triton``, with the schemas of the compiled ``sylvie_comm`` ops (``csrc/ops/ops.cpp``), their
+argument checks and messages (:mod:`sylvie_comm.kernels.checks`, which the compiled ops run too) and the bits of
+:mod:`sylvie_comm.kernels.reference`.
 
 The packing itself is written once, as ``@triton.jit`` helpers that the other families' kernels import to pack or
 unpack inside their own kernels (a q-bit encoder packs the levels it has just computed, a decoder reads them back):
@@ -33,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sylvie_comm.kernels import checks
 from sylvie_comm.kernels.triton import NAMESPACE, interpreted, launch_context
 
 # The ops are called as torch.ops.sylvie_comm_triton.*; what other kernels import is the @triton.jit helpers.
@@ -133,37 +135,22 @@ def _copy_if_kernel(dst, src, flag, nbytes, HAS_SRC: tl.constexpr, BLOCK: tl.con
 # ---------------------------------------------------------------- host side: checks and launches
 
 
-def _check(ok: bool, op: str, *message: object) -> None:
-    if not ok:
-        raise RuntimeError(f"{op}: " + "".join(str(m) for m in message))
+def _runs_here(t: torch.Tensor, op: str) -> str:
+    """The device type the op runs on, from its main tensor: a CPU tensor runs only under the interpreter (the op's
+    CUDA registration takes CUDA tensors)."""
+    if t.device.type == "cpu" and not _INTERPRETED:
+        checks.fail(op, "a CPU tensor runs these Triton kernels only under Triton's interpreter (TRITON_INTERPRET=1 "
+                    f"set before {__name__} is imported); got one on {t.device}")  # fmt: skip
+    return "cpu" if t.device.type == "cpu" else "cuda"
 
 
-def _runs_here(t: torch.Tensor, op: str) -> None:
-    """A CPU tensor runs only under the interpreter (the op's CUDA registration takes CUDA tensors)."""
-    _check(
-        t.device.type != "cpu" or _INTERPRETED,
-        op,
-        "a CPU tensor runs these Triton kernels only under Triton's interpreter (TRITON_INTERPRET=1 set before "
-        f"{__name__} is imported); got one on {t.device}",
-    )
-
-
-def _check_bits(bits: int, op: str) -> None:
-    _check(bits in (1, 2, 4, 8), op, "bits must be one of {1, 2, 4, 8}, got ", bits)
-
-
-def _packed_cols(cols: int, bits: int) -> int:
-    return (cols * bits + 7) // 8
+_packed_cols = checks.packed_cols
 
 
 def _pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     """``(rows, cols)`` uint8 values (any strides) -> ``(rows, ceil(cols * bits / 8))`` packed bytes; as
     :func:`sylvie_comm.kernels.reference.pack_bits`."""
-    op = "pack_bits"
-    _check_bits(bits, op)
-    _runs_here(values, op)
-    _check(values.dim() == 2, op, "expected a 2-D tensor, got ", values.dim(), " dimensions")
-    _check(values.dtype == torch.uint8, op, "expected uint8 values, got ", values.dtype)
+    checks.pack_bits(_runs_here(values, "pack_bits"), values, bits)
     out = torch.empty((values.shape[0], _packed_cols(values.shape[1], bits)), dtype=torch.uint8, device=values.device)
     _pack_into(values, bits, out)
     return out
@@ -185,15 +172,7 @@ def _pack_into(values: torch.Tensor, bits: int, out: torch.Tensor) -> None:
 def _unpack_bits(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     """``(rows, ceil(cols * bits / 8))`` packed bytes (any strides) -> ``(rows, cols)`` uint8 values; as
     :func:`sylvie_comm.kernels.reference.unpack_bits`."""
-    op = "unpack_bits"
-    _check_bits(bits, op)
-    _runs_here(packed, op)
-    _check(packed.dim() == 2, op, "expected a 2-D tensor, got ", packed.dim(), " dimensions")
-    _check(packed.dtype == torch.uint8, op, "expected uint8, got ", packed.dtype)
-    _check(cols >= 0, op, "cols must be >= 0, got ", cols)
-    pc = _packed_cols(cols, bits)
-    _check(packed.shape[1] == pc, op, cols, " values of ", bits, " bits need ", pc, " bytes per row, got ",
-           packed.shape[1])  # fmt: skip
+    checks.unpack_bits(_runs_here(packed, "unpack_bits"), packed, bits, cols)
     out = torch.empty((packed.shape[0], cols), dtype=torch.uint8, device=packed.device)
     _unpack_into(packed, bits, out)
     return out
@@ -229,21 +208,7 @@ def _copy_if(dst: torch.Tensor, src: torch.Tensor | None, flag: torch.Tensor) ->
     """``dst <- src`` (zeros when ``src`` is None) if the one-element bool ``flag`` (on ``dst``'s device) is true,
     else nothing; the flag is read by the kernel, never by the host. As
     :func:`sylvie_comm.kernels.reference.copy_if`."""
-    op = "copy_if"
-    _runs_here(dst, op)
-    _check(dst.is_contiguous(), op, "dst must be a contiguous ", dst.device.type.upper(), " tensor, got shape ",
-           list(dst.shape), " on ", dst.device)  # fmt: skip
-    if src is not None:
-        _check(
-            src.is_contiguous() and src.shape == dst.shape and src.dtype == dst.dtype,
-            op,
-            f"src must be a contiguous {dst.dtype} tensor of shape {list(dst.shape)}, got {src.dtype} of shape "
-            f"{list(src.shape)}",
-        )
-        _check(src.device == dst.device, op, "src must be on ", dst.device, ", got ", src.device)
-    _check(flag.dtype == torch.bool and flag.numel() == 1, op, "flag must be a one-element bool tensor, got ",
-           flag.dtype, " of shape ", list(flag.shape))  # fmt: skip
-    _check(flag.device == dst.device, op, "flag must be on ", dst.device, ", got ", flag.device)
+    checks.copy_if(_runs_here(dst, "copy_if"), dst, src, flag)
     nbytes = dst.numel() * dst.element_size()
     if nbytes == 0:
         return

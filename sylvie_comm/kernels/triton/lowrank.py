@@ -1,5 +1,6 @@
 """Low-rank kernels of ACP-SGD and PowerSGD in Triton: ``lowrank_project``, ``lowrank_gram`` and
-``lowrank_outer_into`` under ``torch.ops.sylvie_comm_triton``, with the schemas of the compiled ``sylvie_comm`` ops.
+``lowrank_outer_into`` under ``torch.ops.sylvie_comm_triton``, with the schemas of the compiled ``sylvie_comm`` ops
+and their argument checks (:mod:`sylvie_comm.kernels.checks`, which the compiled ops run too).
 
 They return the bits of :mod:`sylvie_comm.kernels.ordered`, not those of :mod:`~sylvie_comm.kernels.reference`
 (whose ``torch.matmul`` has no defined summation order, so no kernel can match it): products of fp32 values
@@ -53,6 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sylvie_comm.kernels import checks
 from sylvie_comm.kernels.ordered import CHUNK, as_fp32
 from sylvie_comm.kernels.triton import NAMESPACE, interpreted, launch_context
 
@@ -296,71 +298,19 @@ def _outer_kernel(o_ptr, pt_ptr, qt_ptr, when_ptr, n, k, r, col_blocks, HAS_WHEN
 # ---------------------------------------------------------------------------------------------------- host code
 
 
-def _fail(op: str, message: str) -> None:
-    raise RuntimeError(f"{NAMESPACE}::{op}: {message}")
-
-
-def _check_device(t: torch.Tensor, op: str, name: str) -> None:
+def _check_device(t: torch.Tensor, op: str, name: str) -> str:
+    """The device type the op runs on, from its main tensor ``name``: CUDA, or CPU under the interpreter."""
     if t.device.type == "cuda":
-        return
+        return "cuda"
     if t.device.type == "cpu":
         if not interpreted():
-            _fail(op, f"{name} is a CPU tensor, which the Triton kernels take only under Triton's interpreter "
-                  "(TRITON_INTERPRET=1 set before the kernel modules are imported); use torch.ops.sylvie_comm "
-                  "for CPU tensors")  # fmt: skip
-        return
-    _fail(op, f"{name} is on {t.device}; the Triton kernels take CUDA tensors (CPU ones under the interpreter)")
-
-
-def _f32_contiguous(t: torch.Tensor, op: str, name: str) -> None:
-    if t.dtype != torch.float32 or not t.is_contiguous():
-        _fail(op, f"{name} must be a contiguous float32 tensor, got {t.dtype} of shape {tuple(t.shape)}"
-              f"{'' if t.is_contiguous() else ' (not contiguous)'}")  # fmt: skip
-    _check_device(t, op, name)
-
-
-def _same_device(t: torch.Tensor, ref: torch.Tensor, op: str, name: str, ref_name: str) -> None:
-    if t.device != ref.device:
-        _fail(op, f"{name} is on {t.device}, {ref_name} on {ref.device}: every tensor must be on one device")
-
-
-def _check_factors(mat: torch.Tensor, grad: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, op: str,
-                   mat_name: str, a_name: str, b_name: str) -> None:  # fmt: skip
-    """The rules of csrc/ops/checks.h ``lowrank``: ``mat`` 2-D, ``grad`` as many elements, both factors 2-D with
-    the same number (> 0) of columns, all fp32, contiguous and on one device."""
-    _f32_contiguous(mat, op, mat_name)
-    if mat.dim() != 2:
-        _fail(op, f"expected a 2-D {mat_name}, got shape {tuple(mat.shape)}")
-    if grad is not None:
-        _f32_contiguous(grad, op, "grad")
-        if grad.numel() != mat.numel():
-            _fail(op, f"grad has {grad.numel()} elements, {mat_name} {mat.numel()}")
-        _same_device(grad, mat, op, "grad", mat_name)
-    _f32_contiguous(a, op, a_name)
-    _f32_contiguous(b, op, b_name)
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1] or a.shape[1] == 0:
-        _fail(op, f"{a_name} and {b_name} must be 2-D with the same number (> 0) of columns, got "
-              f"{tuple(a.shape)} and {tuple(b.shape)}")  # fmt: skip
-    _same_device(a, mat, op, a_name, mat_name)
-    _same_device(b, mat, op, b_name, mat_name)
-
-
-def _check_rows(mat: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: str, mat_name: str, a_name: str,
-                b_name: str, a_rows: int, b_rows: int) -> None:  # fmt: skip
-    if a.shape[0] != a_rows or b.shape[0] != b_rows:
-        _fail(op, f"{mat_name} {tuple(mat.shape)} needs {a_name} of {a_rows} rows and {b_name} of {b_rows} rows, "
-              f"got {tuple(a.shape)} and {tuple(b.shape)}")  # fmt: skip
-
-
-def _check_saved(saved: torch.Tensor | None, residual: torch.Tensor, op: str) -> None:
-    if saved is None:
-        return
-    _f32_contiguous(saved, op, "saved")
-    if saved.numel() != residual.numel():
-        _fail(op, f"saved has {saved.numel()} elements, residual {residual.numel()}")
-    _same_device(saved, residual, op, "saved", "residual")
-    if saved.numel() > 0 and saved.data_ptr() == residual.data_ptr():
-        _fail(op, "saved must not be the residual itself")
+            checks.fail(op, name, " is a CPU tensor, which the Triton kernels take only under Triton's interpreter "
+                        "(TRITON_INTERPRET=1 set before the kernel modules are imported); use torch.ops.sylvie_comm "
+                        "for CPU tensors")  # fmt: skip
+        return "cpu"
+    checks.fail(
+        op, name, " is on ", t.device, "; the Triton kernels take CUDA tensors (CPU ones under the interpreter)"
+    )
 
 
 def _check_block(value: int | None, name: str, at_most: int) -> None:
@@ -423,16 +373,9 @@ def lowrank_project(
     program, ``block_k`` columns per tile, ``rank_block`` columns of ``q`` per pass, ``split`` the sum over ``k``
     cut into its chunks, each summed by its own programs (then ``p`` is their partials added in chunk order by a
     second kernel and ``subtract`` is :func:`lowrank_outer_into` ``(residual, p, q, -1, True)``, a third)."""
-    op = "lowrank_project"
-    _check_factors(residual, grad, q, p, op, "residual", "q", "p")
+    device_type = _check_device(residual, "lowrank_project", "residual")
+    checks.lowrank_project(device_type, residual, grad, q, p, subtract, pending_p, pending_q, saved)
     n, k = residual.shape
-    _check_rows(residual, q, p, op, "residual", "q", "p", k, n)
-    if (pending_p is None) != (pending_q is None):
-        _fail(op, f"pending_p and pending_q go together, got {'pending_p' if pending_q is None else 'pending_q'} alone")
-    if pending_p is not None and pending_q is not None:
-        _check_factors(residual, None, pending_p, pending_q, op, "residual", "pending_p", "pending_q")
-        _check_rows(residual, pending_p, pending_q, op, "residual", "pending_p", "pending_q", n, k)
-    _check_saved(saved, residual, op)
     _check_block(block_n, "block_n", 1024)
     _check_block(block_k, "block_k", CHUNK)
     r = q.shape[1]
@@ -484,11 +427,8 @@ def lowrank_gram(
     The keywords override the host's choices, which change no bits (for tests): ``block_n`` rows unrolled,
     ``block_k`` columns per program, ``rank_block`` columns of ``p`` per pass, ``split`` the rows' chunks summed
     by separate programs, their partials added in chunk order by a second kernel."""
-    op = "lowrank_gram"
-    _check_factors(residual, grad, p, q, op, "residual", "p", "q")
+    checks.lowrank_gram(_check_device(residual, "lowrank_gram", "residual"), residual, grad, p, q, saved)
     n, k = residual.shape
-    _check_rows(residual, p, q, op, "residual", "p", "q", n, k)
-    _check_saved(saved, residual, op)
     _check_block(block_n, "block_n", CHUNK)
     _check_block(block_k, "block_k", 1024)
     r = p.shape[1]
@@ -528,14 +468,8 @@ def lowrank_outer_into(
     """``torch.ops.sylvie_comm_triton.lowrank_outer_into``: :func:`sylvie_comm.kernels.ordered.lowrank_outer_into`'s
     bits; ``when`` is read by the kernel, never by the host. ``block_n`` and ``block_k`` override the tile, which
     changes no bits (for tests)."""
-    op = "lowrank_outer_into"
-    _check_factors(out, None, p, q, op, "out", "p", "q")
+    checks.lowrank_outer_into(_check_device(out, "lowrank_outer_into", "out"), out, p, q, alpha, accumulate, when)
     n, k = out.shape
-    _check_rows(out, p, q, op, "out", "p", "q", n, k)
-    if when is not None:
-        if when.dtype != torch.bool or when.numel() != 1:
-            _fail(op, f"when must be a one-element bool tensor, got {when.dtype} of shape {tuple(when.shape)}")
-        _same_device(when, out, op, "when", "out")
     _check_block(block_n, "block_n", 256)
     _check_block(block_k, "block_k", 1024)
     if n == 0 or k == 0:

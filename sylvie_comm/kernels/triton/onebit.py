@@ -1,9 +1,9 @@
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
 # (Triton reads the annotations of a jit function's parameters: its kernels keep only the constexpr ones.)
 """The one-bit codec in Triton: ``sylvie_comm_triton::onebit_encode``, ``onebit_decode``, ``onebit_decode_into``,
-``onebit_feedback_encode`` and ``onebit_mean_feedback_encode``, with the schemas, argument checks and error messages
-of the compiled ``sylvie_comm`` ops (``csrc/ops/ops.cpp``, ``csrc/ops/checks.h``) and the
-semantics of :mod:`sylvie_comm.kernels.reference`.
+``onebit_feedback_encode`` and ``onebit_mean_feedback_encode``, with the schemas of the compiled ``sylvie_comm`` ops
+(``csrc/ops/ops.cpp``), their argument checks and error messages (:mod:`sylvie_comm.kernels.checks`, which the
+compiled ops run too) and the semantics of :mod:`sylvie_comm.kernels.reference`.
 
 Layout of the work (see :func:`_geometry`). A program owns a tile of ``rows`` chunks by ``cols`` elements and steps
 through a *piece* of each of its chunks: each element's sign goes into its byte (eight lanes paired into one by
@@ -76,6 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sylvie_comm.kernels import checks
 from sylvie_comm.kernels.triton import NAMESPACE, interpreted, launch_context
 
 __all__ = [
@@ -413,35 +414,7 @@ def _encode_launch(
         )
 
 
-# ---------------------------------------------------------------- argument checks (csrc/ops/checks.h)
-
-_SCALAR_NAMES = {
-    torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int", torch.int64: "Long",
-    torch.float16: "Half", torch.float32: "Float", torch.float64: "Double", torch.bool: "Bool",
-    torch.bfloat16: "BFloat16", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
-}  # fmt: skip
-
-
-def _name(dtype: torch.dtype) -> str:
-    """A dtype as c10 prints it (``Float``, ``Byte``), so messages read as the compiled ops'."""
-    return _SCALAR_NAMES.get(dtype, str(dtype))
-
-
-def _sizes(t: torch.Tensor) -> str:
-    return "[" + ", ".join(str(s) for s in t.shape) + "]"
-
-
-def _strides(t: torch.Tensor) -> str:
-    return "[" + ", ".join(str(s) for s in t.stride()) + "]"
-
-
-def _type_name(device_type: str) -> str:
-    return {"cpu": "CPU", "cuda": "CUDA"}.get(device_type, device_type)
-
-
-def _check(ok: bool, *message: object) -> None:
-    if not ok:
-        raise RuntimeError("".join(str(m) for m in message))
+# ---------------------------------------------------------------- the device (arguments: sylvie_comm.kernels.checks)
 
 
 def _kernel_device(t: torch.Tensor, op: str) -> str:
@@ -451,77 +424,9 @@ def _kernel_device(t: torch.Tensor, op: str) -> str:
             f"{op}: the Triton kernels take CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1 set "
             "before sylvie_comm.kernels.triton.onebit is imported); use the sylvie_comm ops or the reference on CPU"
         )
-    _check(t.device.type in ("cpu", "cuda"), op, ": expected a CUDA tensor, got device ", t.device)
+    if t.device.type not in ("cpu", "cuda"):
+        checks.fail(op, "expected a CUDA tensor, got device ", t.device)
     return t.device.type
-
-
-def _on_device(t: torch.Tensor, device_type: str, op: str) -> None:
-    _check(t.device.type == device_type, op, ": expected a ", _type_name(device_type), " tensor, got device ",
-           t.device)  # fmt: skip
-
-
-def _same_device(t: torch.Tensor, ref: torch.Tensor, what: str, op: str) -> None:
-    _check(t.device == ref.device, op, ": ", what, " must be on ", ref.device, ", got ", t.device)
-
-
-def _check_chunk_size(chunk: int, op: str) -> None:
-    _check(chunk > 0 and chunk % 8 == 0, op, ": chunk_size must be a positive multiple of 8, got ", chunk)
-
-
-def _check_out_dtype(dtype: torch.dtype, op: str) -> None:
-    _check(dtype in _KINDS, op, ": dtype must be float32, float16 or bfloat16, got ", _name(dtype))
-
-
-def _check_f32_contiguous(t: torch.Tensor, device_type: str, op: str, what: str) -> None:
-    ok = t.device.type == device_type and t.is_contiguous() and t.dtype == torch.float32
-    _check(ok, op, ": ", what, " must be a contiguous float32 ", _type_name(device_type), " tensor, got ",
-           _name(t.dtype), " of shape ", _sizes(t), " on ", t.device)  # fmt: skip
-
-
-def _check_contiguous_like(
-    t: torch.Tensor, dtype: torch.dtype, numel: int, ref: torch.Tensor, device_type: str, op: str, what: str
-) -> None:
-    ok = t.device.type == device_type and t.is_contiguous() and t.dtype == dtype and t.numel() == numel
-    _check(ok, op, ": ", what, " must be a contiguous ", _type_name(device_type), " ", _name(dtype), " tensor of ",
-           numel, " elements, got ", _name(t.dtype), " of shape ", _sizes(t))  # fmt: skip
-    _same_device(t, ref, what, op)
-
-
-def _check_feedback(
-    residual: torch.Tensor, chunk: int, packed: torch.Tensor, scales: torch.Tensor, device_type: str, op: str
-) -> int:
-    _check_chunk_size(chunk, op)
-    _check_f32_contiguous(residual, device_type, op, "residual")
-    n = residual.numel()
-    _check_contiguous_like(packed, torch.uint8, (n + 7) // 8, residual, device_type, op, "packed")
-    _check_contiguous_like(scales, torch.float32, -(-n // chunk), residual, device_type, op, "scales")
-    return n
-
-
-def _check_saved(saved: torch.Tensor | None, residual: torch.Tensor, device_type: str, op: str) -> None:
-    if saved is None:
-        return
-    _check_f32_contiguous(saved, device_type, op, "saved")
-    _check(saved.numel() == residual.numel(), op, ": saved has ", saved.numel(), " elements, residual ",
-           residual.numel())  # fmt: skip
-    _same_device(saved, residual, "saved", op)
-    _check(saved.numel() == 0 or saved.data_ptr() != residual.data_ptr(), op,
-           ": saved must not be the residual itself")  # fmt: skip
-
-
-def _check_parts(packed: torch.Tensor, scales: torch.Tensor, n: int, chunks: int, device_type: str, op: str) -> None:
-    nbytes = (n + 7) // 8
-    ok = packed.dim() == 2 and packed.dtype == torch.uint8 and packed.shape[0] >= 1 and packed.shape[1] == nbytes
-    ok = ok and (packed.stride(1) == 1 or nbytes <= 1)
-    _check(ok, op, ": parts_packed must be (w >= 1, ", nbytes, ") uint8 with contiguous rows, got ",
-           _name(packed.dtype), " of shape ", _sizes(packed), " and strides ", _strides(packed))  # fmt: skip
-    _check(packed.shape[0] <= 2**31 - 1, op, ": too many rows: ", packed.shape[0])
-    ok = scales.dim() == 2 and scales.dtype == torch.float32 and scales.shape[0] == packed.shape[0]
-    ok = ok and scales.shape[1] == chunks and (scales.stride(1) == 1 or chunks <= 1)
-    _check(ok, op, ": parts_scales must be (", packed.shape[0], ", ", chunks, ") float32 with contiguous rows, got ",
-           _name(scales.dtype), " of shape ", _sizes(scales), " and strides ", _strides(scales))  # fmt: skip
-    _on_device(packed, device_type, op)
-    _on_device(scales, device_type, op)
 
 
 # ---------------------------------------------------------------- ops
@@ -530,10 +435,7 @@ def _check_parts(packed: torch.Tensor, scales: torch.Tensor, n: int, chunks: int
 def onebit_encode(x: torch.Tensor, chunk_size: int, norm_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Sign bits (``x >= 0``) of the flattened input, packed little-endian, and one fp32 scale per chunk
     (:func:`sylvie_comm.kernels.reference.onebit_encode`)."""
-    op = "onebit_encode"
-    _kernel_device(x, op)
-    _check(x.dtype in _KINDS, op, ": expected a float32, float16 or bfloat16 tensor, got ", _name(x.dtype))
-    _check_chunk_size(chunk_size, op)
+    checks.onebit_encode(_kernel_device(x, "onebit_encode"), x, chunk_size, norm_scale)
     flat = x.reshape(-1).contiguous()
     n = flat.numel()
     chunks = -(-n // chunk_size)
@@ -550,22 +452,13 @@ def onebit_encode(x: torch.Tensor, chunk_size: int, norm_scale: bool) -> tuple[t
 
 def onebit_decode_into(packed: torch.Tensor, scales: torch.Tensor, chunk_size: int, out: torch.Tensor) -> None:
     """Decode into ``out`` (contiguous, fp32, fp16 or bf16): ``+scale`` where the bit is set, else ``-scale``."""
-    op = "onebit_decode_into"
-    device_type = _kernel_device(out, op)
-    _check(out.is_contiguous(), op, ": out must be a contiguous ", _type_name(device_type), " tensor, got shape ",
-           _sizes(out))  # fmt: skip
-    _check_out_dtype(out.dtype, op)
-    _check_chunk_size(chunk_size, "onebit_decode")
+    checks.onebit_decode_into(_kernel_device(out, "onebit_decode_into"), packed, scales, chunk_size, out)
+    _decode_into(packed, scales, chunk_size, out)
+
+
+def _decode_into(packed: torch.Tensor, scales: torch.Tensor, chunk_size: int, out: torch.Tensor) -> None:
+    """The launch of :func:`onebit_decode_into` (checked arguments)."""
     n = out.numel()
-    _check(packed.dtype == torch.uint8 and packed.numel() == (n + 7) // 8, "onebit_decode: expected ", (n + 7) // 8,
-           " uint8 bytes for ", n, " values, got ", packed.numel(), " of ", _name(packed.dtype))  # fmt: skip
-    chunks = -(-n // chunk_size)
-    _check(scales.dtype == torch.float32 and scales.numel() == chunks, "onebit_decode: expected ", chunks,
-           " float32 scales, got ", scales.numel(), " of ", _name(scales.dtype))  # fmt: skip
-    _on_device(packed, device_type, "onebit_decode")
-    _on_device(scales, device_type, "onebit_decode")
-    _same_device(packed, out, "packed", "onebit_decode")
-    _same_device(scales, out, "scales", "onebit_decode")
     if n == 0:
         return
     kind = _KINDS[out.dtype]
@@ -582,12 +475,9 @@ def onebit_decode(
     packed: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """Decode ``numel`` values into a new flat tensor of ``dtype``."""
-    op = "onebit_decode"
-    _check_out_dtype(dtype, op)
-    _check(numel >= 0, op, ": numel must be >= 0, got ", numel)
-    _kernel_device(packed, op)
+    checks.onebit_decode(_kernel_device(packed, "onebit_decode"), packed, scales, numel, chunk_size, dtype)
     out = torch.empty(numel, dtype=dtype, device=packed.device)
-    onebit_decode_into(packed, scales, chunk_size, out)
+    _decode_into(packed, scales, chunk_size, out)
     return out
 
 
@@ -602,14 +492,9 @@ def onebit_feedback_encode(
 ) -> None:
     """``residual += grad`` (when given), encode it into ``packed`` and ``scales``, ``residual -= decode``; the
     residual as it was into ``saved`` (when given) (:func:`sylvie_comm.kernels.reference.onebit_feedback_encode`)."""
-    op = "onebit_feedback_encode"
-    device_type = _kernel_device(residual, op)
-    n = _check_feedback(residual, chunk_size, packed, scales, device_type, op)
-    if grad is not None:
-        _check_f32_contiguous(grad, device_type, op, "grad")
-        _check(grad.numel() == n, op, ": grad has ", grad.numel(), " elements, residual ", n)
-        _same_device(grad, residual, "grad", op)
-    _check_saved(saved, residual, device_type, op)
+    device_type = _kernel_device(residual, "onebit_feedback_encode")
+    checks.onebit_feedback_encode(device_type, residual, grad, chunk_size, norm_scale, packed, scales, saved)
+    n = residual.numel()
     if n == 0:
         return
     mode = _RESIDUAL if grad is None else _GRAD
@@ -633,13 +518,11 @@ def onebit_mean_feedback_encode(
     """:func:`onebit_feedback_encode` with ``grad`` the mean of the ``w`` one-bit rows ``parts_packed`` ``(w,
     ceil(n / 8))`` and ``parts_scales`` ``(w, chunks)`` (each row contiguous, any row stride), decoded in registers
     and added in row order (:func:`sylvie_comm.kernels.reference.mean_in_rank_order`)."""
-    op = "onebit_mean_feedback_encode"
-    device_type = _kernel_device(residual, op)
-    n = _check_feedback(residual, chunk_size, packed, scales, device_type, op)
-    _check_parts(parts_packed, parts_scales, n, -(-n // chunk_size), device_type, op)
-    _same_device(parts_packed, residual, "parts_packed", op)
-    _same_device(parts_scales, residual, "parts_scales", op)
-    _check_saved(saved, residual, device_type, op)
+    device_type = _kernel_device(residual, "onebit_mean_feedback_encode")
+    checks.onebit_mean_feedback_encode(
+        device_type, residual, parts_packed, parts_scales, chunk_size, norm_scale, packed, scales, saved
+    )
+    n = residual.numel()
     if n == 0:
         return
     with launch_context(residual.device):
@@ -674,7 +557,7 @@ _IMPLS: dict[str, Callable[..., Any]] = {
 
 
 def _fake_encode(x: torch.Tensor, chunk_size: int, norm_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_chunk_size(chunk_size, "onebit_encode")
+    checks.check_chunk_size(chunk_size, "onebit_encode")  # the shapes need it
     n = x.numel()
     return x.new_empty(((n + 7) // 8,), dtype=torch.uint8), x.new_empty((-(-n // chunk_size),), dtype=torch.float32)
 

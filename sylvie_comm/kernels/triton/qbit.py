@@ -1,10 +1,10 @@
 """The q-bit codec in Triton: per-row stochastic quantization to 1, 2, 4 or 8 bits, and its decode.
 
 Registers ``sylvie_comm_triton::qbit_encode``, ``qbit_decode`` and ``qbit_decode_into`` with the schemas of the
-compiled ``sylvie_comm`` ops (``csrc/ops/ops.cpp``), their argument checks (``csrc/ops/checks.h``, the same
-messages, as ``RuntimeError``) and fake implementations. Every output has the bits of
-:func:`sylvie_comm.kernels.reference.qbit_encode` / :func:`~sylvie_comm.kernels.reference.qbit_decode` run on the
-same device: packed bytes, scale and minimum (fp32 or bf16 metadata), and the decoded values.
+compiled ``sylvie_comm`` ops (``csrc/ops/ops.cpp``), their argument checks (:mod:`sylvie_comm.kernels.checks`, which
+the compiled ops run too: the same messages, as ``RuntimeError``) and fake implementations. Every output has the
+bits of :func:`sylvie_comm.kernels.reference.qbit_encode` / :func:`~sylvie_comm.kernels.reference.qbit_decode` run
+on the same device: packed bytes, scale and minimum (fp32 or bf16 metadata), and the decoded values.
 
 Encode, by row length:
 
@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sylvie_comm.kernels import reference
+from sylvie_comm.kernels import checks, reference
 from sylvie_comm.kernels.triton import NAMESPACE, interpreted, launch_context
 
 __all__ = ["qbit_decode", "qbit_decode_into", "qbit_encode"]
@@ -423,12 +423,13 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _check_device(t: torch.Tensor, op: str, what: str) -> None:
+def _check_device(t: torch.Tensor, op: str, what: str) -> str:
+    """The device type the op runs on, from its main tensor ``what``: CUDA, or CPU under the interpreter."""
     if t.device.type == "cuda":
-        return
+        return "cuda"
     if t.device.type == "cpu":
         if _INTERPRETED:
-            return
+            return "cpu"
         raise RuntimeError(
             f"{op}: {what} is a CPU tensor, which the Triton kernels take only under Triton's interpreter "
             "(TRITON_INTERPRET=1 set before sylvie_comm.kernels.triton is imported)"
@@ -436,12 +437,7 @@ def _check_device(t: torch.Tensor, op: str, what: str) -> None:
     raise RuntimeError(f"{op}: expected a CUDA tensor (or a CPU one under Triton's interpreter), got device {t.device}")
 
 
-def _check_bits(bits: int, op: str) -> None:
-    if bits not in reference.SUPPORTED_BITS:
-        raise RuntimeError(f"{op}: bits must be one of {{1, 2, 4, 8}}, got {bits}")
-
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_FLOATS = checks.FLOATS
 
 
 def _signed32(k: int) -> int:
@@ -449,17 +445,10 @@ def _signed32(k: int) -> int:
     return k - (1 << 32) if k >= 1 << 31 else k
 
 
-def _check_encode(x: torch.Tensor, bits: int, meta_dtype: torch.dtype) -> None:
+def _check_encode(x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype) -> None:
     op = "qbit_encode"
-    _check_device(x, op, "x")
-    if x.dtype not in _FLOATS:
-        raise RuntimeError(f"{op}: expected a float32, float16 or bfloat16 tensor, got {x.dtype}")
-    _check_bits(bits, op)
-    if x.dim() != 2:
-        raise RuntimeError(f"{op}: expected a 2-D tensor (rows, cols), got {x.dim()} dimensions")
-    if meta_dtype not in (torch.float32, torch.bfloat16):
-        raise RuntimeError(f"{op}: meta_dtype must be float32 or bfloat16, got {meta_dtype}")
-    if x.shape[1] >= 1 << 31:
+    checks.qbit_encode(_check_device(x, op, "x"), x, bits, seed, offset, meta_dtype)
+    if x.shape[1] >= 1 << 31:  # the kernels' own limit (int32 column indices)
         raise RuntimeError(f"{op}: rows of at most 2**31 - 1 columns, got {x.shape[1]}")
 
 
@@ -468,7 +457,7 @@ def qbit_encode(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sylvie_comm_triton::qbit_encode``: reference.qbit_encode's bits (``seed`` and ``offset`` int64, each the
     two's complement of a uint64)."""
-    _check_encode(x, bits, meta_dtype)
+    _check_encode(x, bits, seed, offset, meta_dtype)
     x = x.contiguous()
     rows, cols = x.shape
     pcols = reference.packed_cols(cols, bits)
@@ -528,40 +517,18 @@ def _encode(
     )  # fmt: skip
 
 
-def _check_decode_into(
-    packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, out: torch.Tensor
-) -> None:
-    op = "qbit_decode"
-    _check_bits(bits, op)
-    if not (out.is_contiguous() and out.dim() == 2):
-        raise RuntimeError(f"qbit_decode_into: out must be a contiguous 2-D tensor, got shape {list(out.shape)}")
-    if out.dtype not in _FLOATS:
-        raise RuntimeError(f"qbit_decode_into: dtype must be float32, float16 or bfloat16, got {out.dtype}")
-    _check_device(out, op, "out")
-    if packed.dim() != 2 or packed.dtype != torch.uint8:
-        raise RuntimeError(f"{op}: expected a 2-D uint8 packed tensor, got {packed.dim()}-D {packed.dtype}")
-    rows, cols = out.shape
-    pcols = reference.packed_cols(cols, bits)
-    if tuple(packed.shape) != (rows, pcols):
-        raise RuntimeError(
-            f"{op}: {rows} rows of {cols} values of {bits} bits need packed shape [{rows}, {pcols}], "
-            f"got {list(packed.shape)}"
-        )
-    for m in (scale, minimum):
-        if m.dim() != 1 or m.shape[0] != rows:
-            raise RuntimeError(f"{op}: expected {rows} per-row scale and minimum values, got shape {list(m.shape)}")
-        if m.dtype not in (torch.float32, torch.bfloat16):
-            raise RuntimeError(f"{op}: scale and minimum must be float32 or bfloat16, got {m.dtype}")
-    for what, t in (("packed", packed), ("scale", scale), ("minimum", minimum)):
-        if t.device != out.device:
-            raise RuntimeError(f"{op}: {what} must be on {out.device}, got {t.device}")
-
-
 def qbit_decode_into(
     packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, out: torch.Tensor
 ) -> None:
     """``sylvie_comm_triton::qbit_decode_into``: reference.qbit_decode's values written into ``out``."""
-    _check_decode_into(packed, scale, minimum, bits, out)
+    checks.qbit_decode_into(_check_device(out, "qbit_decode_into", "out"), packed, scale, minimum, bits, out)
+    _decode_into(packed, scale, minimum, bits, out)
+
+
+def _decode_into(
+    packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, out: torch.Tensor
+) -> None:
+    """The launch of :func:`qbit_decode_into` (checked arguments)."""
     rows, cols = out.shape
     if not rows or not cols:
         return
@@ -585,15 +552,9 @@ def qbit_decode(
     packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, cols: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """``sylvie_comm_triton::qbit_decode``: a new ``(rows, cols)`` tensor of ``dtype``."""
-    if dtype not in _FLOATS:
-        raise RuntimeError(f"qbit_decode: dtype must be float32, float16 or bfloat16, got {dtype}")
-    if cols < 0:
-        raise RuntimeError(f"qbit_decode: cols must be >= 0, got {cols}")
-    if packed.dim() != 2:
-        raise RuntimeError(f"qbit_decode: expected a 2-D uint8 packed tensor, got {packed.dim()}-D")
-    _check_device(packed, "qbit_decode", "packed")
+    checks.qbit_decode(_check_device(packed, "qbit_decode", "packed"), packed, scale, minimum, bits, cols, dtype)
     out = torch.empty((packed.shape[0], cols), dtype=dtype, device=packed.device)
-    qbit_decode_into(packed, scale, minimum, bits, out)
+    _decode_into(packed, scale, minimum, bits, out)
     return out
 
 
