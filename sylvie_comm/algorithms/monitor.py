@@ -606,6 +606,7 @@ class Monitor:
                     "exact": None if t.exact is None else [_host(t.exact[0]), _host(t.exact[1])],
                     "over": t.over, "under": t.under, "warned": t.warned, "failed": sorted(t.failed),
                     "variant": t.variant, "feedback": t.feedback, "shape": list(t.shape), "base": dict(t.base),
+                    "last": dict(t.last),  # the figures the report shows (a tensor not measured since keeps them)
                 }  # fmt: skip
         return {
             "tensors": per,
@@ -645,6 +646,7 @@ class Monitor:
                 and all(_count(s.get(k)) for k in ("over", "under"))
                 and ("shape" not in s or (isinstance(s["shape"], (list, tuple)) and all(map(_count, s["shape"]))
                                           and isinstance(s.get("base"), Mapping)))
+                and _figures(s.get("last", {}))
             )  # fmt: skip
             if not ok:
                 raise ValueError(f"monitor state of '{n}' must hold finite sums and counts >= 0, got {s!r}")
@@ -688,6 +690,7 @@ class Monitor:
             t.exact = (dev(s["exact"][0]), dev(s["exact"][1]))
         t.over, t.under, t.warned, t.failed = s["over"], s["under"], s["warned"], set(s["failed"])
         t.variant, t.feedback = s["variant"], bool(s.get("feedback", False))
+        t.last = dict(s.get("last", {}))
 
     def close(self) -> None:
         self._channel = None  # the algorithm's transport: its owner closes it
@@ -736,6 +739,13 @@ def _diff(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
 
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def _figures(x: Any) -> bool:
+    """A tensor's last figures: names to finite floats, or None where not measured."""
+    return isinstance(x, Mapping) and all(
+        isinstance(k, str) and (v is None or (isinstance(v, float) and math.isfinite(v))) for k, v in x.items()
+    )
 
 
 def _count(x: Any) -> bool:

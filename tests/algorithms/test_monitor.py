@@ -565,7 +565,13 @@ def test_a_resume_at_any_step_is_the_straight_run(codec: str) -> None:
                         assert v == pytest.approx(tb[k], rel=1e-6), (save_at, n, k)
                     else:
                         assert v == tb[k], (save_at, n, k)
-            assert a["stats"]["monitor"]["checks"] == b["stats"]["monitor"]["checks"], save_at
+            ra, rb = a["stats"]["monitor"], b["stats"]["monitor"]
+            assert ra["checks"] == rb["checks"] and ra["adapted"] == rb["adapted"], save_at
+            for n, fa in ra["tensors"].items():  # the report's last figures, kept across the resume
+                fb = rb["tensors"][n]
+                assert set(fa) == set(fb), (save_at, n)
+                for k, v in fa.items():
+                    assert v == (pytest.approx(fb[k], rel=1e-6) if k == "error" and v is not None else fb[k]), (k, n)
 
 
 @pytest.mark.parametrize("codec", ["onebit", "qsgd", "fp16"])
