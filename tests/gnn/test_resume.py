@@ -3,6 +3,9 @@
 One distributed run (2 ranks) trains each configuration N epochs straight through and, separately, k
 epochs, checkpoints (through torch.save/torch.load), builds a fresh Trainer, loads and trains N - k
 more; the tests compare the two, and the refusal cases run in the same processes.
+
+The gradient hook's compression monitor (``grad_hook``) across the checkpoint: MONITOR_RUNS train long enough that a
+check of it falls after the checkpoint, at its defaults and adapting.
 """
 
 from __future__ import annotations
@@ -31,6 +34,18 @@ RUNS: dict[str, tuple[dict[str, Any], int]] = {
     "s1-ef-acpsgd": ({**BASE, "staleness": 1, "error_feedback": True, "grad_hook": "acpsgd"}, 4),
     # Checkpoint after epoch 4: epoch 5 uses epoch 3's halos (the last synchronous one), epoch 6 is synchronous.
     "s2-sync3-q2-bf16": ({**BASE, **Q2, "staleness": 2, "sync_every": 3, "error_feedback": True}, 5),
+}
+# The gradient hook's monitor across the checkpoint: one hook step an epoch, 13 epochs (0-12), the checkpoint after 8.
+# name -> (config, the monitor's defaults for the run (the trainer takes no monitor settings), epochs before the
+# checkpoint). "defaults": the first check at compressed step 10 (epoch 12, warm-up 2), its figures taken on epochs
+# 7-12, across the checkpoint. "adapting": checks every 5 compressed steps (epochs 7 and 12), patience 1 and a bound
+# every lag exceeds: the check at epoch 7, the last before the checkpoint, doubles the hook's ranks (16 x 16
+# matrices: hidden 16), applied at the first resumed epoch, and the one at epoch 12 runs after the resume.
+MONITOR_EPOCHS = 13
+HOOKED = {**BASE, "hidden": 16, "staleness": 1, "error_feedback": True, "grad_hook": "acpsgd"}
+MONITOR_RUNS: dict[str, tuple[dict[str, Any], dict[str, Any], int]] = {
+    "defaults": (HOOKED, {}, 8),
+    "adapting": (HOOKED, {"first": 5, "period": 5, "adapt": True, "max_lag": 0.05, "patience": 1}, 8),
 }
 
 
@@ -115,6 +130,25 @@ def _resume_worker(rank: int, world: int) -> dict[str, Any]:
         second = _epochs(tr, EPOCHS - k)
         resumed = _outcome(tr, first_logits + logits, first + second)
         out["runs"][name] = {"straight": straight, "resumed": resumed, "summary": summary}
+
+    out["monitor_runs"] = {}
+    for name, (config, defaults, k) in MONITOR_RUNS.items():
+        with gw.monitor_defaults(**defaults):
+            tr, logits = _trainer(parts[rank], config)  # the checkpoint taken on the way (the straight run goes on)
+            first = _epochs(tr, k)
+            ckpt = _save(tr.state_dict())
+            history = first + _epochs(tr, MONITOR_EPOCHS - k)
+            report = tr.hook_state.stats()["monitor"]
+            first_logits = logits[: 2 * k]
+            straight = _outcome(tr, logits, history)
+            tr, logits = _trainer(parts[rank], config)
+            tr.load_state_dict(_load(ckpt))
+            second = _epochs(tr, MONITOR_EPOCHS - k)
+            resumed_report = tr.hook_state.stats()["monitor"]
+            resumed = _outcome(tr, first_logits + logits, first + second)
+        saved = _load(ckpt)["grad_hook"]["monitor"]
+        monitor = (saved, report, resumed_report)
+        out["monitor_runs"][name] = {"straight": straight, "resumed": resumed, "monitor": monitor}
 
     # Control: restoring only the model, the optimizer, the random generator and the epoch counter (no halo
     # state) does not reproduce the run, so the comparison above does test the halo state.
@@ -215,6 +249,25 @@ def test_resumed_run_is_bit_identical(results, name):
         run = r["runs"][name]
         _assert_identical(run["straight"], run["resumed"], f"{name} rank {rank}")
         assert len(run["straight"]["logits"]) == 2 * EPOCHS  # one training and one evaluation pass per epoch
+
+
+@pytest.mark.parametrize("name", list(MONITOR_RUNS))
+def test_a_run_resumed_across_a_check_of_the_hook_s_monitor_is_bit_identical(results, name):
+    """Every logit, loss and parameter (as above), and the hook monitor's checks, decisions and figures ("error" to
+    rounding: see tests/integrations/test_lightning.py assert_same_monitor); a check after the checkpoint."""
+    from tests.integrations.test_lightning import assert_same_monitor
+
+    for rank, r in enumerate(results):
+        run = r["monitor_runs"][name]
+        _assert_identical(run["straight"], run["resumed"], f"{name} rank {rank}")
+        assert len(run["straight"]["logits"]) == 2 * MONITOR_EPOCHS
+        saved, straight, resumed = run["monitor"]
+        assert straight["checks"] > saved["checks"], (name, rank)
+        assert_same_monitor(straight, resumed, (name, rank), every=name == "defaults")
+        if name == "adapting":  # decisions at the check before the checkpoint and at the one after it
+            assert len(saved["events"]) < len(straight["adapted"]), (rank, straight["adapted"])
+        else:
+            assert not straight["adapted"], rank
 
 
 def test_checkpoints_hold_the_state_that_matters(results):

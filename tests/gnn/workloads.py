@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -9,9 +11,23 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sylvie_comm.collectives import Transport
 from sylvie_comm.collectives.local import run_local
+from sylvie_comm.config import MONITOR_DEFAULTS
 from sylvie_comm.gnn import data as gdata
 from sylvie_comm.gnn.partition import partition
 from sylvie_comm.gnn.train import TrainConfig, Trainer
+
+
+@contextlib.contextmanager
+def monitor_defaults(**settings: Any) -> Iterator[None]:
+    """The compression monitor's defaults (``MONITOR_DEFAULTS``) changed to ``settings`` within, for what builds its
+    hook with them and takes no monitor settings of its own (the trainer's ``grad_hook``); restored after."""
+    before = dict(MONITOR_DEFAULTS)
+    MONITOR_DEFAULTS.update(settings)
+    try:
+        yield
+    finally:
+        MONITOR_DEFAULTS.clear()
+        MONITOR_DEFAULTS.update(before)
 
 
 def small_graph(seed: int = 0) -> gdata.GraphData:

@@ -196,37 +196,67 @@ def _train(opt: Any, model: nn.Module, rank: int, steps: range) -> None:
         opt.step()
 
 
-def resume_codec(rank: int, codec: str, k: int = 5) -> dict[str, Any]:
-    """k steps, checkpoint, k more; then a fresh model and optimizer load the checkpoint and run the last k."""
+def resume_codec(rank: int, codec: str, options: dict[str, Any] | None = None, k: int = 8) -> dict[str, Any]:
+    """k steps, checkpoint, k more; then a fresh model and optimizer load the checkpoint and run the last k.
+
+    The compression monitor runs in both (at ``MONITOR_DEFAULTS`` unless ``options`` set ``monitor``): at k = 8 its
+    first check (compressed step 10, step 12) falls in the resumed half, its figures (taken on steps 7-12) across the
+    checkpoint. Besides the parameters, the monitor's checks (at the checkpoint and at the end), decisions and
+    per-tensor figures of both runs."""
     sh = _sh()
+    extra = options or {}
     model = wl.mlp()
     opt = sh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                  model.named_parameters(), codec, bucket_cap_mb=TINY_BUCKET_MB)  # fmt: skip
+                                  model.named_parameters(), codec, bucket_cap_mb=TINY_BUCKET_MB, **extra)  # fmt: skip
     _train(opt, model, rank, range(k))
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
     _train(opt, model, rank, range(k, 2 * k))
     first = [p.detach().clone() for p in model.parameters()]
+    straight = opt.stats().get("monitor")
     opt.close()
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=False)
     model = wl.mlp(seed=1)  # other initial values: everything must come from the checkpoint
     model.load_state_dict(ckpt["model"])
-    opt = sh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                  model.named_parameters(), codec, bucket_cap_mb=1.0)  # other groups  # fmt: skip
+    opt = sh.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),  # other groups:
+                                  model.named_parameters(), codec, bucket_cap_mb=1.0, **extra)  # fmt: skip
     opt.load_state_dict(ckpt["opt"])
     _train(opt, model, rank, range(k, 2 * k))
     second = [p.detach().clone() for p in model.parameters()]
+    resumed = opt.stats().get("monitor")
     opt.close()
     return {
         "bitwise": all(torch.equal(a, b) for a, b in zip(first, second, strict=True)),
         "max_diff": max((a - b).abs().max().item() for a, b in zip(first, second, strict=True)),
         "state_names": sorted(ckpt["opt"]["sylvie_comm"]["params"]),
-    }
+        "monitor": None if straight is None else (ckpt["opt"]["sylvie_comm"]["monitor"], _unsampled(straight),
+                                                  _unsampled(resumed)),
+    }  # fmt: skip
+
+
+def _unsampled(report: dict[str, Any]) -> dict[str, Any]:
+    """A monitor report less the exact check's figures: which tensors a check samples follows the groups (the
+    resumed run's are others)."""
+    tensors = {n: {k: v for k, v in t.items() if not k.startswith("exact")} for n, t in report["tensors"].items()}
+    return {**report, "tensors": tensors}
+
+
+# Adaptation across the checkpoint, k = 6: checks every 3 compressed steps (steps 5, 8 and 11), a bound every
+# compressed tensor's lag exceeds and patience 1, so each check changes settings (a low-rank matrix's rank 1 -> 2,
+# then raw; top-k's ratio, qsgd's bits; raw for one-bit, which has no safer level). The checkpoint after step 5 is
+# taken right after a check: its decisions apply at the next step, the resumed run's first (the low-rank factors
+# grow a column there), and the check at step 8 falls in the resumed half.
+ADAPT_MONITOR = {"first": 3, "period": 3, "adapt": True, "max_lag": 0.05, "patience": 1}
+ADAPT_CASES: dict[str, dict[str, Any]] = {"acpsgd": {"rank": 1}, "powersgd": {"rank": 1}, "onebit": {}, "topk": {},
+                                          "qsgd": {}}  # fmt: skip
 
 
 def check_resume(rank: int) -> dict[str, Any]:
-    return {codec: resume_codec(rank, codec) for codec in RESUME_CODECS}
+    out = {codec: resume_codec(rank, codec) for codec in RESUME_CODECS}
+    for codec, options in ADAPT_CASES.items():
+        out[f"{codec}/adapt"] = resume_codec(rank, codec, {**options, "monitor": ADAPT_MONITOR}, k=6)
+    return out
 
 
 AMP_CODECS = ["acpsgd", "auto", "bf16", "fp16", "none", "onebit", "powersgd", "qsgd", "sign", "topk"]

@@ -4,15 +4,22 @@
 as a second copy of it (``_SubprocessScriptLauncher``), and every later ``Trainer`` of the script joins the same
 two processes. Each rank writes ``OUT/rank{r}.pt`` with what it saw:
 
-- ``ddp``: ``CompressedDDPStrategy("acpsgd")`` for 3 epochs straight; 2 epochs (a ``ModelCheckpoint`` file at the
-  end of epoch 2, and ``trainer.save_checkpoint`` after ``fit``) then a new Trainer resuming from that file to 3;
+- ``ddp``: ``CompressedDDPStrategy("acpsgd")`` for 4 epochs straight; 2 epochs (a ``ModelCheckpoint`` file at the
+  end of epoch 2, and ``trainer.save_checkpoint`` after ``fit``) then a new Trainer resuming from that file to 4;
   our own loop (DDP + ``sylvie_comm.ddp.register``) over the same data; the hook's state right after the resume
-  against the one saved; the statistics.
+  against the one saved; the statistics of the straight and the resumed fit.
 - ``fsdp``: the same with ``CompressedModelParallelStrategy("onebit")`` (FSDP2 ``fully_shard``) against our own
   FSDP2 loop (``sylvie_comm.fsdp.register``), resuming from a distributed checkpoint.
+- ``ddp-adapt``: ``ddp``'s straight and resumed fits (no own loop) with the compression monitor adapting.
 - ``skip``: how many times a plain ``DDPStrategy(ddp_comm_hook=...)`` hook ran on the CPU, and the error of
   ``CommHookCheck`` on such a trainer; the errors of the strategies' refused arguments.
 - ``resize``: what the DDP strategy's resume says of that 2-rank checkpoint in a world of one.
+
+The compression monitor runs in every fit, and a check of it falls after the checkpoint (step 8 of 16): ``ddp``'s
+every 5 compressed steps (steps 7 and 12, the second's figures taken on steps 8-12), ``fsdp``'s at its defaults
+(compressed step 10: step 12, its figures taken on steps 7-12, across the checkpoint); ``ddp-adapt``'s as ``ddp``'s
+with patience 1 and a bound every lag exceeds, so the check at step 7, the last before the checkpoint, and the one at
+step 12 change the ranks (2 -> 4, then raw), the first's decisions applied at the resumed fit's first step.
 
 Deterministic: fixed seeds, no dropout; the data order is that of the DistributedSampler Lightning puts in the
 training loader (it shuffles, seed 0, whatever the loader's ``shuffle``), which our own loop uses too.
@@ -37,10 +44,11 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import sylvie_comm
 import sylvie_comm.lightning as sl
 
-EPOCHS, FIRST = 3, 2  # straight run; the interrupted run stops after FIRST and resumes to EPOCHS
+EPOCHS, FIRST = 4, 2  # straight run; the interrupted run stops after FIRST and resumes to EPOCHS
 BATCH = 8
 DDP_OPTIONS = {"rank": 2, "warmup_steps": 2, "monitor": {"period": 5, "sample": 1}}
 FSDP_OPTIONS = {"warmup_steps": 2}
+ADAPT_OPTIONS = {**DDP_OPTIONS, "monitor": {"period": 5, "sample": 1, "adapt": True, "max_lag": 0.05, "patience": 1}}
 
 
 def data() -> TensorDataset:
@@ -150,7 +158,7 @@ def run(kind: str, root: Path) -> dict[str, Any]:
     def strategy() -> Any:
         if shard:
             return sl.CompressedModelParallelStrategy("onebit", options=FSDP_OPTIONS)
-        return sl.CompressedDDPStrategy("acpsgd", options=DDP_OPTIONS)
+        return sl.CompressedDDPStrategy("acpsgd", options=ADAPT_OPTIONS if kind == "ddp-adapt" else DDP_OPTIONS)
 
     out: dict[str, Any] = {}
     s, net = strategy(), Net(shard)
@@ -175,7 +183,9 @@ def run(kind: str, root: Path) -> dict[str, Any]:
     s, net, seen = strategy(), Net(shard), StateAtStart()
     trainer(s, EPOCHS, root / kind / "resumed", callbacks=[seen]).fit(net, loader(), ckpt_path=str(resume_from))
     out["resumed"], out["restored"] = weights(net), seen.state
-    out["own"], out["own_stats"] = own_loop(dist.get_rank(), shard)
+    out["resumed_stats"] = s.compression_state.stats()
+    if kind != "ddp-adapt":
+        out["own"], out["own_stats"] = own_loop(dist.get_rank(), shard)
     return out
 
 
@@ -232,7 +242,8 @@ def resize(checkpoint: Path) -> str:
 
 def main() -> None:
     root = Path(sys.argv[1])
-    result = {"ddp": run("ddp", root), "fsdp": run("fsdp", root), "skip": skip(root)}
+    result = {kind: run(kind, root) for kind in ("ddp", "fsdp", "ddp-adapt")}
+    result["skip"] = skip(root)
     result["resize"] = resize(Path(result["ddp"]["files"]["after_fit"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     result["world"], result["threads"] = world, torch.get_num_threads()

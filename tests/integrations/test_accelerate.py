@@ -3,7 +3,9 @@
 
 ACP-SGD at SGD momentum 0.9: the weights equal our own loop's (DDP + ``sylvie_comm.ddp.register`` on the batches
 Accelerate hands each process) bit for bit; 1 epoch, ``save_state``, a new Accelerator that ``load_state``s and
-trains the 2nd equals 2 epochs straight, bit for bit; the one file written from the main process
+trains the 2nd equals 2 epochs straight, bit for bit, across a check of the compression monitor (at its defaults,
+and adapting the ranks at a check just before the checkpoint and at one after it), with the monitor's checks,
+decisions and figures; the one file written from the main process
 (``sylvie_comm_state.pt``) holds both ranks' states; the hooks Accelerate would drop or put in our place are refused
 with the reason.
 
@@ -39,6 +41,7 @@ from sylvie_comm.integrations.accelerate import (
 )
 from tests.dist_utils import free_port
 from tests.integrations.launcher import launch
+from tests.integrations.test_lightning import assert_same_monitor
 
 WORKER = Path(__file__).with_name("accelerate_worker.py")
 TIMEOUT_S = 240
@@ -83,10 +86,28 @@ def test_the_example_logs_the_compression_figures_through_the_accelerator(run: d
 
 @pytest.mark.multiprocess
 def test_load_state_resumes_bit_for_bit(run: dict[str, Any]) -> None:
+    """The monitor at its defaults: its check at step 32 falls after the checkpoint (after 22 steps), in the resumed
+    run."""
     for r, res in enumerate(run["ranks"]):
         assert res["resumed"]["steps"] == 44  # the hook's step counter came back with its state
         assert _max_diff(res["straight"]["weights"], res["resumed"]["weights"]) == 0.0, r
         assert _max_diff(res["straight"]["weights"], res["first"]["weights"]) > 0  # the 2nd epoch did train
+        assert (res["first"]["monitor"]["checks"], res["straight"]["monitor"]["checks"]) == (1, 2), r
+        assert_same_monitor(res["straight"]["monitor"], res["resumed"]["monitor"], r)
+
+
+@pytest.mark.multiprocess
+def test_load_state_resumes_bit_for_bit_across_the_monitor_s_adaptation(run: dict[str, Any]) -> None:
+    """Checks at steps 7 and 12 (of 0-15) that adapt (accelerate_worker.ADAPT_MONITOR), the checkpoint after 8
+    steps: the first check's decisions apply after the resume, the second check falls in the resumed run."""
+    for r, res in enumerate(run["ranks"]):
+        straight, first, resumed = (res["adapting"][k] for k in ("straight", "first", "resumed"))
+        assert (first["steps"], resumed["steps"]) == (8, 16), r
+        assert _max_diff(straight["weights"], resumed["weights"]) == 0.0, r
+        assert (first["saved"]["checks"], straight["monitor"]["checks"]) == (1, 2), r
+        assert len(first["saved"]["events"]) < len(straight["monitor"]["adapted"]), (r, straight["monitor"])
+        assert any("rank 2 -> 4" in event for event in straight["monitor"]["adapted"]), straight["monitor"]
+        assert_same_monitor(straight["monitor"], resumed["monitor"], r, every=False)
 
 
 @pytest.mark.multiprocess

@@ -22,6 +22,7 @@ if shutil.which("horovodrun") is None:
 
 from tests.dist_utils import run_distributed
 from tests.integrations import horovod_worker as hw
+from tests.integrations.test_lightning import assert_same_monitor
 
 pytestmark = pytest.mark.multiprocess
 
@@ -144,10 +145,24 @@ def test_optimizer_averages_like_horovod_for_every_algorithm(checks):
 
 
 def test_optimizer_resume_is_bit_identical(checks):
-    """k steps, checkpoint, k more == load the checkpoint into a fresh model and optimizer (other groups), k steps."""
-    for res in checks["resume"]:
-        for codec in hw.RESUME_CODECS:
-            assert res[codec]["bitwise"], (codec, res[codec]["max_diff"])
+    """k steps, checkpoint, k more == load the checkpoint into a fresh model and optimizer (other groups), k steps;
+    across a check of the compression monitor, at its defaults and adapting (hw.ADAPT_MONITOR)."""
+    for rank, res in enumerate(checks["resume"]):
+        for case in [*hw.RESUME_CODECS, *(f"{codec}/adapt" for codec in hw.ADAPT_CASES)]:
+            assert res[case]["bitwise"], (case, res[case]["max_diff"])
+            if case == "none":  # nothing compressed: no monitor
+                assert res[case]["monitor"] is None
+                continue
+            saved, straight, resumed = res[case]["monitor"]
+            adapting = case.endswith("/adapt")
+            assert_same_monitor(straight, resumed, (case, rank), every=not adapting)
+            if not adapting:  # the defaults: the first check (step 12) after the checkpoint (8)
+                assert (saved["checks"], straight["checks"]) == (0, 1), case
+                assert not straight["adapted"], case
+            else:  # a check at the last step before the checkpoint; its decisions and later ones after it
+                assert saved["checks"] >= 1 and len(saved["events"]) < len(straight["adapted"]), (case, saved, straight)
+                if case != "onebit/adapt":  # (it sends every tensor raw at the first)
+                    assert straight["checks"] > saved["checks"], (case, straight)
         assert len(res["acpsgd"]["state_names"]) == 3  # every weight matrix
 
 

@@ -3,7 +3,9 @@ launcher (lightning_worker.py, run once for every test here), against our own lo
 
 ``CompressedDDPStrategy("acpsgd")`` and ``CompressedModelParallelStrategy("onebit")`` (FSDP2) at SGD momentum 0.9:
 the trained weights equal our own loop's (DDP or ``fully_shard`` + ``sylvie_comm``'s register) bit for bit; a fit
-stopped after 2 epochs and resumed from its checkpoint to 3 equals 3 epochs straight, bit for bit; the
+stopped after 2 epochs and resumed from its checkpoint to 4 equals 4 epochs straight, bit for bit, across a check of
+the compression monitor (and with the DDP strategy's monitor adapting the ranks there, ``ddp-adapt``), the monitor's
+checks, decisions and figures those of the straight fit; the
 checkpoint holds both ranks' states (which differ) and each rank restores its own; a plain
 ``DDPStrategy(ddp_comm_hook=...)`` skips its hook on the CPU and ``CommHookCheck`` says so.
 """
@@ -62,11 +64,39 @@ def test_the_trainer_equals_our_own_loop_bit_for_bit(run: dict[str, Any], kind: 
         assert res[kind]["stats"]["bytes_sent"] == res[kind]["own_stats"]["bytes_sent"]
 
 
+def assert_same_monitor(straight: dict[str, Any], resumed: dict[str, Any], where: Any, every: bool = True) -> None:
+    """A resumed run's compression monitor report (``stats()["monitor"]``) against the straight run's: the checks,
+    the decisions in their order and, per tensor, its setting and figures bit for bit, but ``error`` to rounding
+    (on its first step after a resume it reads the residual a low-rank algorithm's checkpoint holds settled, where
+    the straight run expands the factors' update it still owes: the same sum, rounded otherwise; it is reported
+    only, adaptation judges the lag). A tensor not measured since the resume (one that adaptation sent raw before
+    it) has no figures in the resumed run's report; ``every``: every tensor was."""
+    assert (resumed["checks"], resumed["adapted"]) == (straight["checks"], straight["adapted"]), where
+    assert resumed["tensors"].keys() == straight["tensors"].keys() and straight["tensors"], where
+    for name, figures in straight["tensors"].items():
+        got = resumed["tensors"][name]
+        assert not every or got.keys() == figures.keys(), (where, name, got)
+        for key, value in figures.items():
+            if key in got:
+                rounded = key == "error" and isinstance(value, float)
+                assert got[key] == (pytest.approx(value, rel=1e-6) if rounded else value), (where, name, key)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "ddp-adapt"])
 def test_a_resumed_fit_equals_an_uninterrupted_one_bit_for_bit(run: dict[str, Any], kind: str) -> None:
+    """Across a check of the compression monitor (see lightning_worker.py): the weights, and the monitor's checks,
+    decisions and per-tensor figures."""
     for r, res in enumerate(run["ranks"]):
         assert _max_diff(res[kind]["straight"], res[kind]["resumed"]) == 0.0, (kind, r)
+        saved, straight, resumed = (res[kind]["saved"]["monitor"], res[kind]["stats"]["monitor"],
+                                    res[kind]["resumed_stats"]["monitor"])  # fmt: skip
+        assert straight["checks"] > saved["checks"], (kind, r)  # a check after the resume
+        assert_same_monitor(straight, resumed, (kind, r), every=kind != "ddp-adapt")
+        if kind == "ddp-adapt":  # decisions at the check before the checkpoint and at the one after it
+            assert len(saved["events"]) < len(straight["adapted"]), (kind, r, straight["adapted"])
+        else:
+            assert not straight["adapted"], (kind, r)
 
 
 @pytest.mark.multiprocess
@@ -74,7 +104,7 @@ def test_a_resumed_fit_equals_an_uninterrupted_one_bit_for_bit(run: dict[str, An
 def test_the_hook_ran_and_compressed(run: dict[str, Any], kind: str) -> None:
     for res in run["ranks"]:
         stats = res[kind]["stats"]
-        assert stats["steps"] == 12  # 3 epochs of 32 samples per rank in batches of 8
+        assert stats["steps"] == 16  # 4 epochs of 32 samples per rank in batches of 8
         assert 0 < stats["bytes_sent"] < stats["bytes_uncompressed"] / 2, stats
 
 

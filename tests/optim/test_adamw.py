@@ -3,8 +3,9 @@
 The warm-up is torch.optim.AdamW on the averaged gradient; after it the variance is frozen and, with the
 momentum averaged exactly (codec ``none``), every step is the frozen-variance update of the reference below; a
 parameter whose variance was never estimated takes AdamW steps; a run with skipped warm-up steps resumes
-bit-identical. What CompressedAdamW shares with CompressedSGD (identical replicas, resume, non-finite gradients,
-skipped steps, missing gradients) is tested on both in ``test_momentum.py``.
+bit-identical, and so does a run resumed across a check of the compression monitor. What CompressedAdamW shares
+with CompressedSGD (identical replicas, resume, non-finite gradients, skipped steps, missing gradients) is tested on
+both in ``test_momentum.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from sylvie_comm.collectives.local import run_local
 from sylvie_comm.optim import DEFAULT_DENOM_FLOOR, CompressedAdamW
 from tests.optim.common import (
     ADAMW_HYPER,
+    EF_CODECS,
     SHAPES,
     WORLDS,
     construction_error,
@@ -36,6 +38,7 @@ from tests.optim.common import (
     torch_reference,
     without_a_gradient_for_b1,
 )
+from tests.optim.test_sgd import MONITOR_RESUMES, resumed_across_a_check
 
 
 def mean_grad(name: str, world: int, step: int) -> torch.Tensor:
@@ -236,6 +239,14 @@ def test_a_run_with_skipped_warmup_steps_resumes_bit_identical(skipped: tuple[in
         for n in SHAPES:
             assert torch.isfinite(whole[n]).all(), n
             assert torch.equal(whole[n], resumed[n]), n
+
+
+@pytest.mark.parametrize("case", list(MONITOR_RESUMES))
+@pytest.mark.parametrize("codec", EF_CODECS)
+def test_a_run_resumed_across_a_monitor_check_is_bit_identical(codec: str, case: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """See test_sgd.py's: the checkpoint after the warm-up, the variance frozen in it."""
+    resumed_across_a_check(make_adamw, case, codec, monkeypatch)
 
 
 def test_checkpoints_without_the_count_of_skipped_warmup_steps_load_and_bad_counts_are_refused() -> None:

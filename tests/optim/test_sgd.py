@@ -2,9 +2,10 @@
 
 The warm-up is torch.optim.SGD on the averaged gradient, bit for bit; with the momentum averaged exactly (codec
 ``none``) so is every later step (bit for bit on one rank, to fp32 rounding on more), Nesterov and weight decay
-included; the buffer is the ranks' average; a checkpoint whose buffers do not fit is refused. What CompressedSGD
-shares with CompressedAdamW (identical replicas, resume, non-finite gradients, skipped steps, missing gradients) is
-tested on both in ``test_momentum.py``.
+included; the buffer is the ranks' average; a checkpoint whose buffers do not fit is refused; a run resumed across a
+check of the compression monitor is bit-identical, the monitor's figures and decisions too (and CompressedAdamW's, in
+``test_adamw.py``, with :func:`resumed_across_a_check`). What CompressedSGD shares with CompressedAdamW (identical
+replicas, resume, non-finite gradients, skipped steps, missing gradients) is tested on both in ``test_momentum.py``.
 """
 
 from __future__ import annotations
@@ -15,14 +16,18 @@ import pytest
 import torch
 
 from sylvie_comm.collectives.local import run_local
+from sylvie_comm.config import MONITOR_DEFAULTS
 from sylvie_comm.optim import CompressedSGD
 from tests.optim.common import (
+    EF_CODECS,
     SGD_VARIANTS,
     SHAPES,
     WORLDS,
+    Maker,
     construction_error,
     detached,
     first_step_skipped,
+    full_state,
     grad,
     initial,
     make_adamw,
@@ -224,6 +229,75 @@ def test_a_checkpoint_whose_buffers_do_not_fit_is_refused_on_every_rank() -> Non
         return "ok"
 
     assert run_local(2, body) == ["ok", "ok"]
+
+
+# ---------------------------------------------------------------- resume across a check of the compression monitor
+
+# The monitor watches the average of the momenta at the library's defaults (MONITOR_DEFAULTS: the compressed optimizers
+# take no monitor settings). name -> (changes to the defaults, steps, the step the checkpoint is taken before), at a
+# warm-up of 3 steps. "defaults": the first check at compressed step 10 (step 13), its figures taken on steps 8-13,
+# across the checkpoint (before step 11). "adapting": checks every 5 compressed steps (steps 8 and 13), patience 1 and
+# a bound every lag exceeds, the checkpoint right after the first (before step 9): its decisions (top-k's ratio,
+# qsgd's bits; raw for one-bit and sign, which have no safer level) apply at the resumed run's first step, and the
+# second check falls after the resume (where a tensor still compresses).
+MONITOR_RESUMES: dict[str, tuple[dict[str, Any], int, int]] = {
+    "defaults": ({}, 16, 11),
+    "adapting": ({"first": 5, "period": 5, "adapt": True, "max_lag": 0.05, "patience": 1}, 16, 9),
+}
+
+
+def resumed_across_a_check(make: Maker, case: str, codec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run of MONITOR_RESUMES[case] on 2 ranks and a fresh optimizer resumed from its checkpoint: the same
+    parameters, and the same monitor report (checks, decisions in their order, per tensor its setting and figures),
+    with a check or decisions after the checkpoint."""
+    changes, steps, at = MONITOR_RESUMES[case]
+    for key, value in changes.items():
+        monkeypatch.setitem(MONITOR_DEFAULTS, key, value)
+
+    def body(tr: Any) -> dict[str, Any]:
+        params = params_of(initial())
+        opt = make(tr, params, codec=codec, warmup=3)
+        for step in range(steps):
+            if step == at:
+                ckpt = full_state(opt, params)
+            set_grads(params, tr.rank, step)
+            opt.step()
+        straight = opt.stats()["monitor"]
+        opt.close()
+        resumed = params_of(ckpt["params"])
+        opt = make(tr, resumed, codec=codec, warmup=3)
+        opt.load_state_dict(ckpt["opt"])
+        for step in range(at, steps):
+            set_grads(resumed, tr.rank, step)
+            opt.step()
+        got = opt.stats()["monitor"]
+        opt.close()
+        return {"params": (detached(params), detached(resumed)), "monitor": (ckpt["opt"]["sylvie_comm"]["monitor"],
+                straight, got)}  # fmt: skip
+
+    for r in run_local(2, body):
+        whole, resumed = r["params"]
+        for n in SHAPES:
+            assert torch.equal(whole[n], resumed[n]), (codec, n)
+        saved, straight, got = r["monitor"]
+        assert (got["checks"], got["adapted"]) == (straight["checks"], straight["adapted"]), codec
+        assert got["tensors"].keys() == straight["tensors"].keys() == set(SHAPES), codec
+        for n, figures in straight["tensors"].items():
+            # Figures of the checks since the resume (one-bit's and sign's tensors, sent raw, have none there).
+            assert {k: v for k, v in figures.items() if k in got["tensors"][n]} == got["tensors"][n], (codec, n)
+        if case == "defaults":
+            assert (saved["checks"], straight["checks"]) == (0, 1), codec
+            assert got == straight and not straight["adapted"], codec
+        else:
+            assert saved["checks"] == 1 and len(saved["events"]) < len(straight["adapted"]), (codec, straight)
+            assert straight["checks"] == (1 if codec in ("onebit", "sign") else 2), (codec, straight)
+
+
+@pytest.mark.parametrize("case", list(MONITOR_RESUMES))
+@pytest.mark.parametrize("codec", EF_CODECS)
+def test_a_run_resumed_across_a_monitor_check_is_bit_identical(codec: str, case: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    resumed_across_a_check(make_sgd, case, codec, monkeypatch)
 
 
 # ---------------------------------------------------------------- non-finite gradients
