@@ -8,6 +8,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from sylvie_comm.bench.choices import at_least
+
 
 def _sizes(text: str) -> tuple[int, ...]:
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -33,23 +35,8 @@ def _threads(text: str) -> tuple[int, ...]:
     return values
 
 
-def _integer(low: int, meaning: str) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``low``, refused as ``expected {meaning}``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low:
-            raise argparse.ArgumentTypeError(f"expected {meaning}, got {text!r}")
-        return value
-
-    return parse
-
-
-_positive = _integer(1, "a positive integer")
-_non_negative = _integer(0, "an integer >= 0")
+_positive = at_least(1, "a positive integer")
+_non_negative = at_least(0)
 
 
 def _positive_number(text: str) -> float:

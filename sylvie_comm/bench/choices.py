@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -75,3 +76,19 @@ def _value(text: str) -> Any:
 
 
 __all__ = ["parse_spec", "split_specs", "unique_choices"]
+
+
+def at_least(low: int, meaning: str | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low``, refused as ``expected {meaning}`` (default: ``an integer >= low``)."""
+    meaning = meaning or f"an integer >= {low}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"expected {meaning}, got {text!r}")
+        return value
+
+    return parse

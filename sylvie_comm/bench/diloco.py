@@ -29,13 +29,13 @@ import shlex
 import sys
 import threading
 import time
-from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from sylvie_comm.bench.choices import at_least
 from sylvie_comm.bench.kit import machine
 from sylvie_comm.bench.workloads import WORKLOADS
 from sylvie_comm.collectives import wire_bytes
@@ -253,21 +253,6 @@ def plot(result: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
     return save_figure(plt, fig, out)
 
 
-def _integer(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``low``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
-        return value
-
-    return parse
-
-
 def _runs(text: str) -> str:
     """An argparse type: ``--runs``, every run checked (:func:`_split_runs`)."""
     try:
@@ -296,15 +281,15 @@ def check_out(out: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sylvie_comm.bench.diloco", description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=_integer(1), default=1024, help="inner steps per run (default 1024)")
-    parser.add_argument("--world", type=_integer(1), default=2, help="replicas (default 2)")
+    parser.add_argument("--steps", type=at_least(1), default=1024, help="inner steps per run (default 1024)")
+    parser.add_argument("--world", type=at_least(1), default=2, help="replicas (default 2)")
     parser.add_argument("--runs", type=_runs, default=DEFAULT_RUNS,
                         help=f"comma-separated ddp or <codec>:<H>[:<outer lr>:<outer momentum>] (default "
                         f"{DEFAULT_RUNS})")  # fmt: skip
-    parser.add_argument("--seed", type=_integer(0), default=0, help="the initial weights and the batches (default 0)")
+    parser.add_argument("--seed", type=at_least(0), default=0, help="the initial weights and the batches (default 0)")
     parser.add_argument(
         "--eval-every",
-        type=_integer(0),
+        type=at_least(0),
         default=0,
         help="evaluate every this many steps where an outer step ends too (default 0: at the end)",
     )
