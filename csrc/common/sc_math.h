@@ -129,4 +129,77 @@ SC_HD int64_t sc_packed_cols(int64_t cols, int bits) { return cols / 8 * bits + 
 // ceil(n / d) for n >= 0 and d > 0, without the overflow of (n + d - 1) / d (a chunk_size near 2**63).
 SC_HD int64_t sc_ceil_div(int64_t n, int64_t d) { return n == 0 ? 0 : 1 + (n - 1) / d; }
 
+
+// ---------------------------------------------------------------- the one-bit chunk's sum
+// The order of a one-bit chunk's fp32 sum (sylvie_comm/kernels/reference.py: onebit_sum_order, chunk_sums): element
+// k of a piece adds into lane k % lanes (each lane in element order, from +0.0), the lanes are combined by the
+// adjacent-pair tree (lane 2i + lane 2i+1, then the same on the halves), the pieces' sums are added in order.
+constexpr int64_t kOnebitLanes = 2048;
+constexpr int64_t kOnebitPiece = 16384;
+constexpr int64_t kOnebitMaxPieces = 65535;
+
+struct ScChunkSum {
+  int64_t lanes, piece, at = 0;  // `at`: elements added to the current piece
+  bool squares, started = false;
+  float total = 0.0f;
+  float acc[kOnebitLanes];
+
+  ScChunkSum(int64_t chunk_size, bool squares_) : squares(squares_) {
+    lanes = 1;
+    while (lanes < chunk_size && lanes < kOnebitLanes) lanes <<= 1;
+    int64_t p = chunk_size < kOnebitPiece ? chunk_size : kOnebitPiece;
+    const int64_t least = sc_ceil_div(chunk_size, kOnebitMaxPieces);
+    if (least > p) p = least;
+    piece = (p + lanes - 1) / lanes * lanes;
+    for (int64_t l = 0; l < lanes; ++l) acc[l] = 0.0f;
+  }
+
+  // The next m values of the chunk (in element order).
+  void add(const float* x, int64_t m) {
+    for (int64_t i = 0; i < m;) {
+      if (at == piece) finish_piece();
+      const int64_t lane0 = at & (lanes - 1);
+      int64_t run = m - i;
+      if (run > lanes - lane0) run = lanes - lane0;
+      if (run > piece - at) run = piece - at;
+      float* a = acc + lane0;
+      const float* v = x + i;
+      if (squares) {
+        for (int64_t j = 0; j < run; ++j) a[j] = a[j] + v[j] * v[j];  // no contraction: -ffp-contract=off
+      } else {
+        for (int64_t j = 0; j < run; ++j) a[j] = a[j] + __builtin_fabsf(v[j]);
+      }
+      i += run;
+      at += run;
+    }
+  }
+
+  void finish_piece() {
+    for (int64_t w = lanes; w > 1; w >>= 1) {
+      for (int64_t l = 0; l < w / 2; ++l) acc[l] = acc[2 * l] + acc[2 * l + 1];
+    }
+    total = started ? total + acc[0] : acc[0];
+    started = true;
+    at = 0;
+    for (int64_t l = 0; l < lanes; ++l) acc[l] = 0.0f;
+  }
+
+  // The chunk's sum (call once, after every value was added).
+  float sum() {
+    if (at > 0 || !started) finish_piece();
+    return total;
+  }
+};
+
+// The chunk's scale from its sum: sum / len (and its square root for the norm scale) in fp32; NaN unless finite.
+SC_HD float sc_onebit_scale(float sum, int64_t len, bool norm) {
+  float s = sum / static_cast<float>(len);
+  if (norm) s = __builtin_sqrtf(s);
+  uint32_t u;
+  memcpy(&u, &s, sizeof(u));
+  if ((u & 0x7F800000u) == 0x7F800000u) u = 0x7FC00000u;
+  memcpy(&s, &u, sizeof(u));
+  return s;
+}
+
 }  // namespace sylvie_comm

@@ -241,13 +241,12 @@ std::tuple<at::Tensor, at::Tensor> onebit_encode_cpu(const at::Tensor& x_, int64
     at::parallel_for(0, chunks, std::max<int64_t>(1, kGrainElems / chunk_size), [&](int64_t b, int64_t e) {
       for (int64_t c = b; c < e; ++c) {
         const int64_t start = c * chunk_size, len = std::min(chunk_size, n - start);
-        double sum = 0.0;
+        ScChunkSum sum(chunk_size, norm_scale);
         for_f32_blocks(xp + start, len, [&](const float* blk, int64_t m, int64_t off) {
-          f.onebit_encode(blk, m, out + (start + off) / 8, norm_scale, &sum);
+          f.onebit_encode(blk, m, out + (start + off) / 8);
+          sum.add(blk, m);
         });
-        double s = sum / static_cast<double>(len);
-        float sf = static_cast<float>(norm_scale ? std::sqrt(s) : s);
-        sc[c] = std::isfinite(sf) ? sf : nan_f();
+        sc[c] = sc_onebit_scale(sum.sum(), len, norm_scale);
       }
     });
   });
@@ -424,12 +423,12 @@ at::Tensor qbit_decode_cpu(const at::Tensor& packed, const at::Tensor& scale, co
 // ---------------------------------------------------------------- error feedback + one-bit
 
 // One chunk of the residual, already compensated: its sign bits and scale, then residual -= decode.
-void feedback_encode_chunk(const Impl& f, float* e, int64_t len, bool norm_scale, uint8_t* out, float* scale) {
-  double sum = 0.0;
-  f.onebit_encode(e, len, out, norm_scale, &sum);
-  double s = sum / static_cast<double>(len);
-  float sf = static_cast<float>(norm_scale ? std::sqrt(s) : s);
-  *scale = std::isfinite(sf) ? sf : nan_f();
+void feedback_encode_chunk(const Impl& f, float* e, int64_t len, int64_t chunk_size, bool norm_scale, uint8_t* out,
+                           float* scale) {
+  f.onebit_encode(e, len, out);
+  ScChunkSum sum(chunk_size, norm_scale);
+  sum.add(e, len);
+  *scale = sc_onebit_scale(sum.sum(), len, norm_scale);
   f.onebit_residual(e, out, len, *scale);
 }
 
@@ -471,7 +470,7 @@ void onebit_feedback_encode_cpu(const at::Tensor& residual, const c10::optional<
       const int64_t start = c * chunk_size, len = std::min(chunk_size, n - start);
       save_floats(sv == nullptr ? nullptr : sv + start, e + start, len);
       if (g != nullptr) f.add_into(e + start, g + start, len);
-      feedback_encode_chunk(f, e + start, len, norm_scale, out + start / 8, sc + c);
+      feedback_encode_chunk(f, e + start, len, chunk_size, norm_scale, out + start / 8, sc + c);
     }
   });
 }
@@ -505,7 +504,7 @@ void onebit_mean_feedback_encode_cpu(const at::Tensor& residual, const at::Tenso
       }
       save_floats(sv == nullptr ? nullptr : sv + start, e + start, len);
       f.onebit_mean_add(e + start, rows.data(), row_scales.data(), w, len, wf);
-      feedback_encode_chunk(f, e + start, len, norm_scale, out + start / 8, sc + c);
+      feedback_encode_chunk(f, e + start, len, chunk_size, norm_scale, out + start / 8, sc + c);
     }
   });
 }

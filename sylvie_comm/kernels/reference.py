@@ -121,27 +121,71 @@ def _nan_if_nonfinite(scale: torch.Tensor, finite: torch.Tensor) -> torch.Tensor
     return torch.where(finite, scale, torch.full_like(scale, float("nan")))
 
 
+# The order of a one-bit chunk's sum, shared by every implementation (this reference, the compiled CPU kernels in
+# csrc/common/sc_math.h, the Triton kernels): element ``k`` of a piece adds into lane ``k % lanes`` (each lane in
+# ``k`` order, from +0.0), the lanes are combined by the adjacent-pair tree, and the pieces' sums are added in order.
+ONEBIT_LANES = 2048  # most lanes of a chunk's sum
+ONEBIT_PIECE = 16384  # a chunk longer than this is summed in pieces of at least this many elements
+ONEBIT_MAX_PIECES = 65535  # most pieces of one chunk (a piece is one GPU program)
+
+
+def onebit_sum_order(chunk_size: int) -> tuple[int, int]:
+    """``(lanes, piece)`` of a one-bit chunk's sum: the number of fp32 lanes (the next power of two of
+    ``chunk_size``, at most :data:`ONEBIT_LANES`) and the length of its pieces (a multiple of ``lanes``; one piece
+    when the chunk has at most :data:`ONEBIT_PIECE` elements). Depends on ``chunk_size`` only."""
+    lanes = min(1 << (chunk_size - 1).bit_length(), ONEBIT_LANES)
+    piece = max(min(chunk_size, ONEBIT_PIECE), -(-chunk_size // ONEBIT_MAX_PIECES))
+    return lanes, -(-piece // lanes) * lanes
+
+
+def chunk_sums(terms: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Each chunk's fp32 sum of the non-negative fp32 ``terms`` (a flat tensor, cut into chunks of ``chunk_size``;
+    the last may be short), in the order of :func:`onebit_sum_order`: per piece, lane partials added in element
+    order, the adjacent-pair tree over the lanes (lane ``2i`` plus lane ``2i + 1``, then the same on the halves),
+    then the pieces' sums left to right. Every step is one IEEE fp32 addition, so any implementation that keeps
+    this order returns these bits (padding adds ``+0.0``, which changes no sum of non-negative terms)."""
+    lanes, piece = onebit_sum_order(chunk_size)
+    n = terms.numel()
+    chunks = -(-n // chunk_size)
+    pieces = -(-chunk_size // piece)
+    flat = torch.nn.functional.pad(terms.reshape(-1), (0, chunks * chunk_size - n)).view(chunks, chunk_size)
+    padded = torch.nn.functional.pad(flat, (0, pieces * piece - chunk_size))
+    t = padded.view(chunks, pieces, piece // lanes, lanes)
+    acc = torch.zeros(chunks, pieces, lanes, dtype=torch.float32, device=terms.device)
+    for s in range(piece // lanes):
+        acc += t[:, :, s]
+    while acc.shape[-1] > 1:
+        acc = acc[..., 0::2] + acc[..., 1::2]
+    total = acc[:, 0, 0].clone()
+    for p in range(1, pieces):
+        total += acc[:, p, 0]
+    return total
+
+
 def onebit_encode(x: torch.Tensor, chunk_size: int, norm_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Sign bits (``x >= 0``) of a flat tensor plus one fp32 scale per chunk.
 
-    The scale is ``mean(|x|)`` (the L2-optimal scale for a sign code) or, with
-    ``norm_scale``, ``||x|| / sqrt(n)``; both accumulate in float64 and round to
-    fp32. A chunk holding NaN or Inf gets a NaN scale.
+    The scale is ``mean(|x|)`` (the L2-optimal scale for a sign code) or, with ``norm_scale``, ``||x|| / sqrt(n)``:
+    the fp32 sum of ``|x|`` (or of ``x * x``, each square rounded to fp32) in the order of :func:`chunk_sums`, one
+    fp32 division by the chunk's length (and one fp32 square root). A chunk whose scale is not finite (it holds NaN
+    or Inf, or its sum overflows fp32: squares of values beyond about ``1.8e19``) gets a NaN scale.
     """
-    n = x.numel()
     flat = x.reshape(-1)
     bits = (flat >= 0).to(torch.uint8).view(1, -1)
     packed = pack_bits(bits, 1).view(-1)
+    n = flat.numel()
     chunks = (n + chunk_size - 1) // chunk_size
-    xd = flat.to(torch.float64)
-    pad = chunks * chunk_size - n
-    xd = torch.nn.functional.pad(xd, (0, pad)).view(chunks, chunk_size)
-    counts = torch.full((chunks,), float(chunk_size), dtype=torch.float64, device=x.device)
-    if chunks and pad:
-        counts[-1] = chunk_size - pad
-    scale = torch.sqrt(xd.square().sum(1) / counts) if norm_scale else xd.abs().sum(1) / counts
-    finite = torch.isfinite(xd).all(1)
-    return packed, _nan_if_nonfinite(scale.to(torch.float32), finite)
+    xf = flat.to(torch.float32)
+    sums = chunk_sums(xf * xf if norm_scale else xf.abs(), chunk_size)
+    counts = torch.full((chunks,), float(chunk_size), dtype=torch.float32, device=x.device)
+    if chunks and n % chunk_size:
+        counts[-1] = n % chunk_size
+    # fp32 division and square root rounded to nearest, through float64 (each rounding twice is exact for them:
+    # 53 >= 2 * 24 + 2): torch's CPU square root of fp32 is not always correctly rounded.
+    scale = (sums.to(torch.float64) / counts.to(torch.float64)).to(torch.float32)
+    if norm_scale:
+        scale = torch.sqrt(scale.to(torch.float64)).to(torch.float32)
+    return packed, _nan_if_nonfinite(scale, torch.isfinite(scale))
 
 
 def onebit_decode(

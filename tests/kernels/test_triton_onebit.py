@@ -1,11 +1,11 @@
 """The Triton one-bit kernels (``sylvie_comm_triton::onebit_*``) against the pure-torch reference, bit for bit.
 
 Packed bits, scales, decoded values and residuals must be ``torch.equal`` (as integer words) to
-:mod:`sylvie_comm.kernels.reference` run on CPU. The scales rest on the argument in the kernel module's docstring
-(float64 sums in another order round to the same fp32 value): many random chunks test it, and cases built to make
-the float64 orders disagree, exact fp32 midpoints, subnormals, values near the fp32 maximum, signed zeros, NaN and
-Inf probe it. Without a GPU the kernels run on CPU tensors through Triton's interpreter (tests/conftest.py sets
-``TRITON_INTERPRET=1``); with one, on the GPU.
+:mod:`sylvie_comm.kernels.reference` run on CPU. The scales are equal because the kernel adds a chunk's terms in
+the reference's order (:func:`sylvie_comm.kernels.reference.chunk_sums`: fp32 lanes, the adjacent-pair tree, pieces
+in order): many random chunks test it, and cases where orders disagree, exact fp32 midpoints, subnormals, values
+near the fp32 maximum, signed zeros, NaN and Inf probe it. Without a GPU the kernels run on CPU tensors through
+Triton's interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1``); with one, on the GPU.
 
 NaN *made by arithmetic* (a residual of a chunk that held NaN or Inf) is compared as NaN, not by its bits: which
 operand's NaN an add returns is up to the instruction (torch's CPU ``add_`` / ``sub_`` run as ``fma(b, alpha, a)``
@@ -140,13 +140,13 @@ def values(kind: str, n: int, g: torch.Generator) -> torch.Tensor:
     """fp32 test data of several shapes of distribution."""
     if kind == "normal":
         return torch.randn(n, generator=g)
-    if kind == "wide":  # magnitudes over about 2**-25 .. 2**25: float64 sums that round
+    if kind == "wide":  # magnitudes over about 2**-25 .. 2**25: sums that round
         return torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 6)
     if kind == "cauchy":
         return torch.empty(n).cauchy_(generator=g)
     if kind == "uniform":
         return torch.rand(n, generator=g) - 0.3
-    if kind == "integers":  # exact float64 sums, and many ties of the mean
+    if kind == "integers":  # exact sums, and many ties of the mean
         return torch.randint(-4, 5, (n,), generator=g).float()
     if kind == "zeros":  # signed zeros and a few values
         x = torch.zeros(n)
@@ -257,16 +257,18 @@ def test_large_chunks() -> None:
     check_feedback(x, values("normal", x.numel(), g), 2**17, False)
 
 
-@pytest.mark.parametrize(("piece", "max_pieces"), [(1024, 65535), (1024, 3), (2048, 2)])
-def test_chunks_split_over_programs(monkeypatch: pytest.MonkeyPatch, piece: int, max_pieces: int) -> None:
+@pytest.mark.parametrize(("lanes", "piece", "max_pieces"), [(256, 1024, 65535), (256, 1024, 3), (2048, 2048, 2)])
+def test_chunks_split_over_programs(monkeypatch: pytest.MonkeyPatch, lanes: int, piece: int, max_pieces: int) -> None:
     """The partial-sum path on small data: pieces of 1024 or 2048 elements instead of 16384 (and a piece count
-    capped as CUDA's grid caps it), chunks of several pieces, the last piece and the last chunk short."""
-    monkeypatch.setattr(onebit, "_PIECE", piece)
-    monkeypatch.setattr(onebit, "_MAX_PIECES", max_pieces)
+    capped as CUDA's grid caps it), chunks of several pieces of several lane steps, the last piece and the last
+    chunk short. The order's constants are the reference's, so both sides change together."""
+    monkeypatch.setattr(ref, "ONEBIT_LANES", lanes)
+    monkeypatch.setattr(ref, "ONEBIT_PIECE", piece)
+    monkeypatch.setattr(ref, "ONEBIT_MAX_PIECES", max_pieces)
     g = torch.Generator().manual_seed(piece + max_pieces)
     for chunk in (2056, 4096, 6000):
-        geo = onebit._geometry(chunk, 3)
-        assert geo["pieces"] > 1 and geo["pieces"] <= max_pieces
+        lanes_of, piece_of = ref.onebit_sum_order(chunk)
+        assert lanes_of == lanes and 1 < -(-chunk // piece_of) <= max_pieces
         for n in (3 * chunk + 40, chunk - 100, 1500):
             x = values(random.Random(n).choice(KINDS), n, g)
             for norm in (False, True):
@@ -285,11 +287,11 @@ def test_noncontiguous_input() -> None:
 # ---------------------------------------------------------------- adversarial sums
 
 
-def test_float64_orders_that_disagree_round_alike() -> None:
-    """One term of 2**100 among 2047 of 2**47 (half an ulp of 2**100 in float64): added to the big term one
-    by one every small term rounds away (ties to even), summed among themselves first they count, so float64
-    sums of the same chunk differ by 2**58 with the order. Both round to the same fp32 scale, as every order
-    does unless the mean sits within a few float64 ulps of an fp32 midpoint."""
+def test_the_order_is_followed_where_orders_disagree() -> None:
+    """One term of 2**100 among 2047 of 2**47: added to the big term one by one every small term rounds away,
+    summed among themselves first they count, so sums of the same chunk differ with the order (in float64 by
+    2**58; in fp32 the lane partials and the tree decide). The kernel must take the reference's order exactly,
+    wherever the big term sits among the lanes."""
     chunk = 2048
     x = torch.full((chunk,), 2.0**47)
     x[0] = 2.0**100
@@ -297,12 +299,12 @@ def test_float64_orders_that_disagree_round_alike() -> None:
     for v in x.double().tolist():
         one_by_one += v
     pairwise = x.double().sum().item()
-    assert one_by_one != pairwise  # the float64 orders really disagree
+    assert one_by_one != pairwise  # the orders really disagree
     for first in (0, 1000, chunk - 1):  # the big term's lane changes the kernel's order
         y = x.roll(first)
         for norm in (False, True):
             encode(torch.cat([y, -y]), chunk, norm)
-    # the same with magnitudes spread over the whole fp32 range and norm's squares over float64's
+    # the same with magnitudes spread over the whole fp32 range (norm's squares overflow fp32)
     g = torch.Generator().manual_seed(2)
     spread = torch.exp2(torch.randint(-149, 128, (chunk * 8,), generator=g).float())
     spread *= 1 + torch.rand(chunk * 8, generator=g)
@@ -312,7 +314,8 @@ def test_float64_orders_that_disagree_round_alike() -> None:
 
 
 def test_exact_fp32_midpoints_round_to_even() -> None:
-    """Means that are exact fp32 midpoints (exact in float64 in any order): both round half to even."""
+    """Sums whose mean is an exact fp32 midpoint: the division rounds half to even, in the kernel as in the
+    reference; a chunk of values near the fp32 maximum overflows its fp32 sum (a NaN scale, in both)."""
     u = 2.0**-23
     cases = [
         [1.0, 1.0 + u] * 4,  # mean 1 + 2**-24: down to 1
@@ -650,17 +653,16 @@ def test_encode_compiles_in_one_graph() -> None:
         assert torch.equal(a, b)
 
 
-def test_geometry_depends_on_chunk_size_only() -> None:
-    """The order of the float64 adds (lanes, steps, pieces) is a function of the chunk size: the same on every
-    device and for every length; pieces fit CUDA's grid and start on byte boundaries."""
+def test_the_order_of_a_chunks_sum_depends_on_chunk_size_only() -> None:
+    """The order of the fp32 adds (lanes, piece length) is a function of the chunk size alone; pieces fit CUDA's
+    grid, are whole numbers of lane steps and start on word boundaries."""
     for chunk in (8, 24, 1024, 2048, 16384, 16392, 2**20, 8 * (2**31 - 1)):
-        geos = [onebit._geometry(chunk, chunks) for chunks in (1, 3, 1000)]
-        for key in ("cols", "pieces", "steps"):
-            assert len({geo[key] for geo in geos}) == 1
-        geo = geos[0]
-        assert geo["pieces"] <= onebit._MAX_PIECES and (geo["steps"] * geo["cols"]) % 8 == 0
-        assert geo["pieces"] * geo["steps"] * geo["cols"] >= chunk > (geo["pieces"] - 1) * geo["steps"] * geo["cols"]
-        assert math.log2(geo["cols"]) == geo["log2_cols"]
+        lanes, piece = ref.onebit_sum_order(chunk)
+        pieces = -(-chunk // piece)
+        assert lanes == min(2 ** math.ceil(math.log2(chunk)), ref.ONEBIT_LANES)
+        assert piece % lanes == 0 and piece % 8 == 0 and pieces <= ref.ONEBIT_MAX_PIECES
+        assert pieces * piece >= chunk > (pieces - 1) * piece
+        assert pieces == 1 or piece >= ref.ONEBIT_PIECE
 
 
 # ---------------------------------------------------------------- the GPU build, without a GPU
@@ -684,37 +686,42 @@ def ptx(fn, sig, consts, num_warps):
 
 enc = {"x_ptr": "*fp32", "grad_ptr": "*fp32", "parts_ptr": "*u8", "parts_stride": "i64", "pscales_ptr": "*fp32",
        "pscales_stride": "i64", "w": "i32", "wf": "fp32", "saved_ptr": "*fp32", "packed_ptr": "*u8",
-       "scales_ptr": "*fp32", "partial_ptr": "*fp64", "n": "i64", "chunk_size": "i32", "chunks": "i64",
-       "pieces": "i32", "steps": "i32"}
+       "scales_ptr": "*fp32", "partial_ptr": "*fp32", "first": "i64", "count": "i64", "length": "i64",
+       "length_f": "fp32", "chunk_size": "i64", "pieces": "i32", "piece_len": "i64"}
 out = []
-for kind, x, mode, single, rows, cols in [(0, "*fp32", 0, True, 512, 8), (1, "*fp16", 0, False, 4, 1024),
-                                          (2, "*i16", 0, True, 4, 1024), (0, "*fp32", 2, True, 4, 1024),
-                                          (0, "*fp32", 3, True, 64, 64), (0, "*fp32", 3, False, 1, 1024)]:
-    consts = dict(KIND=kind, MODE=mode, DIVIDE=mode == 3, SAVE=mode != 0, NORM=True, SINGLE=single, ROWS=rows,
-                  COLS=cols, LOG2_COLS=cols.bit_length() - 1)
-    out.append(ptx(ob._encode_kernel, dict(enc, x_ptr=x), consts, 8))
-out.append(ptx(ob._reduce_kernel, {"partial_ptr": "*fp64", "scales_ptr": "*fp32", "n": "i64", "chunk_size": "i64",
-                                   "chunks": "i64", "pieces": "i32"}, dict(NORM=False, ROWS=128), 4))
+for kind, x, mode, single, keep, rows, lanes, word in [
+        (0, "*fp32", 0, True, True, 256, 8, 8), (1, "*fp16", 0, False, False, 1, 2048, 32),
+        (2, "*i16", 0, True, True, 1, 2048, 32), (0, "*fp32", 2, True, True, 1, 2048, 32),
+        (0, "*fp32", 3, True, True, 32, 64, 32), (0, "*fp32", 3, False, False, 1, 2048, 8),
+        (0, "*fp32", 1, True, False, 1, 2048, 32)]:
+    consts = dict(KIND=kind, MODE=mode, DIVIDE=mode == 3, SAVE=mode != 0, NORM=True, SINGLE=single, KEEP=keep,
+                  MASK=not keep, ROWS=rows, L=lanes, LOG2_L=lanes.bit_length() - 1, WORD=word, PWORD=word)
+    out.append(ptx(ob._encode_kernel, dict(enc, x_ptr=x), consts, 4))
+out.append(ptx(ob._reduce_kernel, {"partial_ptr": "*fp32", "scales_ptr": "*fp32", "n": "i64", "chunk_size": "i64",
+                                   "chunks": "i64", "pieces": "i32"}, dict(NORM=True, ROWS=128), 4))
 out.append(ptx(ob._residual_kernel, {"res_ptr": "*fp32", "grad_ptr": "*fp32", "parts_ptr": "*u8",
                                      "parts_stride": "i64", "pscales_ptr": "*fp32", "pscales_stride": "i64",
                                      "w": "i32", "wf": "fp32", "scales_ptr": "*fp32", "n": "i64",
-                                     "chunk_size": "i64"}, dict(MODE=3, DIVIDE=True, BLOCK=4096), 4))
+                                     "chunk_size": "i64"}, dict(MODE=3, DIVIDE=True, PWORD=32, BLOCK=2048), 4))
 for kind, o in ((0, "*fp32"), (1, "*fp16"), (2, "*i16")):
-    out.append(ptx(ob._decode_kernel, {"packed_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": o, "n": "i64",
-                                       "chunk_size": "i32"}, dict(KIND=kind, BLOCK=4096), 4))
+    for word, tail in ((32, False), (8, True)):
+        out.append(ptx(ob._decode_kernel, {"packed_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": o, "first": "i64",
+                                           "count": "i64", "n": "i64", "chunk_size": "i64"},
+                       dict(KIND=kind, WORD=word, UNITS=2048 // word, PER_UNIT=not tail, TAIL=tail), 4))
 text = "\n".join(out)
 bad = sorted(set(re.findall(r"\b(?:fma\.rn(?:\.ftz)?\.f32|div\.(?:full|approx)\S*|sqrt\.approx\S*|rcp\.approx\S*"
                             r"|\.ftz\.f32|atom\.\S+|red\.\S+)", text)))
 print("BAD:", bad) if bad else None
-print("FOUND:", sorted(set(re.findall(r"\b(?:div\.rn\.f64|sqrt\.rn\.f64|div\.rn\.f32)", text))))
+print("FOUND:", sorted(set(re.findall(r"\b(?:div\.rn\.f32|sqrt\.rn\.f32|\S+\.f64)", text))))
 """
 
 
 @pytest.mark.multiprocess
 def test_kernels_compile_for_a_gpu_without_approximate_arithmetic() -> None:
     """Every kernel compiles for sm_90 (Triton's front end checks what the interpreter does not), and its PTX has
-    no approximate division or square root, no fp32 fma, no flush-to-zero and no atomics: float64 division and
-    square root compile to their IEEE forms. Offline, in a process without ``TRITON_INTERPRET``: no GPU needed."""
+    no approximate division or square root, no fp32 fma, no flush-to-zero, no atomics and no float64: the scale's
+    division and square root compile to their IEEE fp32 forms. Offline, in a process without ``TRITON_INTERPRET``:
+    no GPU needed."""
     import os
     import subprocess
     import sys
@@ -725,4 +732,4 @@ def test_kernels_compile_for_a_gpu_without_approximate_arithmetic() -> None:
     if proc.stdout.startswith("SKIP:"):
         pytest.skip(proc.stdout.strip())
     assert "BAD:" not in proc.stdout, proc.stdout
-    assert "div.rn.f64" in proc.stdout and "sqrt.rn.f64" in proc.stdout and "div.rn.f32" in proc.stdout, proc.stdout
+    assert "div.rn.f32" in proc.stdout and "sqrt.rn.f32" in proc.stdout and ".f64" not in proc.stdout, proc.stdout

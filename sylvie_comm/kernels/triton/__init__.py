@@ -19,8 +19,12 @@ Rules for kernels that must agree bit for bit between the interpreter and a GPU 
 * No ``tl.fma``, and kernels where an fp32 multiply feeds an add are launched with ``enable_fp_fusion=False``: the
   GPU compiler would otherwise contract them into an fma the interpreter does not do (and ``fma`` itself rounds
   differently between Triton releases in the interpreter).
-* A reduction whose rounding matters accumulates in float64 (an fp32 product is exact there) or in a fixed order
-  that does not depend on ``tl.sum``'s tree, and rounds once, as the reference does.
+* A floating-point sum whose rounding matters runs in one fixed order that the reference mirrors with element-wise
+  torch ops: fp32 partials per lane (element ``k`` into lane ``k % lanes``, in element order), then the adjacent-pair
+  tree, written as ``tl.sum`` over exactly two values (one IEEE addition on every backend; in-thread adds and warp
+  shuffles on a GPU). Never ``tl.sum`` over more floating-point values (its tree differs between the interpreter and
+  a GPU), never float64 in an element loop (half rate or worse on GPUs, and twice the registers). Integer sums (bit
+  packing: disjoint bits) are exact in any order.
 * Integer hashing in uint32 arithmetic (wrapping multiply), as the reference's.
 * A CPU tensor reaches a kernel only under the interpreter; ops validate their arguments with errors that name the
   value and what was expected, handle empty inputs without a launch, and have fake implementations.

@@ -5,31 +5,31 @@
 (``csrc/ops/ops.cpp``), their argument checks and error messages (:mod:`sylvie_comm.kernels.checks`, which the
 compiled ops run too) and the semantics of :mod:`sylvie_comm.kernels.reference`.
 
-Layout of the work (see :func:`_geometry`). A program owns a tile of ``rows`` chunks by ``cols`` elements and steps
-through a *piece* of each of its chunks: each element's sign goes into its byte (eight lanes paired into one by
-shifts and ors: :func:`_pack_bytes`), and ``|x|`` (or ``x * x``) goes into a float64 accumulator of the tile's
-shape, one add per element in step order. At the end of the piece each row's ``cols`` lanes are added by a fixed
-tree (lane ``c`` plus lane ``c + cols / 2``, then the same on the halves: :func:`_tree_sum`), never by ``tl.sum``,
-whose tree differs between the interpreter and a GPU. A chunk of up to ``_PIECE`` elements is one piece, and its
-program also writes the scale (and, for the error-fed ops, a second pass writes ``residual = value - decode``). A
-longer chunk is split into pieces over several programs (a second grid axis); each writes its float64 partial sum
-to a workspace, :func:`_reduce_kernel` adds a chunk's partials in piece order and writes the scale, and
-:func:`_residual_kernel` then updates the residual. ``cols``, the piece length and so the whole order of additions
-depend on ``chunk_size`` only, never on the device or on ``numel``: the interpreter and a GPU return the same bits.
-(Work past the end of the data is skipped: it would add only ``+0.0``, which changes no bit of a sum of
-non-negative terms.) No atomics, no program waits on another.
+Layout of the work (:func:`_encode_launch`). A program owns ``rows`` whole chunks (``rows * lanes`` elements, at
+least 2,048) and reads each chunk as steps of ``lanes`` contiguous elements (16-byte loads: the columns are unmasked
+when a chunk is a whole number of steps, as the default 2,048 is). Each element's sign goes into a 32-bit word
+(32 lanes' disjoint bits added as integers: exact in any order) stored whole, 4 bytes per thread; ``|v|`` (or
+``v * v``) goes into fp32 lane ``k % lanes``. After the last step the lanes are summed by the adjacent-pair tree
+(:func:`_tree`: sums over exactly two values, in-thread adds and warp shuffles on a GPU), the scale is written, and
+for the error-fed ops the residual ``value - decode`` is written from the registers the chunk is already in: the
+gradient and the residual are read once and the residual written once (about 12 bytes per element, the op's
+floor). The short last chunk of a tensor is a second, masked launch (sign bytes). A chunk longer than
+:data:`~sylvie_comm.kernels.reference.ONEBIT_PIECE` is split into pieces over programs (a second grid axis): each
+writes its piece's sum, :func:`_reduce_kernel` adds a chunk's pieces in order and writes the scale, and
+:func:`_residual_kernel` then updates the residual. Decode reads one 32-bit word per 32 elements and one scale per
+word, and writes 16-byte vectors. No float64, no atomics, no program waits on another.
 
-Arithmetic, per the package rules (:mod:`sylvie_comm.kernels.triton`):
+Arithmetic, per the package rules (:mod:`sylvie_comm.kernels.triton`), one IEEE fp32 operation at a time, in the
+reference's order, so the interpreter, a GPU, the compiled CPU kernels and the reference return the same bits:
 
-* The only fp32 arithmetic is ``residual + grad``, the mean's adds and its ``tl.div_rn`` by ``w`` (none for one
-  row), and ``value - decode``: single IEEE operations in the reference's order, as torch's on CPU. The decoded
-  ``-scale`` flips the sign bit as an integer, as torch's negation does (so a NaN scale decodes to the reference's
-  bits too).
-* The scale is ``fp32(sum / count)`` or ``fp32(sqrt(sum / count))`` in float64. ``tl.div_rn`` and ``tl.sqrt_rn``
-  take fp32 only; float64 ``/`` and ``tl.sqrt`` are IEEE-rounded on NVIDIA GPUs (PTX has no approximate float64
-  division or square root: they compile to ``div.rn.f64`` and ``sqrt.rn.f64``, checked on sm_90 PTX) and in the
-  interpreter (numpy); ROCm has not been checked. ``x * x`` in float64 is exact, so an fma contraction could not
-  change it either (the encode kernel is launched with ``enable_fp_fusion=False`` all the same).
+* The scale is :func:`sylvie_comm.kernels.reference.chunk_sums`'s fp32 sum (lanes, tree and pieces in the order of
+  :func:`~sylvie_comm.kernels.reference.onebit_sum_order`, which depends on ``chunk_size`` alone), then
+  ``tl.div_rn`` by the chunk's length and, for the norm scale, ``tl.sqrt_rn``. ``v * v`` is rounded to fp32 before
+  it is added (the kernels are launched with ``enable_fp_fusion=False``: no fma). A scale that is not finite (NaN or
+  Inf in the chunk, or a sum past the fp32 maximum) is NaN (``0x7FC00000``).
+* ``residual + grad``, the mean's adds and its ``tl.div_rn`` by ``w`` (none for one row), and ``value - decode``:
+  single operations in the reference's order. The decoded ``-scale`` flips the sign bit as an integer, as torch's
+  negation does (so a NaN scale decodes to the reference's bits too).
 * bf16 data moves as 16-bit integers: a bf16 value widens to fp32 by a 16-bit shift, and an fp32 value narrows to
   bf16 by integer round-to-nearest-even (NaN to ``0xFFFF``, as torch's CPU cast gives it), because the
   interpreter's fp32 -> bf16 cast truncates.
@@ -37,34 +37,11 @@ Arithmetic, per the package rules (:mod:`sylvie_comm.kernels.triton`):
   payload: which operand's NaN an add returns is the instruction's choice (torch's CPU ``add_`` / ``sub_`` run as
   ``fma(b, alpha, a)`` and return ``b``'s, x86's plain ``a - b`` returns ``a``'s, a GPU its canonical NaN).
 
-Why the scales equal the reference's bits (``torch.equal``) although torch adds in another order. Every term
-(``|x|``, or ``x * x`` with its 48 significant bits) is exact in float64 and non-negative, so any order of the
-``n - 1`` additions of a chunk returns ``S (1 + t)`` with ``|t| <= (n - 1) u / (1 - (n - 1) u)``, ``u = 2**-53``
-(Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., section 4.2); the division and the square
-root each add at most ``u``. The kernel and torch each round their float64 mean once to fp32 (unit ``2**-24``), so
-they return the same fp32 value unless an fp32 rounding boundary (a midpoint between two adjacent fp32 values)
-falls between their two float64 values, which needs the exact mean within relative distance about ``(n + 2) u`` of
-that midpoint. Hence:
-
-* where the chunk's float64 sum is exact in both orders they always agree, exact ties included (both round half
-  to even). Sums of ``|x|`` are exact in any order when the chunk's magnitudes span at most ``29 - log2(n)``
-  binades (every partial sum is then a multiple of the smallest term's ulp below ``2**53`` of them): most small
-  chunks of real data;
-* otherwise the midpoints are ``2**-24`` to ``2**-23`` apart relative to the value, so for data that is not built
-  to sit on one, the chance that a chunk disagrees is below about ``(n + 2) * 2**-28`` by the worst-case bound (a
-  2048-element chunk: ``2**-17``), and far lower in practice, where both orders' errors are a few ``u`` (torch's
-  cascade sums; this kernel's lanes, tree and pieces). Measured on normal and log-normal data (magnitudes over
-  about ``2**±25``) in chunks of 64 to 16384 elements: where the two float64 means differ at all (in up to 60 %
-  of chunks) they differ by about ``1e-16`` relative on average, which makes a disagreement about one chunk in
-  ``1e9``; none occurred in ``1e7`` chunks. A disagreement would be one fp32 ulp of that chunk's scale (the
-  tolerance the compiled CPU kernels are tested to, their float64 sums also running in their own
-  order), carried into that chunk's residual; the packed bits, the decode and the mean never depend on it;
-* a chunk holding NaN or Inf has a non-finite sum in every order: NaN (``0x7FC00000``) in both.
-
-tests/kernels/test_triton_onebit.py checks ``torch.equal`` on thousands of random chunks of many lengths, dtypes
-and distributions, and on cases built to make the float64 orders disagree (a huge term among many tiny ones:
-float64 sums that differ by ``2**58`` with the order, far from an fp32 midpoint; magnitudes over the whole fp32
-range), exact midpoints, subnormals, values near the fp32 maximum, signed zeros, NaN and Inf.
+What was measured: the compiled form only (sm_90 PTX, read on a machine without a GPU:
+:mod:`sylvie_comm.kernels.triton.form`); the time on a GPU has not been measured since this layout was written.
+tests/kernels/test_triton_onebit.py checks ``torch.equal`` against the reference on thousands of random chunks of
+many lengths, dtypes and distributions, on cases where summation orders disagree, exact midpoints, subnormals,
+values near the fp32 maximum, signed zeros, NaN and Inf.
 """
 
 from __future__ import annotations
@@ -76,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sylvie_comm.kernels import checks
+from sylvie_comm.kernels import checks, reference
 from sylvie_comm.kernels.triton import NAMESPACE, interpreted, launch_context
 
 __all__ = [
@@ -87,16 +64,11 @@ __all__ = [
     "onebit_mean_feedback_encode",
 ]
 
-# Widest tile row (elements of one chunk a program handles per step); a power of two.
-_MAX_COLS = 1024
-# Elements per step of a program (rows * cols) when chunks are shorter than _MAX_COLS.
-_TILE = 4096
-# Elements of one chunk one program reduces; longer chunks are split over programs (a multiple of _MAX_COLS).
-_PIECE = 16384
-# CUDA's limit on the second grid dimension, which counts the pieces of a chunk.
-_MAX_PIECES = 65535
+# Elements of one encode program's step (rows * lanes) when chunks are shorter than the lanes.
+_TILE = 2048
 # Elements per program of the element-wise kernels (decode, residual update) and chunks per reduce program.
-_BLOCK = 4096
+_DECODE_ELEMS = 2048
+_BLOCK = 2048
 _REDUCE_ROWS = 128
 
 # Element types of the data the kernels read or write.
@@ -130,21 +102,24 @@ def _feedback_value(
     mask,
     MODE: tl.constexpr,
     DIVIDE: tl.constexpr,
+    PWORD: tl.constexpr,
 ):
     """``residual[e]`` plus what the op adds: ``grad[e]`` (one fp32 add), or the mean of the ``w`` one-bit rows
-    decoded at ``e`` (row 0, + row 1, ..., + row w - 1 in fp32, then ``/ w`` rounded to nearest when w > 1)."""
+    decoded at ``e`` (row 0, + row 1, ..., + row w - 1 in fp32, then ``/ w`` rounded to nearest when w > 1); the
+    rows' bits read as ``PWORD``-bit words (``parts_stride`` counts words)."""
     r = tl.load(res_ptr + e, mask=mask, other=0.0)
     if MODE == 2:
         v = r + tl.load(grad_ptr + e, mask=mask, other=0.0)
     elif MODE == 3:
-        byte = e >> 3
-        shift = (e & 7).to(tl.int32)
-        b0 = tl.load(parts_ptr + byte, mask=mask, other=0).to(tl.int32)
+        words = parts_ptr.to(tl.pointer_type(tl.uint32)) if PWORD == 32 else parts_ptr
+        at = e // PWORD
+        shift = (e % PWORD).to(tl.uint32)
+        b0 = tl.load(words + at, mask=mask, other=0).to(tl.uint32)
         u0 = tl.load(pscales_ptr + chunk, mask=mask, other=0.0).to(tl.uint32, bitcast=True)
         # -scale: the sign bit flipped, as torch negates (a NaN scale keeps its payload)
         acc = tl.where(((b0 >> shift) & 1) != 0, u0, u0 ^ _SIGN).to(tl.float32, bitcast=True)
         for j in range(1, w):
-            bj = tl.load(parts_ptr + j * parts_stride + byte, mask=mask, other=0).to(tl.int32)
+            bj = tl.load(words + j * parts_stride + at, mask=mask, other=0).to(tl.uint32)
             uj = tl.load(pscales_ptr + j * pscales_stride + chunk, mask=mask, other=0.0).to(tl.uint32, bitcast=True)
             acc = acc + tl.where(((bj >> shift) & 1) != 0, uj, uj ^ _SIGN).to(tl.float32, bitcast=True)
         if DIVIDE:
@@ -156,38 +131,25 @@ def _feedback_value(
 
 
 @triton.jit
-def _tree_sum(acc, ROWS: tl.constexpr, COLS: tl.constexpr, LOG2_COLS: tl.constexpr):
-    """Each row's sum in a fixed order: lane c plus lane c + COLS / 2, then the same on the halves, and so on (one
-    IEEE addition per pair, whatever the target; never ``tl.sum``, whose tree the interpreter and GPUs differ on)."""
-    for i in tl.static_range(LOG2_COLS):
-        halves = tl.permute(tl.reshape(acc, [ROWS, 2, COLS >> (i + 1)]), [0, 2, 1])
-        low, high = tl.split(halves)
-        acc = low + high
+def _tree(acc, ROWS: tl.constexpr, L: tl.constexpr, LOG2_L: tl.constexpr):
+    """Each row's ``L`` lanes summed by the adjacent-pair tree (lane 2i plus lane 2i + 1, then the same on the
+    halves): every step a sum over exactly two values, one IEEE addition whatever the target, so the order is
+    :func:`sylvie_comm.kernels.reference.chunk_sums`'s on the interpreter and on a GPU (where it compiles to adds in
+    a thread and warp shuffles)."""
+    for i in tl.static_range(LOG2_L):
+        acc = tl.sum(tl.reshape(acc, [ROWS, L >> (i + 1), 2]), axis=2)
     return tl.reshape(acc, [ROWS])
 
 
 @triton.jit
-def _pack_bytes(bits, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Eight 0/1 int32 lanes to one byte, lane 8k + j at bit j (little-endian), by three pairings of lanes."""
-    pairs = tl.reshape(bits, [ROWS, COLS // 2, 2])
-    low, high = tl.split(pairs)
-    pairs = tl.reshape(low | (high << 1), [ROWS, COLS // 4, 2])
-    low, high = tl.split(pairs)
-    pairs = tl.reshape(low | (high << 2), [ROWS, COLS // 8, 2])
-    low, high = tl.split(pairs)
-    return (low | (high << 4)).to(tl.uint8)
-
-
-@triton.jit
-def _scale(total, count, NORM: tl.constexpr):
-    """The chunk's fp32 scale from its float64 sum: the mean (or the root mean square) rounded once; NaN unless
-    finite (a finite chunk's sum is finite and its mean at most its largest value, so only NaN or Inf inputs)."""
-    mean = total / count.to(tl.float64)
+def _scale_bits(total, count, NORM: tl.constexpr):
+    """The chunk's scale as fp32 bits: ``total / count`` (and its square root) rounded to nearest; NaN unless
+    finite."""
+    s = tl.div_rn(total, count)
     if NORM:
-        mean = tl.sqrt(mean)
-    bits = mean.to(tl.float32).to(tl.uint32, bitcast=True)
-    finite = (bits & 0x7F800000) != 0x7F800000
-    return tl.where(finite, bits, 0x7FC00000).to(tl.float32, bitcast=True)
+        s = tl.sqrt_rn(s)
+    u = s.to(tl.uint32, bitcast=True)
+    return tl.where((u & 0x7F800000) == 0x7F800000, 0x7FC00000, u)
 
 
 # ---------------------------------------------------------------- kernels
@@ -207,39 +169,51 @@ def _encode_kernel(
     packed_ptr,
     scales_ptr,
     partial_ptr,
-    n,
+    first,
+    count,
+    length,
+    length_f,
     chunk_size,
-    chunks,
     pieces,
-    steps,
+    piece_len,
     KIND: tl.constexpr,
     MODE: tl.constexpr,
     DIVIDE: tl.constexpr,
     SAVE: tl.constexpr,
     NORM: tl.constexpr,
     SINGLE: tl.constexpr,
+    KEEP: tl.constexpr,
+    MASK: tl.constexpr,
     ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-    LOG2_COLS: tl.constexpr,
+    L: tl.constexpr,
+    LOG2_L: tl.constexpr,
+    WORD: tl.constexpr,
+    PWORD: tl.constexpr,
 ):
-    """Program (i, p): piece p of chunks [i * ROWS, (i + 1) * ROWS). Packs the signs, sums the piece in float64,
-    and (SINGLE: the piece is the whole chunk) writes the scale and the residual, else the partial sum."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    row_ok = rows < chunks
-    start = rows * chunk_size
-    length = tl.where(row_ok, tl.minimum(n - start, chunk_size), 1)  # elements of each chunk (the last may be short)
-    piece_start = tl.program_id(1).to(tl.int64) * (steps * COLS)
-    # Steps past the end of the program's data would add only +0.0 to each lane: skipping them changes no bit.
-    data = tl.maximum(tl.max(tl.where(row_ok, length, 0)) - piece_start, 0)
-    my_steps = tl.minimum((data + COLS - 1) // COLS, steps)
-    cols = tl.arange(0, COLS)
-    byte_cols = tl.arange(0, COLS // 8) * 8
-    chunk = tl.broadcast_to(rows[:, None], [ROWS, COLS])
-    acc = tl.zeros([ROWS, COLS], dtype=tl.float64)
-    for step in range(my_steps):
-        k0 = piece_start + step * COLS  # offset of this step in the chunk, a multiple of 8
-        k = k0 + cols
-        mask = row_ok[:, None] & (k[None, :] < length[:, None])
+    """Program (i, p): piece p of chunks ``first + [i * ROWS, (i + 1) * ROWS)`` (all ``length`` long, at most
+    ``count`` of them). Packs the signs into ``WORD``-bit words, adds each element's ``|v|`` (or ``v * v``) into fp32
+    lane ``k % L`` and sums the lanes by the fixed tree; SINGLE (the piece is the whole chunk): writes the scale and
+    (error-fed modes) the residual, from registers when the chunk is one step (KEEP), else the piece's sum."""
+    rows = first + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+    row_ok = rows < first + count
+    piece_start = tl.program_id(1).to(tl.int64) * piece_len
+    elems = tl.maximum(tl.minimum(length - piece_start, piece_len), 0)  # of this piece, in every row
+    start = rows * chunk_size + piece_start
+    lanes = tl.arange(0, L)
+    shift = (lanes % WORD).to(tl.uint32)
+    word_cols = tl.arange(0, L // WORD)
+    chunk = tl.broadcast_to(rows[:, None], [ROWS, L])
+    acc = tl.zeros([ROWS, L], dtype=tl.float32)
+    v = acc
+    steps = 1 if KEEP else (elems + L - 1) // L
+    for step in range(steps):
+        k = step * L + lanes
+        if MASK:
+            mask = row_ok[:, None] & (k < elems)[None, :]
+            word_mask = row_ok[:, None] & ((step * L + word_cols * WORD) < elems)[None, :]
+        else:
+            mask = tl.broadcast_to(row_ok[:, None], [ROWS, L])
+            word_mask = tl.broadcast_to(row_ok[:, None], [ROWS, L // WORD])
         e = start[:, None] + k[None, :]
         if MODE == 0:
             if KIND == 2:  # bf16 as int16: widened to fp32 by a shift, exactly
@@ -252,47 +226,60 @@ def _encode_kernel(
                 tl.store(saved_ptr + e, tl.load(x_ptr + e, mask=mask, other=0.0), mask=mask)
             v = _feedback_value(
                 x_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, e, chunk, mask,
-                MODE, DIVIDE,
+                MODE, DIVIDE, PWORD,
             )  # fmt: skip
-        # NaN >= 0 is false: NaN packs a 0 bit, as in the reference; -0.0 packs a 1.
-        packed = _pack_bytes(tl.where(mask & (v >= 0.0), 1, 0), ROWS, COLS)
-        kb = k0 + byte_cols
-        bmask = row_ok[:, None] & (kb[None, :] < length[:, None])
-        tl.store(packed_ptr + ((start[:, None] + kb[None, :]) >> 3), packed, mask=bmask)
-        d = v.to(tl.float64)
-        term = d * d if NORM else tl.abs(d)  # d * d is exact in float64
+        # NaN >= 0 is false: NaN packs a 0 bit, as in the reference; -0.0 packs a 1. The bits of a word are
+        # disjoint, so their integer sum is their OR in any order.
+        bits = tl.where(mask & (v >= 0.0), 1, 0).to(tl.uint32) << shift[None, :]
+        words = tl.sum(tl.reshape(bits, [ROWS, L // WORD, WORD]), axis=2)
+        at = (start // WORD)[:, None] + (step * (L // WORD) + word_cols)[None, :]
+        if WORD == 32:
+            tl.store(packed_ptr.to(tl.pointer_type(tl.uint32)) + at, words, mask=word_mask)
+        else:
+            tl.store(packed_ptr + at, words.to(tl.uint8), mask=word_mask)
+        term = v * v if NORM else tl.abs(v)
         acc += tl.where(mask, term, 0.0)
-    total = _tree_sum(acc, ROWS, COLS, LOG2_COLS)
+    total = _tree(acc, ROWS, L, LOG2_L)
     if SINGLE:
-        s = _scale(total, length, NORM)
-        tl.store(scales_ptr + rows, s, mask=row_ok)
+        u = _scale_bits(total, length_f, NORM)
+        tl.store(scales_ptr + rows, u.to(tl.float32, bitcast=True), mask=row_ok)
         if MODE != 0:
             # The residual, once: value - decode, with the sign that chose the bit.
-            u = s.to(tl.uint32, bitcast=True)[:, None]
-            for step in range(my_steps):
-                k = step * COLS + cols
-                mask = row_ok[:, None] & (k[None, :] < length[:, None])
-                e = start[:, None] + k[None, :]
-                v = _feedback_value(
-                    x_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, e, chunk, mask,
-                    MODE, DIVIDE,
-                )  # fmt: skip
-                decoded = tl.where(v >= 0.0, u, u ^ _SIGN).to(tl.float32, bitcast=True)
-                tl.store(x_ptr + e, v - decoded, mask=mask)
+            if KEEP:
+                k = lanes
+                mask = row_ok[:, None] & (k < elems)[None, :] if MASK else tl.broadcast_to(row_ok[:, None], [ROWS, L])
+                decoded = tl.where(v >= 0.0, u[:, None], u[:, None] ^ _SIGN).to(tl.float32, bitcast=True)
+                tl.store(x_ptr + start[:, None] + k[None, :], v - decoded, mask=mask)
+            else:
+                for step in range(steps):
+                    k = step * L + lanes
+                    if MASK:
+                        mask = row_ok[:, None] & (k < elems)[None, :]
+                    else:
+                        mask = tl.broadcast_to(row_ok[:, None], [ROWS, L])
+                    e = start[:, None] + k[None, :]
+                    v = _feedback_value(
+                        x_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, e, chunk,
+                        mask, MODE, DIVIDE, PWORD,
+                    )  # fmt: skip
+                    decoded = tl.where(v >= 0.0, u[:, None], u[:, None] ^ _SIGN).to(tl.float32, bitcast=True)
+                    tl.store(x_ptr + e, v - decoded, mask=mask)
     else:
         tl.store(partial_ptr + rows * pieces + tl.program_id(1), total, mask=row_ok)
 
 
 @triton.jit
 def _reduce_kernel(partial_ptr, scales_ptr, n, chunk_size, chunks, pieces, NORM: tl.constexpr, ROWS: tl.constexpr):
-    """A chunk's scale from its pieces' float64 partial sums, added in piece order."""
+    """A chunk's scale from its pieces' fp32 sums, added in piece order (a short last chunk's missing pieces were
+    written as +0.0)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
     row_ok = rows < chunks
-    total = tl.zeros([ROWS], dtype=tl.float64)
-    for p in range(pieces):
+    total = tl.load(partial_ptr + rows * pieces, mask=row_ok, other=0.0)
+    for p in range(1, pieces):
         total += tl.load(partial_ptr + rows * pieces + p, mask=row_ok, other=0.0)
     length = tl.where(row_ok, tl.minimum(n - rows * chunk_size, chunk_size), 1)
-    tl.store(scales_ptr + rows, _scale(total, length, NORM), mask=row_ok)
+    u = _scale_bits(total, length.to(tl.float32), NORM)
+    tl.store(scales_ptr + rows, u.to(tl.float32, bitcast=True), mask=row_ok)
 
 
 @triton.jit
@@ -310,27 +297,55 @@ def _residual_kernel(
     chunk_size,
     MODE: tl.constexpr,
     DIVIDE: tl.constexpr,
+    PWORD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """``residual = value - decode`` element-wise, once the scales of split chunks are known."""
+    """``residual = value - decode`` element-wise, once the scales of chunks summed in pieces are known."""
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = e < n
     chunk = e // chunk_size
     v = _feedback_value(
-        res_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, e, chunk, mask, MODE, DIVIDE
-    )
+        res_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, e, chunk, mask, MODE, DIVIDE,
+        PWORD,
+    )  # fmt: skip
     u = tl.load(scales_ptr + chunk, mask=mask, other=0.0).to(tl.uint32, bitcast=True)
     tl.store(res_ptr + e, v - tl.where(v >= 0.0, u, u ^ _SIGN).to(tl.float32, bitcast=True), mask=mask)
 
 
 @triton.jit
-def _decode_kernel(packed_ptr, scales_ptr, out_ptr, n, chunk_size, KIND: tl.constexpr, BLOCK: tl.constexpr):
-    """``+scale`` where the bit is set, ``-scale`` elsewhere, in the output's type (bf16 written as int16)."""
-    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    mask = e < n
-    byte = tl.load(packed_ptr + (e >> 3), mask=mask, other=0).to(tl.int32)
-    u = tl.load(scales_ptr + e // chunk_size, mask=mask, other=0.0).to(tl.uint32, bitcast=True)
-    u = tl.where(((byte >> (e & 7).to(tl.int32)) & 1) != 0, u, u ^ _SIGN)
+def _decode_kernel(
+    packed_ptr,
+    scales_ptr,
+    out_ptr,
+    first,
+    count,
+    n,
+    chunk_size,
+    KIND: tl.constexpr,
+    WORD: tl.constexpr,
+    UNITS: tl.constexpr,
+    PER_UNIT: tl.constexpr,
+    TAIL: tl.constexpr,
+):
+    """``+scale`` where the bit is set, ``-scale`` elsewhere, in the output's type (bf16 written as int16). A program
+    decodes ``UNITS`` packed ``WORD``-bit words (``first + [i * UNITS, (i + 1) * UNITS)``, at most ``count``): one
+    load per word, and (PER_UNIT: ``chunk_size`` a multiple of ``WORD``) one scale per word. TAIL: the last,
+    partial word(s), masked per element."""
+    at = first + tl.program_id(0).to(tl.int64) * UNITS + tl.arange(0, UNITS).to(tl.int64)
+    unit_ok = at < first + count
+    j = tl.arange(0, WORD)
+    e = at[:, None] * WORD + j[None, :]
+    mask = unit_ok[:, None] & (e < n) if TAIL else tl.broadcast_to(unit_ok[:, None], [UNITS, WORD])
+    if WORD == 32:
+        word = tl.load(packed_ptr.to(tl.pointer_type(tl.uint32)) + at, mask=unit_ok, other=0)
+    else:
+        word = tl.load(packed_ptr + at, mask=unit_ok, other=0).to(tl.uint32)
+    if PER_UNIT:
+        u = tl.load(scales_ptr + (at * WORD) // chunk_size, mask=unit_ok, other=0.0).to(tl.uint32, bitcast=True)
+        u = tl.broadcast_to(u[:, None], [UNITS, WORD])
+    else:
+        u = tl.load(scales_ptr + e // chunk_size, mask=mask, other=0.0).to(tl.uint32, bitcast=True)
+    u = tl.where(((word[:, None] >> j[None, :].to(tl.uint32)) & 1) != 0, u, u ^ _SIGN)
     if KIND == 2:
         # Round to nearest even on the fp32 word (no carry out of 32 bits below NaN); NaN as torch's CPU cast.
         rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
@@ -350,18 +365,9 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _geometry(chunk_size: int, chunks: int) -> dict[str, int]:
-    """How the encode splits the work. ``cols``, ``pieces`` and ``steps`` (hence the order of every float64 add)
-    depend on ``chunk_size`` alone; ``rows`` (how many chunks share a program) only on how many there are."""
-    cols = min(_next_pow2(chunk_size), _MAX_COLS)
-    if chunk_size <= _PIECE:
-        pieces, steps = 1, -(-chunk_size // cols)
-    else:
-        piece = max(_PIECE, -(-chunk_size // _MAX_PIECES))
-        piece = -(-piece // cols) * cols
-        pieces, steps = -(-chunk_size // piece), piece // cols
-    rows = min(max(1, _TILE // cols), _next_pow2(chunks))
-    return {"rows": rows, "cols": cols, "log2_cols": cols.bit_length() - 1, "pieces": pieces, "steps": steps}
+def _word(t: torch.Tensor, *strides: int) -> int:
+    """32 when a packed byte tensor (and its row strides) can be read and written as aligned 32-bit words, else 8."""
+    return 32 if t.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in strides) else 8
 
 
 def _encode_launch(
@@ -377,32 +383,45 @@ def _encode_launch(
     parts: tuple[torch.Tensor, torch.Tensor] | None = None,
     saved: torch.Tensor | None = None,
 ) -> None:
-    """Encode (and for the error-fed modes update the residual ``x`` in place): every flat tensor contiguous."""
+    """Encode (and for the error-fed modes update the residual ``x`` in place): every flat tensor contiguous.
+
+    Two launches at most: the chunks of ``chunk_size`` elements (unmasked columns when the chunk is a whole number
+    of steps, sign words of 32 bits when the chunks start on word boundaries of an aligned buffer) and the short
+    last chunk (masked, sign bytes)."""
+    lanes, piece = reference.onebit_sum_order(chunk_size)
     chunks = -(-n // chunk_size)
-    geo = _geometry(chunk_size, chunks)
-    pieces = geo["pieces"]
-    if chunks == 1:
-        # One (short) chunk: no program for pieces past its end. Their partial sums would be +0.0, which adds
-        # nothing to a sum of non-negative terms, so the bits are those of the full launch (and with one piece
-        # left, its tree sum is the chunk's: the scale is written at once).
-        pieces = min(pieces, -(-n // (geo["steps"] * geo["cols"])))
+    full, tail = divmod(n, chunk_size)
+    pieces = -(-chunk_size // piece)
     single = pieces == 1
     if parts is not None:
         parts_packed, parts_scales = parts
         w = parts_packed.shape[0]
-        pargs: tuple[Any, ...] = (parts_packed, parts_packed.stride(0), parts_scales, parts_scales.stride(0), w)
+        pword = 32 if n % 32 == 0 and _word(parts_packed, parts_packed.stride(0)) == 32 else 8
+        pstride = parts_packed.stride(0) // (pword // 8)
+        pargs: tuple[Any, ...] = (parts_packed, pstride, parts_scales, parts_scales.stride(0), w)
     else:
-        w = 1
+        w, pword = 1, 8
         pargs = (packed, 0, scales, 0, 1)  # unread
-    partial = scales if single else torch.empty(chunks * pieces, dtype=torch.float64, device=x.device)
+    partial = scales if single else torch.empty(chunks * pieces, dtype=torch.float32, device=x.device)
     feedback = (grad if grad is not None else x, *pargs, float(w))
-    grid = (-(-chunks // geo["rows"]), pieces)
-    _encode_kernel[grid](
-        x, *feedback, saved if saved is not None else x, packed, scales, partial,
-        n, chunk_size, chunks, pieces, geo["steps"],
-        KIND=kind, MODE=mode, DIVIDE=w > 1, SAVE=saved is not None, NORM=norm_scale, SINGLE=single,
-        ROWS=geo["rows"], COLS=geo["cols"], LOG2_COLS=geo["log2_cols"], num_warps=8, enable_fp_fusion=False,
-    )  # fmt: skip
+    common = (saved if saved is not None else x, packed, scales, partial)
+    consts = {"KIND": kind, "MODE": mode, "DIVIDE": w > 1, "SAVE": saved is not None, "NORM": norm_scale,
+              "SINGLE": single, "L": lanes, "LOG2_L": lanes.bit_length() - 1, "PWORD": pword}  # fmt: skip
+    launches = []
+    if full:
+        word = 32 if chunk_size % 32 == 0 and _word(packed) == 32 else 8
+        even = chunk_size % piece == 0 and piece % lanes == 0
+        rows = max(1, min(_TILE // lanes, _next_pow2(full)))
+        launches.append((0, full, chunk_size, rows, word, not even))
+    if tail:
+        launches.append((full, 1, tail, 1, 8, True))
+    for first, count, length, rows, word, masked in launches:
+        grid = (-(-count // rows), pieces)
+        _encode_kernel[grid](
+            x, *feedback, *common, first, count, length, float(length), chunk_size, pieces, piece,
+            **consts, KEEP=single and chunk_size <= lanes, MASK=masked, ROWS=rows, WORD=word,
+            num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
     if single:
         return
     _reduce_kernel[(-(-chunks // _REDUCE_ROWS),)](
@@ -410,7 +429,30 @@ def _encode_launch(
     )
     if mode != _PLAIN:
         _residual_kernel[(-(-n // _BLOCK),)](
-            x, *feedback, scales, n, chunk_size, MODE=mode, DIVIDE=w > 1, BLOCK=_BLOCK, enable_fp_fusion=False
+            x, *feedback, scales, n, chunk_size, MODE=mode, DIVIDE=w > 1, PWORD=pword, BLOCK=_BLOCK,
+            enable_fp_fusion=False,
+        )  # fmt: skip
+
+
+def _decode_launch(
+    packed: torch.Tensor, scales: torch.Tensor, chunk_size: int, target: torch.Tensor, kind: int
+) -> None:
+    """Decode ``target.numel()`` values: whole words in one launch (unmasked columns), the last partial word in
+    another."""
+    n = target.numel()
+    word = _word(packed)
+    full = n // word
+    args = (packed, scales, target)
+    if full:
+        units = _DECODE_ELEMS // word
+        _decode_kernel[(-(-full // units),)](
+            *args, 0, full, n, chunk_size, KIND=kind, WORD=word, UNITS=units, PER_UNIT=chunk_size % word == 0,
+            TAIL=False,
+        )  # fmt: skip
+    if n % word:
+        first = full * word // 8
+        _decode_kernel[(1,)](
+            *args, first, (n + 7) // 8 - first, n, chunk_size, KIND=kind, WORD=8, UNITS=4, PER_UNIT=True, TAIL=True
         )
 
 
@@ -465,10 +507,7 @@ def _decode_into(packed: torch.Tensor, scales: torch.Tensor, chunk_size: int, ou
     target = out.view(-1)
     target = target.view(torch.int16) if kind == _BF16 else target
     with launch_context(out.device):
-        _decode_kernel[(-(-n // _BLOCK),)](
-            packed.reshape(-1).contiguous(), scales.reshape(-1).contiguous(), target, n, chunk_size,
-            KIND=kind, BLOCK=_BLOCK,
-        )  # fmt: skip
+        _decode_launch(packed.reshape(-1).contiguous(), scales.reshape(-1).contiguous(), chunk_size, target, kind)
 
 
 def onebit_decode(
