@@ -731,11 +731,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="no row starts after 3/4 of it, no hook after it; the record is written")  # fmt: skip
     args = parser.parse_args(argv)
     d = DEFAULTS[args.device]
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first loaded
     out = Path(args.out)
     try:
         _refuse_benchmarks(args.device == "cuda", out)
+        if args.device == "cpu":
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first loaded
         small = (args.small[0], args.small[1]) if args.small else d.small
         result = measure(
             args.rows or d.rows, args.cols or d.cols, small, args.rank, args.repeats or d.repeats, args.device,

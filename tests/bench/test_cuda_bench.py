@@ -95,6 +95,45 @@ def test_past_its_time_limit_nothing_more_starts_and_the_record_says_what_was_no
     assert "Not reached in the time limit: " in (tmp_path / "cuda-kernels.md").read_text()
 
 
+def test_the_gpu_clock_times_batches_between_events_after_a_flush_and_two_warm_up_calls(monkeypatch) -> None:
+    """The CUDA branch of the clock, its events stood in for by a host clock that advances 2 ms a call."""
+    now = [0.0]
+    log: list[str] = []
+
+    class Event:
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+
+        def record(self) -> None:
+            self.at = now[0]
+            log.append("record")
+
+        def synchronize(self) -> None:
+            log.append("wait")
+
+        def elapsed_time(self, end: Event) -> float:  # milliseconds, as CUDA's
+            return (end.at - self.at) * 1e3
+
+    def call() -> None:
+        now[0] += 0.002
+        log.append("call")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    clock = cuda.Clock(torch.device("cpu"), repeats=50, budget=0.06)
+    clock.cuda, clock._flush = True, torch.ones(4, dtype=torch.int32)
+    assert clock.seconds(call, batch=3, flush=True) == pytest.approx(0.002)
+    assert log[:3] == ["call", "call", "record"] and log[3:7] == ["call"] * 3 + ["record"]
+    assert log.count("record") == 2 * 10  # batches of 6 ms within the 60 ms budget
+    assert clock._flush.sum() == 0  # flushed before each batch
+    log.clear()
+    clock.budget = 0.0
+    clock.seconds(call, batch=3, flush=False)
+    assert log.count("record") == 2 * 3  # three batches at the least
+    log.clear()
+    assert cuda.Clock(torch.device("cpu"), repeats=2).seconds(call, 3, False) > 0
+    assert log == ["call"] * 6  # the CPU (the interpreter): no warm-up, host time, ``repeats`` batches
+
+
 def test_a_cpu_run_is_never_written_to_benchmarks(tmp_path, capsys) -> None:
     before = sorted(p.name for p in cuda.BENCHMARKS.iterdir())
     assert cuda.main(["--device", "cpu", "--out", str(cuda.BENCHMARKS)]) == 2
