@@ -23,12 +23,13 @@ the tables: a report of ratios, not a timed test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from torch import nn
 from sylvie_comm.algorithms import ALGORITHMS
 from sylvie_comm.bench import hooks_fsdp, hooks_halo
 from sylvie_comm.bench.kit import machine
+from sylvie_comm.bench.timing import sync
 
 # Every algorithm with an encoding of its own (``auto`` runs one of these per bucket).
 OURS = tuple(name for name, cls in ALGORITHMS.items() if not cls.delegates)
@@ -62,24 +64,59 @@ def _timed(hook: Callable[[Any, Any], Any], record: list[float]) -> Callable[[An
     return wrapped
 
 
-def _run(name: str, layers: int, steps: int, bucket_mb: float, device: torch.device) -> dict[str, float]:
+BASELINES = ("torch-fp16", "torch-powersgd")  # PyTorch's hooks, the rows every other row is compared with
+TORCH_POWERSGD_RANK = 4
+
+
+def make_hook(name: str, model: nn.Module) -> tuple[Any, Callable[[Any, Any], Any], Any]:
+    """``(state, hook, ours)`` of a row: PyTorch's ``fp16_compress_hook`` (``torch-fp16``) or ``powerSGD_hook`` at
+    rank :data:`TORCH_POWERSGD_RANK` from its third step (``torch-powersgd``), or ours (an algorithm of
+    :data:`OURS`) for ``model`` (DDP's, or the module it wraps); ``ours`` is our hook's state (to close), else None.
+    A collective: the default process group must be up."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     from sylvie_comm.integrations import ddp as sc_ddp
 
+    if name == "torch-fp16":
+        return None, default_hooks.fp16_compress_hook, None
+    if name == "torch-powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=TORCH_POWERSGD_RANK, start_powerSGD_iter=2
+        )
+        return state, powerSGD_hook.powerSGD_hook, None
+    if name not in OURS:
+        raise ValueError(f"bench hooks: unknown hook {name!r}; expected one of {', '.join((*BASELINES, *OURS))}")
+    ours, hook = sc_ddp.make_hook(name, model=model)
+    return ours, hook, ours
+
+
+@contextlib.contextmanager
+def one_rank_group(device: torch.device) -> Iterator[None]:
+    """The default process group of this process alone (NCCL for a CUDA device, else gloo; world size 1, on a free
+    loopback port), destroyed on exit; where one is up already, that one, left as it is."""
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as sock:  # a free port on loopback
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(name: str, layers: int, steps: int, bucket_mb: float, device: torch.device) -> dict[str, float]:
     model = _model(layers).to(device)
     ids = [device.index] if device.type == "cuda" else None
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_mb)
     record: list[float] = []
-    ours = None
-    if name == "torch-fp16":
-        ddp.register_comm_hook(None, _timed(default_hooks.fp16_compress_hook, record))
-    elif name == "torch-powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
-        ddp.register_comm_hook(state, _timed(powerSGD_hook.powerSGD_hook, record))
-    else:
-        ours, hook = sc_ddp.make_hook(name, model=ddp)
-        ddp.register_comm_hook(ours, _timed(hook, record))
+    state, hook, ours = make_hook(name, ddp)
+    ddp.register_comm_hook(state, _timed(hook, record))
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     per_bucket: list[float] = []
     per_step: list[float] = []
@@ -88,12 +125,12 @@ def _run(name: str, layers: int, steps: int, bucket_mb: float, device: torch.dev
     for step in range(steps + 4):
         x = torch.randn(8, 16, generator=gen).to(device)
         record.clear()
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         opt.zero_grad()
         ddp(x).sum().backward()
         opt.step()
-        _sync(device)
+        sync(device)
         if step >= 4:  # after the warm-up (2 steps) and DDP's bucket rebuild
             per_step.append(time.perf_counter() - t0)
             per_bucket.extend(record)
@@ -104,11 +141,6 @@ def _run(name: str, layers: int, steps: int, bucket_mb: float, device: torch.dev
         "us_per_bucket": statistics.median(per_bucket) * 1e6, "buckets": buckets,
         "us_per_step": statistics.median(per_step) * 1e6,
     }  # fmt: skip
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure(
@@ -140,20 +172,11 @@ def measure(
 
 
 def _ddp(layers: int, steps: int, device: torch.device) -> dict[str, Any]:
-    init = not dist.is_initialized()
-    if init:
-        with socket.socket() as sock:  # a free port on loopback
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     # PyTorch's PowerSGD hook with two or more buckets deadlocks on gloo only (module docstring).
-    many = ("torch-fp16", "torch-powersgd", *OURS) if device.type == "cuda" else ("torch-fp16", *OURS)
-    layouts = {"many": (1e-4, many), "one": (100.0, ("torch-fp16", "torch-powersgd", *OURS))}
+    many = (*BASELINES, *OURS) if device.type == "cuda" else ("torch-fp16", *OURS)
+    layouts = {"many": (1e-4, many), "one": (100.0, (*BASELINES, *OURS))}
     out: dict[str, Any] = {}
-    try:
+    with one_rank_group(device):
         for layout, (bucket_mb, names) in layouts.items():
             rows = {name: _run(name, layers, steps, bucket_mb, device) for name in names}
             for r in rows.values():
@@ -161,9 +184,6 @@ def _ddp(layers: int, steps: int, device: torch.device) -> dict[str, Any]:
                 if "torch-powersgd" in rows:
                     r["x_torch_powersgd"] = r["us_per_bucket"] / rows["torch-powersgd"]["us_per_bucket"]
             out[layout] = rows
-    finally:
-        if init:
-            dist.destroy_process_group()
     return out
 
 

@@ -43,6 +43,12 @@ def seconds_per_call(fn: Callable[[], Any], min_time: float = 0.2, max_calls: in
     return statistics.median(times)
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a CUDA device; nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 # Kineto, the profiler's backend, logs a "profiler_start" and a "profiler_stop" line to stderr each time a
 # trace starts and stops. Those lines have a severity of their own, USDT (5), above ERROR (4), so the default
 # threshold, which hides kineto's info, warning and stage lines, lets them through: two lines per measurement.
