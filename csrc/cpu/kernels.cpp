@@ -461,17 +461,25 @@ void onebit_feedback_encode_cpu(const at::Tensor& residual, const c10::optional<
   const bool has_grad = grad.has_value() && grad->defined();
   const int64_t chunks = sc_ceil_div(n, chunk_size);
   float* e = residual.data_ptr<float>();
-  const float* g = has_grad ? grad->data_ptr<float>() : nullptr;
   uint8_t* out = packed.data_ptr<uint8_t>();
   float* sc = scales.data_ptr<float>();
   const Impl& f = impl();
-  at::parallel_for(0, chunks, std::max<int64_t>(1, kGrainElems / chunk_size), [&](int64_t b, int64_t end) {
-    for (int64_t c = b; c < end; ++c) {
-      const int64_t start = c * chunk_size, len = std::min(chunk_size, n - start);
-      save_floats(sv == nullptr ? nullptr : sv + start, e + start, len);
-      if (g != nullptr) f.add_into(e + start, g + start, len);
-      feedback_encode_chunk(f, e + start, len, chunk_size, norm_scale, out + start / 8, sc + c);
-    }
+  // The gradient in any float type: widened to fp32 (exactly) block by block, then one fp32 add per element.
+  dispatch_float(has_grad ? grad->scalar_type() : at::kFloat, [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* g = has_grad ? grad->data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, chunks, std::max<int64_t>(1, kGrainElems / chunk_size), [&](int64_t b, int64_t end) {
+      for (int64_t c = b; c < end; ++c) {
+        const int64_t start = c * chunk_size, len = std::min(chunk_size, n - start);
+        save_floats(sv == nullptr ? nullptr : sv + start, e + start, len);
+        if (g != nullptr) {
+          for_f32_blocks(g + start, len, [&](const float* blk, int64_t m, int64_t off) {
+            f.add_into(e + start + off, blk, m);
+          });
+        }
+        feedback_encode_chunk(f, e + start, len, chunk_size, norm_scale, out + start / 8, sc + c);
+      }
+    });
   });
 }
 

@@ -140,7 +140,10 @@ inline void onebit_feedback_encode(const at::Tensor& residual, const c10::option
   const char* op = "onebit_feedback_encode";
   const int64_t n = onebit_feedback(residual, chunk, packed, scales, type, op);
   if (grad.has_value() && grad->defined()) {
-    f32_contiguous(*grad, type, op, "grad");
+    const at::Tensor& g = *grad;
+    TORCH_CHECK(g.device().type() == type && g.is_contiguous() && is_float(g.scalar_type()), op,
+                ": grad must be a contiguous float32, float16 or bfloat16 ", c10::DeviceTypeName(type),
+                " tensor, got ", g.scalar_type(), " of shape ", g.sizes(), " on ", g.device());
     TORCH_CHECK(grad->numel() == n, op, ": grad has ", grad->numel(), " elements, residual ", n);
     same_device(*grad, residual, "grad", op);
   }

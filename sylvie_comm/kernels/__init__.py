@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from sylvie_comm.kernels import compiled, reference
+from sylvie_comm.kernels import checks, compiled, reference
 from sylvie_comm.kernels import triton as _triton
 
 __all__ = [
@@ -199,11 +199,16 @@ def onebit_feedback_encode(
     scales: torch.Tensor,
     saved: torch.Tensor | None = None,
 ) -> None:
-    """``residual += grad``; encode it into ``packed``/``scales`` (contiguous); ``residual -= decode``: one pass.
+    """``residual += grad`` (``grad`` fp32, fp16 or bf16, widened to fp32); encode it into ``packed``/``scales``
+    (contiguous); ``residual -= decode``: one pass.
 
     With ``saved`` (as many fp32 elements) the residual as it was is written there in the same pass (what a
     step skipped for a non-finite input restores; the same for the residual-updating ops below)."""
-    ns = _fused(residual, grad, scales, saved)
+    ns = _fused(residual, scales, saved)
+    if grad is not None and not (
+        grad.device == residual.device and grad.dtype in checks.FLOATS and grad.is_contiguous()
+    ):
+        ns = None
     if ns is not None and packed.is_contiguous():
         ns.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales, saved)
     else:

@@ -192,10 +192,18 @@ def _onebit_feedback(residual: torch.Tensor, chunk: int, packed: torch.Tensor, s
     return n
 
 
-def _grad(grad: torch.Tensor | None, mat: torch.Tensor, mat_name: str, device_type: str, op: str) -> None:
+def _grad(
+    grad: torch.Tensor | None, mat: torch.Tensor, mat_name: str, device_type: str, op: str, any_float: bool = False
+) -> None:
+    """An optional gradient of as many elements as ``mat``, contiguous, on its device: fp32, or with ``any_float``
+    fp32, fp16 or bf16."""
     if grad is None:
         return
-    _f32_contiguous(grad, device_type, op, "grad")
+    if not any_float:
+        _f32_contiguous(grad, device_type, op, "grad")
+    elif not (grad.dtype in FLOATS and grad.is_contiguous() and _is_on(grad, device_type)):
+        fail(op, "grad must be a contiguous float32, float16 or bfloat16 ", _type_name(device_type), " tensor, got ",
+             dtype_name(grad.dtype), " of shape ", _sizes(grad), " on ", grad.device)  # fmt: skip
     if grad.numel() != mat.numel():
         fail(op, "grad has ", grad.numel(), " elements, ", mat_name, " ", mat.numel())
     _same_device(grad, mat, "grad", op, device_type)
@@ -347,7 +355,7 @@ def onebit_feedback_encode(device_type: str, residual: torch.Tensor, grad: torch
                            saved: torch.Tensor | None = None) -> None:  # fmt: skip
     op = "onebit_feedback_encode"
     _onebit_feedback(residual, chunk_size, packed, scales, device_type, op)
-    _grad(grad, residual, "residual", device_type, op)
+    _grad(grad, residual, "residual", device_type, op, any_float=True)
     _saved(saved, residual, device_type, op)
 
 

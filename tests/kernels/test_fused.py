@@ -156,6 +156,29 @@ def test_same_bits_every_isa_and_thread_count(n: int, k: int, r: int) -> None:
 
 
 @pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_onebit_feedback_encode_of_a_half_precision_gradient(isa: str, dtype: torch.dtype) -> None:
+    """A bf16 or fp16 gradient is widened to fp32 and added, as the reference's ``residual.add_(grad)``: the same
+    bits, in the compiled kernel and through the entry point."""
+    _ops.set_cpu_isa(isa)
+    try:
+        g = torch.Generator().manual_seed(5)
+        for numel, chunk in ((5000, 2048), (77, 16), (3000, 24)):
+            res, grad = torch.randn(numel, generator=g), (torch.randn(numel, generator=g) * 3).to(dtype)
+            chunks = (numel + chunk - 1) // chunk
+            outs = []
+            for fn in (torch.ops.sylvie_comm.onebit_feedback_encode, kernels.onebit_feedback_encode,
+                       ref.onebit_feedback_encode):  # fmt: skip
+                r, b, s = res.clone(), torch.empty((numel + 7) // 8, dtype=torch.uint8), torch.empty(chunks)
+                fn(r, grad, chunk, True, b, s)
+                outs.append((r, b, s))
+            for r, b, s in outs[1:]:
+                assert torch.equal(r, outs[0][0]) and torch.equal(b, outs[0][1]) and torch.equal(s, outs[0][2])
+    finally:
+        _ops.set_cpu_isa(isas()[-1])
+
+
+@pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize(("numel", "chunk"), [(1, 8), (8, 8), (1000, 64), (4096, 2048), (5000, 2048), (77, 16)])
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("with_grad", [True, False])

@@ -398,6 +398,17 @@ def test_feedback_encode(n: int, chunk: int, norm: bool, with_grad: bool) -> Non
     check_feedback(res, grad if with_grad else None, chunk, norm)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("n", "chunk"), [(77, 16), (5000, 2048), (40000, 16392)])
+def test_feedback_encode_of_a_half_precision_gradient(dtype: torch.dtype, n: int, chunk: int) -> None:
+    """A bf16 or fp16 gradient (a DDP bucket of a half-precision model) is widened to fp32 in the kernel, then added:
+    the reference's ``residual.add_(grad)``."""
+    g = torch.Generator().manual_seed(n + 3)
+    res, grad = values("normal", n, g), values("wide", n, g).to(dtype)
+    for norm in (False, True):
+        check_feedback(res, grad, chunk, norm)
+
+
 @pytest.mark.parametrize("w", [1, 2, 3, 7])
 @pytest.mark.parametrize(("n", "chunk"), [(1, 8), (77, 16), (1000, 64), (5000, 2048), (40000, 16392)])
 @pytest.mark.parametrize("norm", [False, True])
@@ -560,7 +571,7 @@ def _bad_calls() -> list[tuple[str, Callable[[Any], Any], str]]:
         ("fb residual strided", lambda o: o.onebit_feedback_encode(z(32)[::2], None, 8, False, z(2, dtype=U8),
                                                                    z(2)), "residual must be"),
         ("fb grad", lambda o: o.onebit_feedback_encode(res, z(15), 8, False, z(2, dtype=U8), z(2)), "grad has"),
-        ("fb grad dtype", lambda o: o.onebit_feedback_encode(res, z(16, dtype=torch.float16), 8, False,
+        ("fb grad dtype", lambda o: o.onebit_feedback_encode(res, z(16, dtype=torch.float64), 8, False,
                                                              z(2, dtype=U8), z(2)), "grad must be"),
         ("fb saved", lambda o: o.onebit_feedback_encode(res, None, 8, False, z(2, dtype=U8), z(2), z(15)),
          "saved has"),
@@ -695,14 +706,15 @@ for kind, x, mode, single, keep, rows, lanes, word in [
         (0, "*fp32", 3, True, True, 32, 64, 32), (0, "*fp32", 3, False, False, 1, 2048, 8),
         (0, "*fp32", 1, True, False, 1, 2048, 32)]:
     consts = dict(KIND=kind, MODE=mode, DIVIDE=mode == 3, SAVE=mode != 0, NORM=True, SINGLE=single, KEEP=keep,
-                  MASK=not keep, ROWS=rows, L=lanes, LOG2_L=lanes.bit_length() - 1, WORD=word, PWORD=word)
+                  MASK=not keep, ROWS=rows, L=lanes, LOG2_L=lanes.bit_length() - 1, WORD=word, PWORD=word,
+                  GKIND=0)
     out.append(ptx(ob._encode_kernel, dict(enc, x_ptr=x), consts, 4))
 out.append(ptx(ob._reduce_kernel, {"partial_ptr": "*fp32", "scales_ptr": "*fp32", "n": "i64", "chunk_size": "i64",
                                    "chunks": "i64", "pieces": "i32"}, dict(NORM=True, ROWS=128), 4))
 out.append(ptx(ob._residual_kernel, {"res_ptr": "*fp32", "grad_ptr": "*fp32", "parts_ptr": "*u8",
                                      "parts_stride": "i64", "pscales_ptr": "*fp32", "pscales_stride": "i64",
                                      "w": "i32", "wf": "fp32", "scales_ptr": "*fp32", "n": "i64",
-                                     "chunk_size": "i64"}, dict(MODE=3, DIVIDE=True, PWORD=32, BLOCK=2048), 4))
+                                     "chunk_size": "i64"}, dict(MODE=3, DIVIDE=True, PWORD=32, GKIND=0, BLOCK=2048), 4))
 for kind, o in ((0, "*fp32"), (1, "*fp16"), (2, "*i16")):
     for word, tail in ((32, False), (8, True)):
         out.append(ptx(ob._decode_kernel, {"packed_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": o, "first": "i64",

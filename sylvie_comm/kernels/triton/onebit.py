@@ -103,13 +103,18 @@ def _feedback_value(
     MODE: tl.constexpr,
     DIVIDE: tl.constexpr,
     PWORD: tl.constexpr,
+    GKIND: tl.constexpr,
 ):
-    """``residual[e]`` plus what the op adds: ``grad[e]`` (one fp32 add), or the mean of the ``w`` one-bit rows
+    """``residual[e]`` plus what the op adds: ``grad[e]`` (widened to fp32 exactly, then one fp32 add), or the mean of the ``w`` one-bit rows
     decoded at ``e`` (row 0, + row 1, ..., + row w - 1 in fp32, then ``/ w`` rounded to nearest when w > 1); the
     rows' bits read as ``PWORD``-bit words (``parts_stride`` counts words)."""
     r = tl.load(res_ptr + e, mask=mask, other=0.0)
     if MODE == 2:
-        v = r + tl.load(grad_ptr + e, mask=mask, other=0.0)
+        if GKIND == 2:  # bf16 as int16: widened by a shift
+            raw = tl.load(grad_ptr + e, mask=mask, other=0).to(tl.uint16, bitcast=True)
+            v = r + (raw.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            v = r + tl.load(grad_ptr + e, mask=mask, other=0.0).to(tl.float32)
     elif MODE == 3:
         words = parts_ptr.to(tl.pointer_type(tl.uint32)) if PWORD == 32 else parts_ptr
         at = e // PWORD
@@ -189,6 +194,7 @@ def _encode_kernel(
     LOG2_L: tl.constexpr,
     WORD: tl.constexpr,
     PWORD: tl.constexpr,
+    GKIND: tl.constexpr,
 ):
     """Program (i, p): piece p of chunks ``first + [i * ROWS, (i + 1) * ROWS)`` (all ``length`` long, at most
     ``count`` of them). Packs the signs into ``WORD``-bit words, adds each element's ``|v|`` (or ``v * v``) into fp32
@@ -226,7 +232,7 @@ def _encode_kernel(
                 tl.store(saved_ptr + e, tl.load(x_ptr + e, mask=mask, other=0.0), mask=mask)
             v = _feedback_value(
                 x_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, e, chunk, mask,
-                MODE, DIVIDE, PWORD,
+                MODE, DIVIDE, PWORD, GKIND,
             )  # fmt: skip
         # NaN >= 0 is false: NaN packs a 0 bit, as in the reference; -0.0 packs a 1. The bits of a word are
         # disjoint, so their integer sum is their OR in any order.
@@ -260,7 +266,7 @@ def _encode_kernel(
                     e = start[:, None] + k[None, :]
                     v = _feedback_value(
                         x_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, e, chunk,
-                        mask, MODE, DIVIDE, PWORD,
+                        mask, MODE, DIVIDE, PWORD, GKIND,
                     )  # fmt: skip
                     decoded = tl.where(v >= 0.0, u[:, None], u[:, None] ^ _SIGN).to(tl.float32, bitcast=True)
                     tl.store(x_ptr + e, v - decoded, mask=mask)
@@ -298,6 +304,7 @@ def _residual_kernel(
     MODE: tl.constexpr,
     DIVIDE: tl.constexpr,
     PWORD: tl.constexpr,
+    GKIND: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """``residual = value - decode`` element-wise, once the scales of chunks summed in pieces are known."""
@@ -306,7 +313,7 @@ def _residual_kernel(
     chunk = e // chunk_size
     v = _feedback_value(
         res_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, e, chunk, mask, MODE, DIVIDE,
-        PWORD,
+        PWORD, GKIND,
     )  # fmt: skip
     u = tl.load(scales_ptr + chunk, mask=mask, other=0.0).to(tl.uint32, bitcast=True)
     tl.store(res_ptr + e, v - tl.where(v >= 0.0, u, u ^ _SIGN).to(tl.float32, bitcast=True), mask=mask)
@@ -403,10 +410,14 @@ def _encode_launch(
         w, pword = 1, 8
         pargs = (packed, 0, scales, 0, 1)  # unread
     partial = scales if single else torch.empty(chunks * pieces, dtype=torch.float32, device=x.device)
+    gkind = _F32 if grad is None else _KINDS[grad.dtype]
+    if gkind == _BF16:
+        grad = grad.view(torch.int16)  # type: ignore[union-attr]
     feedback = (grad if grad is not None else x, *pargs, float(w))
     common = (saved if saved is not None else x, packed, scales, partial)
     consts = {"KIND": kind, "MODE": mode, "DIVIDE": w > 1, "SAVE": saved is not None, "NORM": norm_scale,
-              "SINGLE": single, "L": lanes, "LOG2_L": lanes.bit_length() - 1, "PWORD": pword}  # fmt: skip
+              "SINGLE": single, "L": lanes, "LOG2_L": lanes.bit_length() - 1, "PWORD": pword,
+              "GKIND": gkind}  # fmt: skip
     launches = []
     if full:
         word = 32 if chunk_size % 32 == 0 and _word(packed) == 32 else 8
@@ -429,7 +440,7 @@ def _encode_launch(
     )
     if mode != _PLAIN:
         _residual_kernel[(-(-n // _BLOCK),)](
-            x, *feedback, scales, n, chunk_size, MODE=mode, DIVIDE=w > 1, PWORD=pword, BLOCK=_BLOCK,
+            x, *feedback, scales, n, chunk_size, MODE=mode, DIVIDE=w > 1, PWORD=pword, GKIND=gkind, BLOCK=_BLOCK,
             enable_fp_fusion=False,
         )  # fmt: skip
 
