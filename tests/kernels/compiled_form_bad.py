@@ -41,3 +41,10 @@ def spill_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     x = tl.load(x_ptr + o, mask=o < n, other=0.0)
     y = tl.cumsum(x * x, axis=0)
     tl.store(out_ptr + o, y + tl.flip(x, 0), mask=o < n)
+
+
+@triton.jit
+def approx_div_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    """``x / 3.0`` with the plain operator: an approximate division on a GPU (the interpreter's is exact)."""
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + o, tl.load(x_ptr + o, mask=o < n, other=0.0) / 3.0, mask=o < n)

@@ -74,7 +74,8 @@ def _launch(kernel: str, grid: int, n: int, out: dict[str, object] = F32, block:
 
 @pytest.mark.multiprocess
 def test_the_checker_fails_bad_kernels() -> None:
-    """Each bad kernel breaks its rule, and only that one; a plain copy breaks none (but launched on too few
+    """Each bad kernel breaks its rule, and only that one (an approximate division: ieee-arithmetic); a plain copy
+    breaks none (but launched on too few
     programs, fills-the-gpu); a length that is not a multiple of 16 makes byte stores scalar."""
     n = 1 << 26
     rep = form.check([
@@ -83,6 +84,7 @@ def test_the_checker_fails_bad_kernels() -> None:
         _launch("f64_loop_kernel", 1024, n, block=1024),
         _launch("byte_store_kernel", n // 4096, n + 1, out=U8),
         _launch("spill_kernel", n // 16384, n, block=16384),
+        _launch("approx_div_kernel", n // 4096, n),
     ])  # fmt: skip
     broken = {(v["kernel"].rsplit(".", 1)[1], v["rule"]) for v in rep.violations}
     assert broken == {
@@ -90,6 +92,7 @@ def test_the_checker_fails_bad_kernels() -> None:
         ("f64_loop_kernel", "no-f64-in-loops"),
         ("byte_store_kernel", "wide-access"),
         ("spill_kernel", "no-local-memory"),
+        ("approx_div_kernel", "ieee-arithmetic"),
     }, rep.violations
     grid = [v for v in rep.violations if v["rule"] == form.GRID_RULE]
     assert len(grid) == 1 and "64 programs" in grid[0]["how"]

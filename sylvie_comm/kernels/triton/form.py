@@ -20,6 +20,13 @@ reported: its value is undefined here.
 
 The rules (:data:`RULES`; ``tests/kernels/test_compiled_form.py`` asserts them, the figures table shows them):
 
+* ``ieee-arithmetic`` (every kernel): no approximate or flush-to-zero fp32 instruction (``div.full``,
+  ``div.approx``, ``sqrt.approx``, ``rcp.approx``, ``.ftz.f32`` arithmetic; ``tl.floor``'s ``cvt.rmi.ftz``
+  differs only on a subnormal input and is not counted), no atomics, and no fp32 ``fma`` in a kernel
+  launched with ``enable_fp_fusion=False``. Why: the kernels must return the interpreter's (the reference's) bits;
+  plain ``/`` and ``tl.sqrt`` compile to approximate forms on a GPU and are exact in the interpreter, atomics run
+  without races there, and an fma rounds once where the reference rounds twice.
+
 * ``no-local-memory`` (every kernel): ``ptxas`` reports no spill stores or loads and no stack frame, and the PTX
   has no ``ld.local`` / ``st.local``. Why: local memory is device memory behind L1; a spill adds traffic on the
   path whose bytes the kernel is judged by, and it means the tile does not fit the registers.
@@ -145,9 +152,10 @@ def _onebit_decode_into(pool: Pool, shape: Shape) -> Calls:
 
 
 def _onebit_feedback_encode(pool: Pool, shape: Shape) -> Calls:
-    residual, grad = pool.get("residual", shape).view(-1), pool.get("grad", shape).view(-1)
+    residual = pool.get("residual", shape).view(-1)
     coded = _onebit_coded(pool, residual.numel())
-    return [("fp32, grad", (residual, grad, CHUNK_SIZE, NORM_SCALE, *coded))]
+    return [(f"{d} grad", (residual, pool.get("grad", shape, t).view(-1), CHUNK_SIZE, NORM_SCALE, *coded))
+            for d, t in DTYPES.items()]  # fmt: skip
 
 
 def _onebit_mean_feedback_encode(pool: Pool, shape: Shape) -> Calls:
@@ -707,7 +715,8 @@ def read_ptx(ptx: str) -> dict[str, Json]:
     code = _instructions(ptx)
     loops = _in_loops(code)
     f = {"f64": 0, "f64_in_loops": 0, "bar_sync": 0, "bar_sync_in_loops": 0, "shared_accesses": 0,
-         "local_accesses": 0, "narrow_loads_in_loops": 0, "atomics": 0, "tma": 0, "int64_divisions": 0}  # fmt: skip
+         "local_accesses": 0, "narrow_loads_in_loops": 0, "atomics": 0, "tma": 0, "int64_divisions": 0,
+         "approximate": 0, "fma_f32": 0}  # fmt: skip
     loads: dict[str, int] = {}
     stores: dict[str, int] = {}
     for (op, operands), in_loop in zip(code, loops, strict=True):
@@ -726,6 +735,11 @@ def read_ptx(ptx: str) -> dict[str, Json]:
             f["int64_divisions"] += 1
         if parts[0] in ("atom", "red") and "global" in parts:
             f["atomics"] += 1
+        # (a rounding conversion with ftz, tl.floor's cvt.rmi.ftz, differs only on a subnormal input: not counted)
+        if parts[0] != "cvt" and ("approx" in parts or "full" in parts or ("ftz" in parts and "f32" in parts)):
+            f["approximate"] += 1
+        if parts[0] == "fma" and "f32" in parts:
+            f["fma_f32"] += 1
         if parts[0] == "cp" and "bulk" in parts:
             f["tma"] += 1
         elif parts[0] in ("ld", "cp") and "global" in parts:
@@ -805,11 +819,23 @@ def _wide(f: dict[str, Json]) -> str | None:
     return None
 
 
+def _ieee(f: dict[str, Json]) -> str | None:
+    """The interpreter's arithmetic: no approximate or flush-to-zero fp32 instruction, no atomics, and no fp32 fma
+    where the launch turned contraction off (``enable_fp_fusion=False``: an fma rounds once where the interpreter
+    and the reference round twice)."""
+    approximate, atomics = f.get("approximate", 0), f.get("atomics", 0)
+    fma = 0 if f.get("fp_fusion", True) else f.get("fma_f32", 0)
+    if approximate or atomics or fma:
+        return f"{approximate} approximate or flush-to-zero instructions, {atomics} atomics, {fma} fp32 fma"
+    return None
+
+
 def _no_barrier_in_loops(f: dict[str, Json]) -> str | None:
     return f"{f['bar_sync_in_loops']} bar.sync in loops" if f["bar_sync_in_loops"] else None
 
 
 RULES = (
+    Rule("ieee-arithmetic", "no approximate or ftz fp32, no atomics, no fp32 fma where fusion is off", False, _ieee),
     Rule("no-local-memory", "no spills, no stack frame, no local loads or stores", False, _no_local),
     Rule("no-f64-in-loops", f"no .f64 in a loop, at most {F64_OUTSIDE_LOOPS} outside", True, _f64),
     Rule("wide-access", f">= {MIN_ACCESS_BYTES} B per thread per global access (one narrow load: a flag)", True, _wide),

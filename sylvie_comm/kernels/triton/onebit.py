@@ -105,9 +105,9 @@ def _feedback_value(
     PWORD: tl.constexpr,
     GKIND: tl.constexpr,
 ):
-    """``residual[e]`` plus what the op adds: ``grad[e]`` (widened to fp32 exactly, then one fp32 add), or the mean of the ``w`` one-bit rows
-    decoded at ``e`` (row 0, + row 1, ..., + row w - 1 in fp32, then ``/ w`` rounded to nearest when w > 1); the
-    rows' bits read as ``PWORD``-bit words (``parts_stride`` counts words)."""
+    """``residual[e]`` plus what the op adds: ``grad[e]`` (widened to fp32 exactly, then one fp32 add), or the mean
+    of the ``w`` one-bit rows decoded at ``e`` (row 0, + row 1, ..., + row w - 1 in fp32, then ``/ w`` rounded to
+    nearest when w > 1); the rows' bits read as ``PWORD``-bit words (``parts_stride`` counts words)."""
     r = tl.load(res_ptr + e, mask=mask, other=0.0)
     if MODE == 2:
         if GKIND == 2:  # bf16 as int16: widened by a shift
