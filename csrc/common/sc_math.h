@@ -139,19 +139,25 @@ constexpr int64_t kOnebitPiece = 16384;
 constexpr int64_t kOnebitMaxPieces = 65535;
 
 struct ScChunkSum {
+  using AddFn = void (*)(float*, const float*, int64_t, bool);
+  using TreeFn = float (*)(float*, float*, int64_t);
+  AddFn add_lanes;  // acc[j] += term(x[j]) for j < n (the CPU's ISA)
+  TreeFn tree;      // the adjacent-pair tree of `lanes` partials
   int64_t lanes, piece, at = 0;  // `at`: elements added to the current piece
   bool squares, started = false;
   float total = 0.0f;
   float acc[kOnebitLanes];
+  float tmp[kOnebitLanes / 2];
 
-  ScChunkSum(int64_t chunk_size, bool squares_) : squares(squares_) {
+  ScChunkSum(int64_t chunk_size, bool squares_, AddFn add_fn, TreeFn tree_fn)
+      : add_lanes(add_fn), tree(tree_fn), squares(squares_) {
     lanes = 1;
     while (lanes < chunk_size && lanes < kOnebitLanes) lanes <<= 1;
     int64_t p = chunk_size < kOnebitPiece ? chunk_size : kOnebitPiece;
     const int64_t least = sc_ceil_div(chunk_size, kOnebitMaxPieces);
     if (least > p) p = least;
     piece = (p + lanes - 1) / lanes * lanes;
-    for (int64_t l = 0; l < lanes; ++l) acc[l] = 0.0f;
+    memset(acc, 0, sizeof(float) * lanes);
   }
 
   // The next m values of the chunk (in element order).
@@ -162,26 +168,18 @@ struct ScChunkSum {
       int64_t run = m - i;
       if (run > lanes - lane0) run = lanes - lane0;
       if (run > piece - at) run = piece - at;
-      float* a = acc + lane0;
-      const float* v = x + i;
-      if (squares) {
-        for (int64_t j = 0; j < run; ++j) a[j] = a[j] + v[j] * v[j];  // no contraction: -ffp-contract=off
-      } else {
-        for (int64_t j = 0; j < run; ++j) a[j] = a[j] + __builtin_fabsf(v[j]);
-      }
+      add_lanes(acc + lane0, x + i, run, squares);
       i += run;
       at += run;
     }
   }
 
   void finish_piece() {
-    for (int64_t w = lanes; w > 1; w >>= 1) {
-      for (int64_t l = 0; l < w / 2; ++l) acc[l] = acc[2 * l] + acc[2 * l + 1];
-    }
-    total = started ? total + acc[0] : acc[0];
+    const float part = tree(acc, tmp, lanes);
+    total = started ? total + part : part;
     started = true;
     at = 0;
-    for (int64_t l = 0; l < lanes; ++l) acc[l] = 0.0f;
+    memset(acc, 0, sizeof(float) * lanes);
   }
 
   // The chunk's sum (call once, after every value was added).

@@ -78,21 +78,26 @@ struct Impl {
   decltype(&base::add_into_f32) add_into;
   decltype(&base::onebit_residual_f32) onebit_residual;
   decltype(&base::onebit_mean_add_f32) onebit_mean_add;
+  decltype(&base::lanes_add_f32) lanes_add;
+  decltype(&base::lanes_tree_f32) lanes_tree;
 };
 
 const Impl kBase{"baseline",         base::onebit_encode_f32, base::onebit_decode_f32, base::minmax_f32,
                  base::qbit_quantize_f32, base::qbit_dequantize_f32, base::pack_f, base::unpack_f,
                  base::lowrank_project_rows_f32, base::lowrank_gram_tile_f32, base::lowrank_outer_rows_f32,
-                 base::add_into_f32, base::onebit_residual_f32, base::onebit_mean_add_f32};
+                 base::add_into_f32, base::onebit_residual_f32, base::onebit_mean_add_f32,
+                 base::lanes_add_f32, base::lanes_tree_f32};
 #if SC_HAVE_AVX2_BUILD
 const Impl kAvx2{"avx2",             avx2::onebit_encode_f32, avx2::onebit_decode_f32, avx2::minmax_f32,
                  avx2::qbit_quantize_f32, avx2::qbit_dequantize_f32, avx2::pack_f, avx2::unpack_f,
                  avx2::lowrank_project_rows_f32, avx2::lowrank_gram_tile_f32, avx2::lowrank_outer_rows_f32,
-                 avx2::add_into_f32, avx2::onebit_residual_f32, avx2::onebit_mean_add_f32};
+                 avx2::add_into_f32, avx2::onebit_residual_f32, avx2::onebit_mean_add_f32,
+                 avx2::lanes_add_f32, avx2::lanes_tree_f32};
 const Impl kAvx512{"avx512",       avx512::onebit_encode_f32, avx512::onebit_decode_f32, avx512::minmax_f32,
                    avx512::qbit_quantize_f32, avx512::qbit_dequantize_f32, avx512::pack_f, avx512::unpack_f,
                    avx512::lowrank_project_rows_f32, avx512::lowrank_gram_tile_f32, avx512::lowrank_outer_rows_f32,
-                   avx512::add_into_f32, avx512::onebit_residual_f32, avx512::onebit_mean_add_f32};
+                   avx512::add_into_f32, avx512::onebit_residual_f32, avx512::onebit_mean_add_f32,
+                 avx512::lanes_add_f32, avx512::lanes_tree_f32};
 #endif
 
 std::vector<const Impl*> supported() {
@@ -241,7 +246,7 @@ std::tuple<at::Tensor, at::Tensor> onebit_encode_cpu(const at::Tensor& x_, int64
     at::parallel_for(0, chunks, std::max<int64_t>(1, kGrainElems / chunk_size), [&](int64_t b, int64_t e) {
       for (int64_t c = b; c < e; ++c) {
         const int64_t start = c * chunk_size, len = std::min(chunk_size, n - start);
-        ScChunkSum sum(chunk_size, norm_scale);
+        ScChunkSum sum(chunk_size, norm_scale, f.lanes_add, f.lanes_tree);
         for_f32_blocks(xp + start, len, [&](const float* blk, int64_t m, int64_t off) {
           f.onebit_encode(blk, m, out + (start + off) / 8);
           sum.add(blk, m);
@@ -426,7 +431,7 @@ at::Tensor qbit_decode_cpu(const at::Tensor& packed, const at::Tensor& scale, co
 void feedback_encode_chunk(const Impl& f, float* e, int64_t len, int64_t chunk_size, bool norm_scale, uint8_t* out,
                            float* scale) {
   f.onebit_encode(e, len, out);
-  ScChunkSum sum(chunk_size, norm_scale);
+  ScChunkSum sum(chunk_size, norm_scale, f.lanes_add, f.lanes_tree);
   sum.add(e, len);
   *scale = sc_onebit_scale(sum.sum(), len, norm_scale);
   f.onebit_residual(e, out, len, *scale);
