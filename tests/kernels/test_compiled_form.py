@@ -152,3 +152,11 @@ def test_the_rules_on_figures() -> None:
     tail = next(iter(form.TAIL_KERNELS))
     assert form.kernel_violations(tail, ok | {"f64": 999, "global_stores": {"1": 9}}) == []
     assert [r for r, _ in form.kernel_violations(tail, ok | {"stack_frame": 8})] == ["no-local-memory"]
+
+
+def test_the_guide_names_every_rule() -> None:
+    """docs/internals/kernels.md's table of rules has one row per rule of the checker, in its order."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "internals" / "kernels.md").read_text()
+    table = page[page.index("| rule | applies to | what |") :].split("\n\n", 1)[0]
+    rows = [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]]
+    assert rows == [r.name for r in form.RULES] + [form.GRID_RULE], rows
