@@ -71,7 +71,7 @@ def check_decode(got: tuple[torch.Tensor, ...], bits: int, cols: int) -> None:
 @pytest.fixture
 def split_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small segments, so rows of a few hundred columns take the split-row kernels over many segments."""
-    monkeypatch.setattr(tq, "_TILE_COLS", 16)
+    monkeypatch.setattr(tq, "_ROW_COLS", 16)
     monkeypatch.setattr(tq, "_SEG_COLS", 64)
     monkeypatch.setattr(tq, "_SEG_BLOCK", 32)
     monkeypatch.setattr(tq, "_META_SEGS", 2)

@@ -38,7 +38,7 @@ from sylvie_comm.kernels import checks
 from sylvie_comm.kernels.triton import NAMESPACE, interpreted, launch_context
 
 # The ops are called as torch.ops.sylvie_comm_triton.*; what other kernels import is the @triton.jit helpers.
-__all__ = ["pack_tile", "tile_columns", "unpack_tile", "value_at"]
+__all__ = ["pack_fields", "pack_tile", "tile_columns", "unpack_fields", "unpack_tile", "value_at"]
 
 # Chosen at import, as triton.jit chose between compiling and interpreting the kernels below.
 _INTERPRETED = interpreted()
@@ -80,6 +80,29 @@ def unpack_tile(packed, BITS: tl.constexpr):  # type: ignore[no-untyped-def]
     column order); the inverse of :func:`pack_tile`."""
     shifts = tl.arange(0, 8 // BITS) * BITS
     return ((packed.to(tl.int32)[:, None] >> shifts[None, :]) & ((1 << BITS) - 1)).to(tl.uint8)
+
+
+@_jit
+def pack_fields(values, FIELD: tl.constexpr, PER: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Pack a ``[R, N]`` tile of ``FIELD``-bit integer fields (non-negative, below ``2**FIELD``; ``N`` a multiple of
+    ``PER``, ``PER * FIELD <= 32``) ``PER`` at a time into ``[R, N // PER]`` uint32 units, little-endian: field
+    ``k`` of a unit in its bits ``[k * FIELD, (k + 1) * FIELD)``. The fields are disjoint, so their integer sum is
+    their bitwise or, exact in any order."""
+    R: tl.constexpr = values.shape[0]
+    N: tl.constexpr = values.shape[1]
+    shifts = (tl.arange(0, PER) * FIELD).to(tl.uint32)
+    fields = tl.reshape(values.to(tl.uint32), [R, N // PER, PER]) << shifts[None, None, :]
+    return tl.sum(fields, axis=2)
+
+
+@_jit
+def unpack_fields(units, FIELD: tl.constexpr, PER: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The inverse of :func:`pack_fields`: ``[R, M]`` uint32 units into their ``[R, M * PER]`` uint32 fields."""
+    R: tl.constexpr = units.shape[0]
+    M: tl.constexpr = units.shape[1]
+    shifts = (tl.arange(0, PER) * FIELD).to(tl.uint32)
+    fields = (units[:, :, None] >> shifts[None, None, :]) & ((1 << FIELD) - 1)
+    return tl.reshape(fields, [R, M * PER])
 
 
 @_jit
