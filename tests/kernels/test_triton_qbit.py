@@ -130,6 +130,66 @@ def test_long_rows_at_full_size():
     assert_identical(OPS.qbit_decode(*got, 2, 70_000, torch.float32), ref.qbit_decode(*got, 2, 70_000, torch.float32))
 
 
+# Rows around the kernels' fast paths: packed rows that are whole 4-byte words, 2-byte halves or only bytes (the
+# units the codes are stored in), rows of even length (two elements read as one word) and odd length (element by
+# element, the first counters' parity changing from row to row), tiles filled exactly (no mask at all: (4, 32),
+# (2, 64)) and not; a NaN row and an Inf row among them.
+UNIT_SHAPES = [(4, 32), (2, 64), (3, 12), (2, 6), (5, 2), (3, 3), (1, 1)]
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("offset", [0, 7])  # every row's first counter even, or odd
+def test_units_tails_and_counter_parity(bits, offset):
+    for rows, cols in UNIT_SHAPES:
+        g = torch.Generator().manual_seed(rows * 100 + cols)
+        x = torch.randn(rows, cols, generator=g) * 2 - 1
+        if rows >= 3:
+            x[1, cols - 1] = float("nan")
+            x[2, 0] = float("-inf")
+        for dtype in DTYPES:
+            got, _ = encode_both(x.to(dtype).to(DEVICE), bits, 11, offset, torch.bfloat16 if dtype == torch.bfloat16
+                                 else torch.float32)  # fmt: skip
+        check_decode(got, bits, cols)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_views_off_the_alignment(bits):
+    # Views one element (or byte) into their buffers: a row of even length is read element by element, the packed
+    # rows are read a byte or a half at a time (8-bit codes one per byte), the output is written element by element
+    # (4 rows of 32: tiles filled exactly, so without masks).
+    rows, cols = 4, 32
+    pc = ref.packed_cols(cols, bits)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(bits))
+    for dtype in DTYPES:
+        xbuf = torch.full((1 + rows * cols,), float("nan"), dtype=dtype, device=DEVICE)
+        xbuf[1:] = x.reshape(-1).to(dtype)
+        got, want = encode_both(xbuf[1:].view(rows, cols), bits, 3, 4, torch.float32)
+    for skew in (1, 2):
+        pbuf = torch.full((skew + rows * pc + 1,), 0xA5, dtype=torch.uint8, device=DEVICE)
+        pbuf[skew : skew + rows * pc] = got[0].view(-1)
+        packed = pbuf[skew : skew + rows * pc].view(rows, pc)
+        for dtype in DTYPES:
+            obuf = torch.full((1 + rows * cols + 1,), 7.0, dtype=dtype, device=DEVICE)
+            out = obuf[1 : 1 + rows * cols].view(rows, cols)
+            OPS.qbit_decode_into(packed, got[1], got[2], bits, out)
+            assert_identical(out, ref.qbit_decode(*want, bits, cols, dtype))
+            assert obuf[0] == 7.0 and obuf[-1] == 7.0
+            want_new = ref.qbit_decode(*want, bits, cols, dtype)
+            assert_identical(OPS.qbit_decode(packed, *got[1:], bits, cols, dtype), want_new)
+
+
+@pytest.mark.parametrize("bits", [1, 8])
+def test_long_rows_whole_segments_and_odd_lengths(split_rows, bits):
+    # Rows of whole segments (no mask in the split kernels), and rows of odd length split over segments (each row's
+    # first counter of another parity), at even and odd offsets.
+    for rows, cols in [(3, 128), (3, 131)]:
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols)).to(DEVICE)
+        x[1, cols - 1] = float("inf")
+        for offset in (0, 3):
+            got, _ = encode_both(x, bits, 21, offset, torch.float32)
+        check_decode(got, bits, cols)
+
+
 SEEDS_AND_OFFSETS = [
     (0, 0),
     (-1, 5),
