@@ -95,7 +95,7 @@ def test_pack_unpack_match_the_reference(bits: int, rows: int, cols: int) -> Non
 
 
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("rows,cols", [(1, 13), (9, 33), (300, 3), (3, 2 * tb._PACK_COLS + 5)])
+@pytest.mark.parametrize("rows,cols", [(1, 13), (9, 33), (300, 3), (3, 2 * tb._PACK_COLS + 5), *FULL_SHAPES[:1]])
 def test_pack_reads_and_writes_inside_its_views(bits: int, rows: int, cols: int) -> None:
     """Strided input views between guards of 0x00 and of 0xFF give the same bytes; the output, a view between guards,
     is the only memory written."""
@@ -114,7 +114,7 @@ def test_pack_reads_and_writes_inside_its_views(bits: int, rows: int, cols: int)
 
 
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("rows,cols", [(1, 13), (9, 33), (300, 3), (3, 2 * tb._PACK_COLS + 5)])
+@pytest.mark.parametrize("rows,cols", [(1, 13), (9, 33), (300, 3), (3, 2 * tb._PACK_COLS + 5), *FULL_SHAPES[:1]])
 def test_unpack_reads_and_writes_inside_its_views(bits: int, rows: int, cols: int) -> None:
     pc = ref.packed_cols(cols, bits)
     src = u8(rows, pc, seed=2)

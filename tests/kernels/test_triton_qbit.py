@@ -297,6 +297,38 @@ def test_inputs_and_outputs_in_guarded_buffers():
     assert obuf[:guard].isnan().all() and obuf[-guard:].isnan().all()
 
 
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_tiles_in_guarded_buffers(request, split, dtype):
+    # Tiles that fill their rows exactly run without masks: aligned views into buffers whose guards hold NaN or 0
+    # (and 0xA5 or 0 for bytes) come out with the same results and untouched guards, in one pass (4 rows of 32) and
+    # split over whole segments (3 rows of 128).
+    if split:
+        request.getfixturevalue("split_rows")
+    rows, cols, bits, guard = (3, 128, 4, 16) if split else (4, 32, 4, 16)
+    pc = ref.packed_cols(cols, bits)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(6)).to(dtype)
+    results = []
+    for fill, byte in ((float("nan"), 0xA5), (0.0, 0)):
+        xbuf = torch.full((guard + rows * cols + guard,), fill, dtype=dtype, device=DEVICE)
+        xbuf[guard : guard + rows * cols] = x.reshape(-1).to(DEVICE)
+        before = xbuf.clone()
+        got, want = encode_both(xbuf[guard : guard + rows * cols].view(rows, cols), bits, 9, 2, torch.float32)
+        assert torch.equal(bits_of(xbuf), bits_of(before))
+        pbuf = torch.full((guard + rows * pc + guard,), byte, dtype=torch.uint8, device=DEVICE)
+        pbuf[guard : guard + rows * pc] = got[0].view(-1)
+        obuf = torch.full((guard + rows * cols + guard,), fill, dtype=dtype, device=DEVICE)
+        out = obuf[guard : guard + rows * cols].view(rows, cols)
+        OPS.qbit_decode_into(pbuf[guard : guard + rows * pc].view(rows, pc), got[1], got[2], bits, out)
+        assert_identical(out, ref.qbit_decode(*want, bits, cols, dtype))
+        for b in (obuf, pbuf):
+            assert torch.equal(bits_of(b[:guard]), bits_of(torch.full_like(b[:guard], byte if b is pbuf else fill)))
+            assert torch.equal(bits_of(b[-guard:]), bits_of(torch.full_like(b[-guard:], byte if b is pbuf else fill)))
+        results.append(got)
+    for a, b in zip(*results, strict=True):
+        assert_identical(a, b)
+
+
 def test_noncontiguous_input():
     x = torch.randn(40, 30, generator=torch.Generator().manual_seed(5)).to(DEVICE).t()
     got = OPS.qbit_encode(x, 2, 5, 0, torch.float32)
