@@ -35,8 +35,10 @@ _jit: Callable[..., Any] = triton.jit
 DEVICE = torch.device("cpu") if interpreted() else torch.device("cuda")
 BITS = [1, 2, 4, 8]
 # Rows 0, 1 and many; columns 0, 1, never a multiple of 8 (so never of 8 / bits for bits < 8) but for 8 and 16, and
-# enough bytes for several programs (_PACK_BLOCK bytes each).
-SHAPES = [(0, 5), (3, 0), (1, 1), (1, 13), (4, 7), (9, 33), (5, 16), (300, 3), (2, 1000), (3, 2 * tb._PACK_BLOCK + 5)]
+# enough columns for several column tiles (_PACK_COLS each).
+SHAPES = [(0, 5), (3, 0), (1, 1), (1, 13), (4, 7), (9, 33), (5, 16), (300, 3), (2, 1000), (3, 2 * tb._PACK_COLS + 5)]
+# Tiles filled exactly (no mask: a whole number of rows per program and of columns per tile), in rows of 4-byte words.
+FULL_SHAPES = [(4, 64), (8, 2 * tb._PACK_COLS)]
 GUARD = 67  # guard bytes before and after each view, and the extra row stride of strided views
 
 
@@ -80,7 +82,7 @@ def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("rows,cols", SHAPES)
+@pytest.mark.parametrize("rows,cols", SHAPES + FULL_SHAPES)
 def test_pack_unpack_match_the_reference(bits: int, rows: int, cols: int) -> None:
     """Any byte values (masked to their low bits), the reference's bytes, and back."""
     values = u8(rows, cols, seed=rows * 1000 + cols)
@@ -93,7 +95,7 @@ def test_pack_unpack_match_the_reference(bits: int, rows: int, cols: int) -> Non
 
 
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("rows,cols", [(1, 13), (9, 33), (300, 3), (3, 2 * tb._PACK_BLOCK + 5)])
+@pytest.mark.parametrize("rows,cols", [(1, 13), (9, 33), (300, 3), (3, 2 * tb._PACK_COLS + 5), *FULL_SHAPES[:1]])
 def test_pack_reads_and_writes_inside_its_views(bits: int, rows: int, cols: int) -> None:
     """Strided input views between guards of 0x00 and of 0xFF give the same bytes; the output, a view between guards,
     is the only memory written."""
@@ -112,7 +114,7 @@ def test_pack_reads_and_writes_inside_its_views(bits: int, rows: int, cols: int)
 
 
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("rows,cols", [(1, 13), (9, 33), (300, 3), (3, 2 * tb._PACK_BLOCK + 5)])
+@pytest.mark.parametrize("rows,cols", [(1, 13), (9, 33), (300, 3), (3, 2 * tb._PACK_COLS + 5), *FULL_SHAPES[:1]])
 def test_unpack_reads_and_writes_inside_its_views(bits: int, rows: int, cols: int) -> None:
     pc = ref.packed_cols(cols, bits)
     src = u8(rows, pc, seed=2)
@@ -127,6 +129,19 @@ def test_unpack_reads_and_writes_inside_its_views(bits: int, rows: int, cols: in
         assert torch.equal(guards_of(obuf), torch.full((2 * GUARD,), fill, dtype=torch.uint8, device=DEVICE))
         assert torch.equal(pbuf, before)
         assert_same(OPS.unpack_bits(packed, bits, cols), want)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_unpack_reads_aligned_strided_rows_as_words(bits: int) -> None:
+    """Packed rows of whole words inside wider rows (a row stride of whole words), and the same one byte off: read a
+    word at a time, then a byte at a time."""
+    rows, cols = 6, 96
+    pc = ref.packed_cols(cols, bits)
+    wide = u8(rows, pc + 8, seed=bits)
+    want = ref.unpack_bits(wide[:, :pc].contiguous(), bits, cols)
+    assert_same(OPS.unpack_bits(wide[:, :pc], bits, cols), want)
+    assert_same(OPS.unpack_bits(wide[:, 1 : pc + 1], bits, cols), ref.unpack_bits(wide[:, 1 : pc + 1].contiguous(),
+                                                                                   bits, cols))  # fmt: skip
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -218,7 +233,7 @@ def _fill(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("flag", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [0, 1, 37, tb._COPY_BLOCK + 3])
+@pytest.mark.parametrize("n", [0, 1, 37, tb._COPY_BLOCK // 8, tb._COPY_BLOCK + 3])
 def test_copy_if_matches_the_reference_inside_guards(flag: bool, dtype: torch.dtype, n: int) -> None:
     """``src`` (or zeros) where the flag is set, nothing otherwise; dst and src views between guards."""
     for with_src in (True, False):

@@ -71,7 +71,7 @@ def check_decode(got: tuple[torch.Tensor, ...], bits: int, cols: int) -> None:
 @pytest.fixture
 def split_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small segments, so rows of a few hundred columns take the split-row kernels over many segments."""
-    monkeypatch.setattr(tq, "_TILE_COLS", 16)
+    monkeypatch.setattr(tq, "_ROW_COLS", 16)
     monkeypatch.setattr(tq, "_SEG_COLS", 64)
     monkeypatch.setattr(tq, "_SEG_BLOCK", 32)
     monkeypatch.setattr(tq, "_META_SEGS", 2)
@@ -128,6 +128,66 @@ def test_long_rows_at_full_size():
     x = torch.randn(2, 70_000, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     got, _ = encode_both(x, 2, 5, 2**40 + 1, torch.bfloat16)
     assert_identical(OPS.qbit_decode(*got, 2, 70_000, torch.float32), ref.qbit_decode(*got, 2, 70_000, torch.float32))
+
+
+# Rows around the kernels' fast paths: packed rows that are whole 4-byte words, 2-byte halves or only bytes (the
+# units the codes are stored in), rows of even length (two elements read as one word) and odd length (element by
+# element, the first counters' parity changing from row to row), tiles filled exactly (no mask at all: (4, 32),
+# (2, 64)) and not; a NaN row and an Inf row among them.
+UNIT_SHAPES = [(4, 32), (2, 64), (3, 12), (2, 6), (5, 2), (3, 3), (1, 1)]
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("offset", [0, 7])  # every row's first counter even, or odd
+def test_units_tails_and_counter_parity(bits, offset):
+    for rows, cols in UNIT_SHAPES:
+        g = torch.Generator().manual_seed(rows * 100 + cols)
+        x = torch.randn(rows, cols, generator=g) * 2 - 1
+        if rows >= 3:
+            x[1, cols - 1] = float("nan")
+            x[2, 0] = float("-inf")
+        for dtype in DTYPES:
+            got, _ = encode_both(x.to(dtype).to(DEVICE), bits, 11, offset, torch.bfloat16 if dtype == torch.bfloat16
+                                 else torch.float32)  # fmt: skip
+        check_decode(got, bits, cols)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_views_off_the_alignment(bits):
+    # Views one element (or byte) into their buffers: a row of even length is read element by element, the packed
+    # rows are read a byte or a half at a time (8-bit codes one per byte), the output is written element by element
+    # (4 rows of 32: tiles filled exactly, so without masks).
+    rows, cols = 4, 32
+    pc = ref.packed_cols(cols, bits)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(bits))
+    for dtype in DTYPES:
+        xbuf = torch.full((1 + rows * cols,), float("nan"), dtype=dtype, device=DEVICE)
+        xbuf[1:] = x.reshape(-1).to(dtype)
+        got, want = encode_both(xbuf[1:].view(rows, cols), bits, 3, 4, torch.float32)
+    for skew in (1, 2):
+        pbuf = torch.full((skew + rows * pc + 1,), 0xA5, dtype=torch.uint8, device=DEVICE)
+        pbuf[skew : skew + rows * pc] = got[0].view(-1)
+        packed = pbuf[skew : skew + rows * pc].view(rows, pc)
+        for dtype in DTYPES:
+            obuf = torch.full((1 + rows * cols + 1,), 7.0, dtype=dtype, device=DEVICE)
+            out = obuf[1 : 1 + rows * cols].view(rows, cols)
+            OPS.qbit_decode_into(packed, got[1], got[2], bits, out)
+            assert_identical(out, ref.qbit_decode(*want, bits, cols, dtype))
+            assert obuf[0] == 7.0 and obuf[-1] == 7.0
+            want_new = ref.qbit_decode(*want, bits, cols, dtype)
+            assert_identical(OPS.qbit_decode(packed, *got[1:], bits, cols, dtype), want_new)
+
+
+@pytest.mark.parametrize("bits", [1, 8])
+def test_long_rows_whole_segments_and_odd_lengths(split_rows, bits):
+    # Rows of whole segments (no mask in the split kernels), and rows of odd length split over segments (each row's
+    # first counter of another parity), at even and odd offsets.
+    for rows, cols in [(3, 128), (3, 131)]:
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols)).to(DEVICE)
+        x[1, cols - 1] = float("inf")
+        for offset in (0, 3):
+            got, _ = encode_both(x, bits, 21, offset, torch.float32)
+        check_decode(got, bits, cols)
 
 
 SEEDS_AND_OFFSETS = [
@@ -235,6 +295,38 @@ def test_inputs_and_outputs_in_guarded_buffers():
     OPS.qbit_decode_into(*views, bits, out)
     assert_identical(out, ref.qbit_decode(*want, bits, cols, torch.float32))
     assert obuf[:guard].isnan().all() and obuf[-guard:].isnan().all()
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_whole_tiles_in_guarded_buffers(request, split, dtype):
+    # Tiles that fill their rows exactly run without masks: aligned views into buffers whose guards hold NaN or 0
+    # (and 0xA5 or 0 for bytes) come out with the same results and untouched guards, in one pass (4 rows of 32) and
+    # split over whole segments (3 rows of 128).
+    if split:
+        request.getfixturevalue("split_rows")
+    rows, cols, bits, guard = (3, 128, 4, 16) if split else (4, 32, 4, 16)
+    pc = ref.packed_cols(cols, bits)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(6)).to(dtype)
+    results = []
+    for fill, byte in ((float("nan"), 0xA5), (0.0, 0)):
+        xbuf = torch.full((guard + rows * cols + guard,), fill, dtype=dtype, device=DEVICE)
+        xbuf[guard : guard + rows * cols] = x.reshape(-1).to(DEVICE)
+        before = xbuf.clone()
+        got, want = encode_both(xbuf[guard : guard + rows * cols].view(rows, cols), bits, 9, 2, torch.float32)
+        assert torch.equal(bits_of(xbuf), bits_of(before))
+        pbuf = torch.full((guard + rows * pc + guard,), byte, dtype=torch.uint8, device=DEVICE)
+        pbuf[guard : guard + rows * pc] = got[0].view(-1)
+        obuf = torch.full((guard + rows * cols + guard,), fill, dtype=dtype, device=DEVICE)
+        out = obuf[guard : guard + rows * cols].view(rows, cols)
+        OPS.qbit_decode_into(pbuf[guard : guard + rows * pc].view(rows, pc), got[1], got[2], bits, out)
+        assert_identical(out, ref.qbit_decode(*want, bits, cols, dtype))
+        for b in (obuf, pbuf):
+            assert torch.equal(bits_of(b[:guard]), bits_of(torch.full_like(b[:guard], byte if b is pbuf else fill)))
+            assert torch.equal(bits_of(b[-guard:]), bits_of(torch.full_like(b[-guard:], byte if b is pbuf else fill)))
+        results.append(got)
+    for a, b in zip(*results, strict=True):
+        assert_identical(a, b)
 
 
 def test_noncontiguous_input():
