@@ -172,7 +172,11 @@ def _qbit_coded(pool: Pool, shape: Shape, bits: int) -> tuple[torch.Tensor, torc
 
 
 def _qbit_encode(pool: Pool, shape: Shape) -> Calls:
-    return [(f"{d}, {b} bits", (pool.get("x", shape, DTYPES[d]), b, 1, 0, torch.float32)) for b, d in QBIT_CASES]
+    calls: Calls = [(f"{d}, {b} bits", (pool.get("x", shape, DTYPES[d]), b, 1, 0, torch.float32))
+                    for b, d in QBIT_CASES]  # fmt: skip
+    # the same tensor as one row (a flattened bias, a whole bucket): the long-row path, split over programs
+    calls.append(("fp32, 4 bits, one row", (pool.get("x", shape).view(1, -1), 4, 1, 0, torch.float32)))
+    return calls
 
 
 def _qbit_decode(pool: Pool, shape: Shape) -> Calls:
