@@ -77,9 +77,10 @@ def split_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tq, "_META_SEGS", 2)
 
 
-# Small shapes under every input dtype, bit width and metadata dtype; the wide ones ((3, 4096): the widest one-pass
-# tile, (2, 5000): the split-row kernels, one segment per row) once per bit width (the interpreter runs them
-# slowly, and the dtypes take the same kernel paths).
+# Small shapes under every input dtype, bit width and metadata dtype; the wide ones ((3, 4096): whole rows of 8192
+# elements per program (two of them); (1, 16384): the widest one-pass row, one program; (2, 16386): the split-row
+# kernels, a whole segment and one of 2 columns per row) once per bit width (the interpreter runs them slowly, and
+# the dtypes take the same kernel paths).
 CASES = [
     (dtype, bits, meta, rows, cols)
     for dtype in DTYPES
@@ -91,7 +92,8 @@ CASES = [
     for bits in BITS
     for (dtype, meta, rows, cols) in [
         (torch.float32, torch.float32, 3, 4096),
-        (torch.bfloat16, torch.bfloat16, 2, 5000),
+        (torch.float16, torch.float32, 1, 16384),
+        (torch.bfloat16, torch.bfloat16, 2, 16386),
     ]
 ]
 
