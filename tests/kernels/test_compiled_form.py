@@ -46,6 +46,7 @@ def _problems(rep: form.Report) -> list[str]:
     bad_notes = [n for n in rep.notes if not n.startswith("GPU choice applied")]
     launched = {launch.name for launch in rep.launches}
     stale = [f"TAIL_KERNELS names {k}, which no op launches" for k in form.TAIL_KERNELS if k not in launched]
+    stale += [f"EXCUSED names {k}, which no op launches" for k in form.EXCUSED if k not in launched]
     unused = [f"OP_CALLS has {op}, which is not an op of the namespace" for op in set(form.OP_CALLS) - set(
         form.registered_ops())]  # fmt: skip
     silent = [f"{op} launched no kernel" for op in form.OP_CALLS if op not in {x.op for x in rep.launches}]

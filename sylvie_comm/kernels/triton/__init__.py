@@ -9,8 +9,10 @@ implementations, and its kernels return the bits of :mod:`sylvie_comm.kernels.re
 
 Rules for kernels that must agree bit for bit between the interpreter and a GPU (every kernel here follows them):
 
-* Every load and store is masked: the interpreter does not catch an out-of-bounds access (the tests run each op on
-  views into buffers with guard regions and check the guards and that results do not depend on them).
+* Every load and store is masked, or its launch covers whole tiles the host has shown to be in bounds (the
+  unmasked, vectorised hot path): the interpreter does not catch an out-of-bounds access (the tests run each op,
+  both kinds of launch, on views into buffers with guard regions and check the guards and that results do not
+  depend on them).
   ``tl.device_assert`` never fires in the interpreter: arguments are validated on the host, in the op.
 * No inline asm, no libdevice or ``tl.extra`` math, no atomics (the interpreter runs them without races), no program
   that waits on another.

@@ -50,6 +50,7 @@ The rules (:data:`RULES`; ``tests/kernels/test_compiled_form.py`` asserts them, 
   a ``tl.sum`` whose result must be re-spread), which stalls every warp of the program on each step.
 
 Bulk kernels are all but :data:`TAIL_KERNELS`, each named there with why it moves too few bytes to matter.
+:data:`EXCUSED` names a bulk kernel let off one rule, with the reason (the report lists each).
 
 Limits. What is checked is what the host code launches for CPU tensors, with :data:`CUDA_CHOICES` applied: where
 an op takes another path on a GPU (``torch.matmul`` instead of a kernel), the kernel its CPU path launches is what
@@ -110,6 +111,14 @@ WORLD = 4  # one-bit rows averaged by onebit_mean_feedback_encode
 TAIL_KERNELS: dict[str, str] = {
     "qbit._encode_meta_kernel": "combines each row's per-segment min/max keys into its scale: one key per segment",
     "lowrank._reduce_kernel": "adds the per-chunk partials of p or q (n x rank values per chunk)",
+}
+
+# Bulk kernels excused from one rule, each with the reason (shown in the report; a name no op launches fails the test).
+EXCUSED: dict[str, dict[str, str]] = {
+    "qbit._encode_quantize_kernel": {
+        "no-barrier-in-loops": "the long-row path only (rows over 16,384 columns): one shared-memory round trip per "
+        "4,096-column step to lay the packed words out for their stores, about an eighth of the input's bytes",
+    },
 }
 
 
@@ -856,7 +865,9 @@ def kernel_violations(name: str, figures: dict[str, Json]) -> list[tuple[str, st
     """``(rule, how)`` for each rule of :data:`RULES` the compiled kernel breaks (a compile error breaks all)."""
     if "error" in figures:
         return [("compiles", figures["error"])]
-    return [(r.name, how) for r in RULES if (is_bulk(name) or not r.bulk_only) and (how := r.check(figures))]
+    excused = EXCUSED.get(name, {})
+    return [(r.name, how) for r in RULES
+            if (is_bulk(name) or not r.bulk_only) and r.name not in excused and (how := r.check(figures))]  # fmt: skip
 
 
 def launch_violation(launch: Launch) -> str | None:
@@ -886,6 +897,7 @@ class Report:
             "rules": [{"name": r.name, "statement": r.statement, "bulk_only": r.bulk_only} for r in RULES]
             + [{"name": GRID_RULE, "statement": f">= {MIN_PROGRAMS} programs at {BIG}", "bulk_only": True}],
             "tail_kernels": TAIL_KERNELS,
+            "excused": EXCUSED,
             "notes": self.notes,
             "kernels": self.kernels,
             "launches": [dataclasses.asdict(launch) for launch in self.launches],
@@ -1015,7 +1027,9 @@ def _violation_lines(rep: Report) -> list[str]:
     lines = ["## Rules", ""]
     for rule in (*(r.name + ": " + r.statement for r in RULES), f"{GRID_RULE}: >= {MIN_PROGRAMS} programs at {BIG}"):
         lines.append(f"- {rule}")
-    lines += ["", f"Tail kernels (bulk rules not applied): {', '.join(TAIL_KERNELS)}.", "", "## Broken", ""]
+    lines += ["", f"Tail kernels (bulk rules not applied): {', '.join(TAIL_KERNELS)}."]
+    lines += [f"Excused: {k} from {r} ({why})." for k, rules in EXCUSED.items() for r, why in rules.items()]
+    lines += ["", "## Broken", ""]
     for v in rep.violations:
         where = f" ({v['op']} [{v['case']}])" if "op" in v else ""
         lines.append(f"- {v['rule']}: {v['id']} {v['kernel']}{where}: {v['how']}")
