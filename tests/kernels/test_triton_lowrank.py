@@ -324,17 +324,18 @@ def test_project(n: int, k: int, r: int, subtract: bool, grad: bool, pending: bo
 
 VARIANTS = [
     {"stream": True},
-    {"stream": False, "block_n": 4},
+    {"stream": False, "block_n": 4, "rank_block": 2},
+    {"stream": False, "rank_block": 1},
     {"stream": True, "block_n": 4, "rank_block": 2},
 ]
 
 
 @pytest.mark.parametrize(("n", "k", "r"), [(5, 2100, 3), (9, 40, 9), (70, 17, 5), (3, 1026, 2)])
-@pytest.mark.parametrize("kw", VARIANTS, ids=["stream", "small-blocks", "stream-small-blocks"])
+@pytest.mark.parametrize("kw", VARIANTS, ids=["stream", "small-blocks", "rank-by-rank", "stream-small-blocks"])
 def test_project_bits_do_not_depend_on_blocks_or_path(n: int, k: int, r: int, kw: dict[str, object]) -> None:
     """Rows kept in registers or streamed (with the subtraction a second kernel), any rows per program, any rank
-    block: the same bits. (9, 40, 9): a rank block of 2 in five passes; (3, 1026, 2): a last tile of 2 columns,
-    whose row length only 2 divides."""
+    block (the default 4 in the other tests): the same bits. (9, 40, 9): a rank block of 2 in five passes;
+    (3, 1026, 2): a last tile of 2 columns, whose row length only 2 divides."""
     d = data(n, k, r, seed=3)
     for subtract, grad, pending, saved in PROJECT_CASES[1:3]:
         got = _project(d, tlr.lowrank_project, subtract, grad, pending, saved, **kw)
@@ -385,6 +386,30 @@ def test_gram_bits_do_not_depend_on_blocks_or_split(n: int, k: int, r: int, kw: 
     ordered.lowrank_gram(e2, d["g"], d["p"], q2, s2)
     for g, w in ((e1, e2), (q1, q2), (s1, s2)):
         assert_same_bits(g, w, str(kw))
+
+
+def test_int64_offsets_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels index with int32 below 2**31 elements and int64 above: the int64 path, forced on small tensors,
+    gives the same bits (a matrix that needs it does not fit a test)."""
+    import triton.language as tl
+
+    monkeypatch.setattr(tlr, "_index", lambda rows, cols: tl.int64)
+    d = data(70, 40, 3, seed=11)
+    for kw in ({}, {"stream": True}):
+        got = _project(d, tlr.lowrank_project, True, True, True, True, **kw)
+        want = _project(d, ordered.lowrank_project, True, True, True, True)
+        for g, w in zip(got, want, strict=True):
+            assert w is not None and g is not None
+            assert_same_bits(g, w, str(kw))
+    e1, e2, q1, q2 = d["e"].clone(), d["e"].clone(), empty(40, 3), empty(40, 3)
+    tlr.lowrank_gram(e1, d["g"], d["p"], q1, block_n=16)
+    ordered.lowrank_gram(e2, d["g"], d["p"], q2)
+    assert_same_bits(e1, e2)
+    assert_same_bits(q1, q2)
+    o1, o2 = d["e"].clone(), d["e"].clone()
+    tlr.lowrank_outer_into(o1, d["p"], d["q"], 0.5, True)
+    ordered.lowrank_outer_into(o2, d["p"], d["q"], 0.5, True)
+    assert_same_bits(o1, o2)
 
 
 # ---------------------------------------------------------------------------------------------------- outer

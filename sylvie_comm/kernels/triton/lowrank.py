@@ -15,18 +15,19 @@ to the reference).
 * **project** (``p = residual q``, the sum over ``k`` on :data:`~sylvie_comm.kernels.ordered.PROJECT_LANES`
   lanes): a program keeps whole rows in registers, as a tuple of ``[rows, 1024]`` tiles (one 16-byte load of each
   of ``residual`` and ``grad`` per thread and tile, all issued before any arithmetic, past L1). The pending update
-  and ``+ grad`` are applied as the tiles arrive, ``p``'s column ``t`` is the tiles times a row of ``q^T`` added
+  and ``+ grad`` are applied as the tiles arrive; ``p``'s column ``t`` is the tiles times a row of ``q^T`` added
   tile by tile (the lanes: one register per thread) and then the tree (two adds in a thread, five warp shuffles,
-  three exchanges between the 8 warps through shared memory), and with ``subtract`` the residual is written once,
-  ``residual' - p q^T``, after one block barrier. So the residual is read once and written once: 12 bytes an
-  element with a gradient, the op's floor. Rows of up to 8192 are 32 values a thread (one row per program of 8
-  warps at 8192, more rows per program when shorter); up to :data:`PROJECT_RESIDENT` (16384) 64. Longer rows are
+  three exchanges between the 8 warps through shared memory), 4 columns at a time (their trees share the
+  exchanges); with ``subtract`` the residual is written once, ``residual' - p q^T``, after one block barrier. So
+  the residual is read once and written once: 12 bytes an element with a gradient, the op's floor. Rows of up to
+  8192 are 32 values a thread (one row per program of 8 warps at 8192, more rows per program when shorter); up to
+  :data:`PROJECT_RESIDENT` (16384) 64, 2 columns of ``p`` at a time. Longer rows are
   streamed (a program steps along its rows, writing the updated residual, with up to 8 columns of ``p`` summed
   at once) and ``subtract`` is then a second kernel, :func:`lowrank_outer_into` ``(residual, p, q, -1, True)``:
   20 bytes an element.
 * **gram** (``q = residual^T p``, the sum over ``n`` on :data:`~sylvie_comm.kernels.ordered.GRAM_LANES` lanes): a
-  program takes 128 columns and 16 lanes (rank 4; fewer lanes for more ranks), steps down the rows 512 at a time
-  (two steps' loads in flight), each lane adding its products in order, and adds its lanes by the tree (its
+  program takes 128 columns and 16 lanes, steps down the rows 512 at a time (two steps' loads in flight, 16 values
+  a thread each), each lane adding its products in order, and adds its lanes by the tree (its
   rows laid out so that a thread's lanes are consecutive: the first levels are adds in a thread). Its result is one
   aligned subtree of the tree over the 512 lanes; a second kernel adds the 32 subtrees by the rest of the tree.
   That spreads an 8192 x 8192 matrix over 2048 programs and costs 2 x 4 MB of partials against its 256 MB.
@@ -60,7 +61,8 @@ What was measured: only the compiled form, on a CPU (``triton.compile`` for sm_9
 on a GPU. At the benchmark's shapes (fp32 8192 x 8192, rank 4): no float64 instruction; every access of the
 matrix a 16-byte vector load or store; no layout conversion through shared memory in the element loops (shared
 memory only in the tree's exchanges between warps, once per column of ``p`` a row, and the gram's tree once per
-program); no register spill (project 71 registers a thread, 128 at rows of 16384; gram 140; outer 64).
+program); no register spill (project 80 registers a thread, 128 at rows of 16384; gram 136; outer 48, 56
+accumulating). Element offsets are int32 where they fit (below 2**31 elements).
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator,no-untyped-call"
@@ -85,6 +87,7 @@ __all__ = ["SCHEMAS", "lowrank_gram", "lowrank_outer_into", "lowrank_project"]
 PROJECT_WARPS = 8  # 8 warps of 32 threads, 4 columns each: one tile of PROJECT_LANES columns per row
 PROJECT_VALUES = 32  # values of the kept rows a thread holds (rows of up to 8192; one row of up to 16384 holds 64)
 PROJECT_RESIDENT = 16 * PROJECT_LANES  # the longest row kept in registers; longer ones are streamed
+PROJECT_RANKS = 4  # columns of p summed together (their trees share the exchanges between warps)
 PROJECT_STREAM_RANKS = 8  # columns of p a streaming pass sums at once
 GRAM_WARPS = 4
 GRAM_BLOCK_K = 128  # columns per program: a warp's 32 threads x 4
@@ -123,6 +126,28 @@ def _row_tree(acc, BM: tl.constexpr, W: tl.constexpr, LOG2_W: tl.constexpr):
     for i in tl.static_range(LOG2_W):
         acc = tl.sum(tl.reshape(acc, [BM, W >> (i + 1), 2]), axis=2)
     return tl.reshape(acc, [BM])
+
+
+@triton.jit
+def _stack(accs, RB: tl.constexpr):
+    """``RB`` (1, 2 or 4) tensors ``[BM, W]`` as one ``[BM, W, RB]``, ``accs[t]`` at index ``t`` of the new last
+    axis (joins: the new axis lies in each thread's registers, no data moves)."""
+    tl.static_assert(RB == 1 or RB == 2 or RB == 4)
+    if RB == 1:
+        return tl.expand_dims(accs[0], 2)
+    elif RB == 2:
+        return tl.join(accs[0], accs[1])
+    else:  # [.., i, j] = accs[2 i + j]
+        return tl.reshape(tl.join(tl.join(accs[0], accs[2]), tl.join(accs[1], accs[3])), accs[0].shape + [4])
+
+
+@triton.jit
+def _row_trees(acc, BM: tl.constexpr, W: tl.constexpr, LOG2_W: tl.constexpr, RB: tl.constexpr):
+    """``[BM, W, RB] -> [BM, RB]``: :func:`_row_tree` on each of the ``RB`` slices at once (one exchange between
+    warps a level for all of them)."""
+    for i in tl.static_range(LOG2_W):
+        acc = tl.sum(tl.reshape(acc, [BM, W >> (i + 1), 2, RB]), axis=2)
+    return tl.reshape(acc, [BM, RB])
 
 
 @triton.jit
@@ -170,13 +195,13 @@ def _residual_tile(e_ptr, g_ptr, pp_ptr, pqt_ptr, rows, rmask, cols, kk, rp, HAS
 def _project_kernel(e_ptr, g_ptr, qt_ptr, p_ptr, pp_ptr, pqt_ptr, s_ptr, n, k, r, rp, HAS_GRAD: tl.constexpr,
                     HAS_PENDING: tl.constexpr, HAS_SAVED: tl.constexpr, SUBTRACT: tl.constexpr,
                     ALIGN: tl.constexpr, BM: tl.constexpr, TW: tl.constexpr, LOG2_TW: tl.constexpr,
-                    M: tl.constexpr, EVEN: tl.constexpr):  # fmt: skip
+                    M: tl.constexpr, EVEN: tl.constexpr, RB: tl.constexpr, IDX: tl.constexpr):  # fmt: skip
     """Rows ``[BM * pid, ...)``, whole: their ``M`` tiles of ``TW`` columns (the lanes) are loaded once and kept in
     registers (a tuple of tiles), ``p`` is summed from them rank by rank, and with ``SUBTRACT`` the residual is
     written once, ``residual' - p q^T``, after a block barrier makes the block's ``p`` visible to all its threads.
     ``qt_ptr``: q transposed (r, k). ``EVEN``: ``TW`` divides ``k`` (no tile is cut)."""
     kk = k // ALIGN * ALIGN  # == k, and the compiler knows ALIGN divides it: aligned rows, 16-byte loads
-    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    rows = tl.program_id(0).to(IDX) * BM + tl.arange(0, BM)
     rmask = rows < n
     cb = tl.arange(0, TW)
     v = ()  # type: tuple[tl.tensor, ...]
@@ -188,13 +213,21 @@ def _project_kernel(e_ptr, g_ptr, qt_ptr, p_ptr, pp_ptr, pqt_ptr, s_ptr, n, k, r
         if not SUBTRACT and (HAS_GRAD or HAS_PENDING):
             tl.store(e_ptr + offs, x, mask=msk)
         v = v + (x,)
-    for t in range(r):
-        acc = tl.zeros_like(v[0])  # lane j of the tile: every lane from +0.0, its indices in order
+    rb = tl.arange(0, RB)
+    for c0 in range(0, r, RB):  # RB columns of p at a time, their trees run as one
+        accs = ()  # type: tuple[tl.tensor, ...]
+        for _t in tl.static_range(RB):
+            accs = accs + (tl.zeros_like(v[0]),)  # lane j of the tile: every lane from +0.0, its indices in order
         for m in tl.static_range(M):
             cols = m * TW + cb
             kmask = _column_mask(cols, kk, EVEN or m < M - 1)[None, :]
-            acc += v[m] * tl.load(qt_ptr + t * kk + cols[None, :], mask=kmask, other=0.0)
-        tl.store(p_ptr + rows * r + t, _row_tree(acc, BM, TW, LOG2_TW), mask=rmask)
+            new = ()  # type: tuple[tl.tensor, ...]
+            for t in tl.static_range(RB):
+                qrow = tl.load(qt_ptr + (c0 + t) * kk + cols[None, :], mask=kmask & (c0 + t < r), other=0.0)
+                new = new + (accs[t] + v[m] * qrow,)
+            accs = new
+        total = _row_trees(_stack(accs, RB), BM, TW, LOG2_TW, RB)  # [BM, RB]
+        tl.store(p_ptr + rows[:, None] * r + (c0 + rb)[None, :], total, mask=rmask[:, None] & (c0 + rb < r)[None, :])
     if SUBTRACT:  # residual' + sum_t p[i, t] (-q[j, t]): lowrank_outer_into(residual, p, q, -1, True)
         tl.debug_barrier()  # the block's p, stored above by other threads, is visible to all
         for m in tl.static_range(M):
@@ -211,12 +244,12 @@ def _project_kernel(e_ptr, g_ptr, qt_ptr, p_ptr, pp_ptr, pqt_ptr, s_ptr, n, k, r
 def _project_stream_kernel(e_ptr, g_ptr, qt_ptr, p_ptr, pp_ptr, pqt_ptr, s_ptr, n, k, r, rp, c0,
                            HAS_GRAD: tl.constexpr, HAS_PENDING: tl.constexpr, HAS_SAVED: tl.constexpr,
                            ALIGN: tl.constexpr, BM: tl.constexpr, TW: tl.constexpr, LOG2_TW: tl.constexpr,
-                           RB: tl.constexpr):  # fmt: skip
+                           RB: tl.constexpr, IDX: tl.constexpr):  # fmt: skip
     """Rows too long to keep: rows ``[BM * pid, ...)`` streamed tile by tile, columns ``c0 .. c0 + RB - 1`` of p
     summed at once (a tuple of accumulators); the residual as ``p`` uses it is written back as it is read (the
     subtraction is a second kernel, :func:`_outer_kernel`)."""
     kk = k // ALIGN * ALIGN
-    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    rows = tl.program_id(0).to(IDX) * BM + tl.arange(0, BM)
     rmask = rows < n
     cb = tl.arange(0, TW)
     accs = ()  # type: tuple[tl.tensor, ...]
@@ -264,7 +297,7 @@ def _lane_tree(acc, LS: tl.constexpr, LOG2_LS: tl.constexpr, CR: tl.constexpr, L
 def _gram_kernel(e_ptr, g_ptr, p_ptr, out_ptr, s_ptr, n, k, r, c0, steps, HAS_GRAD: tl.constexpr,
                  HAS_SAVED: tl.constexpr, PARTIAL: tl.constexpr, ALIGN: tl.constexpr, LANES: tl.constexpr,
                  LS: tl.constexpr, LOG2_LS: tl.constexpr, CR: tl.constexpr, LOG2_CR: tl.constexpr,
-                 BK: tl.constexpr, RB: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
+                 BK: tl.constexpr, RB: tl.constexpr, UNROLL: tl.constexpr, IDX: tl.constexpr):  # fmt: skip
     """Columns ``[BK * pid0, ...)``, lanes ``[LS * pid1, ...)`` of the sum over the rows: the program reads rows
     ``lane + LANES * s`` for ``s = 0 .. steps - 1`` (``LS`` consecutive rows every ``LANES``, in
     :func:`_lane_order`), each lane adding its products in order, then adds its ``LS`` lanes by the tree. With
@@ -272,7 +305,7 @@ def _gram_kernel(e_ptr, g_ptr, p_ptr, out_ptr, s_ptr, n, k, r, c0, steps, HAS_GR
     for :func:`_gram_reduce_kernel`; otherwise the program holds every lane and writes ``q`` (``out``, (k, r)).
     Columns ``c0 .. c0 + RB - 1`` of ``q``."""
     kk = k // ALIGN * ALIGN
-    cols = tl.program_id(0).to(tl.int64) * BK + tl.arange(0, BK)
+    cols = tl.program_id(0).to(IDX) * BK + tl.arange(0, BK)
     kmask = cols < kk
     lanes = tl.program_id(1) * LS + _lane_order(LS, CR)
     accs = ()  # type: tuple[tl.tensor, ...]
@@ -284,7 +317,7 @@ def _gram_kernel(e_ptr, g_ptr, p_ptr, out_ptr, s_ptr, n, k, r, c0, steps, HAS_GR
         xs = ()  # type: tuple[tl.tensor, ...]
         ps = ()  # type: tuple[tl.tensor, ...]
         for u in tl.static_range(UNROLL):
-            rows = ((s0 + u) * LANES + lanes).to(tl.int64)
+            rows = ((s0 + u) * LANES + lanes).to(IDX)
             rmask = rows < n
             m = rmask[:, None] & kmask[None, :]
             offs = rows[:, None] * kk + cols[None, :]
@@ -306,7 +339,7 @@ def _gram_kernel(e_ptr, g_ptr, p_ptr, out_ptr, s_ptr, n, k, r, c0, steps, HAS_GR
         total = _lane_tree(accs[t], LS, LOG2_LS, CR, LOG2_CR, BK)
         at = cols * r + c0 + t  # in q (k, r)
         if PARTIAL:  # in this slab's part of the workspace (slabs, k, r), q's layout
-            at += tl.program_id(1).to(tl.int64) * kk * r
+            at += tl.program_id(1).to(tl.int64) * kk * r  # (the workspace may pass 2**31 elements)
         tl.store(out_ptr + at, total, mask=kmask & (c0 + t < r))
 
 
@@ -324,9 +357,9 @@ def _gram_reduce_kernel(w_ptr, q_ptr, numel, SP: tl.constexpr, LOG2_SP: tl.const
 
 @triton.jit
 def _outer_tile(o_ptr, p_ptr, qat_ptr, pid, n, k, r, col_blocks, ACCUMULATE: tl.constexpr, ALIGN: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+                BN: tl.constexpr, BK: tl.constexpr, IDX: tl.constexpr):  # fmt: skip
     kk = k // ALIGN * ALIGN
-    rows = (pid // col_blocks).to(tl.int64) * BN + tl.arange(0, BN)
+    rows = (pid // col_blocks).to(IDX) * BN + tl.arange(0, BN)
     cols = (pid % col_blocks) * BK + tl.arange(0, BK)
     rmask = rows < n
     kmask = cols < kk
@@ -343,14 +376,15 @@ def _outer_tile(o_ptr, p_ptr, qat_ptr, pid, n, k, r, col_blocks, ACCUMULATE: tl.
 
 @triton.jit
 def _outer_kernel(o_ptr, p_ptr, qat_ptr, when_ptr, n, k, r, col_blocks, HAS_WHEN: tl.constexpr,
-                  ACCUMULATE: tl.constexpr, ALIGN: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+                  ACCUMULATE: tl.constexpr, ALIGN: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  IDX: tl.constexpr):  # fmt: skip
     """A ``[BN, BK]`` tile of ``out``. ``qat_ptr``: ``alpha q`` (rounded to fp32) transposed, (r, k)."""
     pid = tl.program_id(0)
     if HAS_WHEN:
         if tl.load(when_ptr) != 0:
-            _outer_tile(o_ptr, p_ptr, qat_ptr, pid, n, k, r, col_blocks, ACCUMULATE, ALIGN, BN, BK)
+            _outer_tile(o_ptr, p_ptr, qat_ptr, pid, n, k, r, col_blocks, ACCUMULATE, ALIGN, BN, BK, IDX)
     else:
-        _outer_tile(o_ptr, p_ptr, qat_ptr, pid, n, k, r, col_blocks, ACCUMULATE, ALIGN, BN, BK)
+        _outer_tile(o_ptr, p_ptr, qat_ptr, pid, n, k, r, col_blocks, ACCUMULATE, ALIGN, BN, BK, IDX)
 
 
 # ---------------------------------------------------------------------------------------------------- host code
@@ -396,6 +430,13 @@ def _layout_rows(cols: int, warps: int) -> int:
     return (32 // threads) * (warps // warps_along)
 
 
+def _index(rows: int, cols: int) -> tl.dtype:
+    """The integer type of the element offsets of a (rows, cols) matrix (rows counting the programs' padding, cols
+    the longest row of the matrix and the factors read by row): int32 where they fit (fewer registers and
+    instructions than int64), else int64."""
+    return tl.int32 if rows * cols < 2**31 else tl.int64
+
+
 def _align(k: int) -> int:
     """The greatest of 4, 2, 1 dividing ``k``: what the kernels tell the compiler of a row's length (with 16-byte
     aligned tensors, 4 makes every row start 16-byte aligned and every tile's mask constant over 4 columns: 16-byte
@@ -439,7 +480,7 @@ def lowrank_project(
     bits. The keywords override the host's choices, which change no bits (for tests): ``block_n`` rows per
     program; ``stream`` the rows streamed tile by tile instead of kept in registers (what rows longer than
     :data:`PROJECT_RESIDENT` take: then ``subtract`` is :func:`lowrank_outer_into` ``(residual, p, q, -1, True)``,
-    a second kernel), ``rank_block`` the columns of ``p`` a streaming pass sums at once."""
+    a second kernel), ``rank_block`` the columns of ``p`` summed at once (at most 4 when kept in registers)."""
     device_type = _check_device(residual, "lowrank_project", "residual")
     checks.lowrank_project(device_type, residual, grad, q, p, subtract, pending_p, pending_q, saved)
     n, k = residual.shape
@@ -471,12 +512,16 @@ def lowrank_project(
     # vectors, would then need another layout than the tile's).
     warps = max(1, min(PROJECT_WARPS, tw // 128))
     common = {"HAS_GRAD": grad is not None, "HAS_PENDING": pending_p is not None, "ALIGN": _align(k), "BM": bm,
-              "TW": tw, "LOG2_TW": tw.bit_length() - 1, "num_warps": warps, "enable_fp_fusion": False}  # fmt: skip
+              "TW": tw, "LOG2_TW": tw.bit_length() - 1, "IDX": _index(triton.cdiv(n, bm) * bm, max(k, r, rp)),
+              "num_warps": warps, "enable_fp_fusion": False}  # fmt: skip
     with launch_context(residual.device):
         if not stream:
+            # (rows of 16 tiles take 2 columns of p at a time: 4 need more than 255 registers with a pending update)
+            rb = min(rank_block or (PROJECT_RANKS if tiles <= 8 else 2), PROJECT_RANKS, _pow2(r))
             _project_kernel[(triton.cdiv(n, bm),)](
-                *args, HAS_SAVED=saved is not None, SUBTRACT=bool(subtract), M=tiles, EVEN=k % tw == 0, **common
-            )
+                *args, HAS_SAVED=saved is not None, SUBTRACT=bool(subtract), M=tiles, EVEN=k % tw == 0, RB=rb,
+                **common,
+            )  # fmt: skip
             return
         rb = rank_block or min(_pow2(r), PROJECT_STREAM_RANKS)
         for c0 in range(0, r, rb):
@@ -544,6 +589,7 @@ def lowrank_gram(
                 n, k, r, c0, triton.cdiv(n, lanes), HAS_GRAD=first and grad is not None,
                 HAS_SAVED=first and saved is not None, PARTIAL=partial, ALIGN=_align(k), LANES=lanes, LS=ls,
                 LOG2_LS=ls.bit_length() - 1, CR=cr, LOG2_CR=cr.bit_length() - 1, BK=bk, RB=rb, UNROLL=unroll,
+                IDX=_index(triton.cdiv(n, lanes * unroll) * lanes * unroll, max(triton.cdiv(k, bk) * bk, r)),
                 num_warps=GRAM_WARPS, enable_fp_fusion=False,
             )  # fmt: skip
         if partial:
@@ -588,7 +634,8 @@ def lowrank_outer_into(
     with launch_context(out.device):
         _outer_kernel[(triton.cdiv(n, bn) * col_blocks,)](
             out, p, qat, flag, n, k, p.shape[1], col_blocks, HAS_WHEN=when is not None,
-            ACCUMULATE=bool(accumulate), ALIGN=_align(k), BN=bn, BK=bk, num_warps=max(1, min(OUTER_WARPS, bk // 128)),
+            ACCUMULATE=bool(accumulate), ALIGN=_align(k), BN=bn, BK=bk,
+            IDX=_index(triton.cdiv(n, bn) * bn, max(k, p.shape[1])), num_warps=max(1, min(OUTER_WARPS, bk // 128)),
             enable_fp_fusion=False,
         )  # fmt: skip
 
