@@ -499,9 +499,11 @@ def lowrank_project(
     if block_n is not None:
         bm = block_n
     elif residual.device.type == "cuda":
-        # A row block of PROJECT_VALUES values a thread (rows of up to 8192; one row above).
+        # A row block of PROJECT_VALUES values a thread (rows of up to 8192; one row above), half as many in rows
+        # that 4 does not divide (read one value at a time: an address each).
         threads = 32 * max(1, min(PROJECT_WARPS, tw // 128))
-        bm = min(_pow2(n), _pow2_floor(max(1, PROJECT_VALUES * threads // (tw * (1 if stream else tiles)))))
+        values = PROJECT_VALUES if _align(k) == 4 else PROJECT_VALUES // 2
+        bm = min(_pow2(n), _pow2_floor(max(1, values * threads // (tw * (1 if stream else tiles)))))
     else:
         bm = min(_pow2(n), _pow2_floor(max(1, (1 << 16) // (tw * (1 if stream else tiles)))))
     qt = _transposed(q)
@@ -516,14 +518,17 @@ def lowrank_project(
               "num_warps": warps, "enable_fp_fusion": False}  # fmt: skip
     with launch_context(residual.device):
         if not stream:
-            # (rows of 16 tiles take 2 columns of p at a time: 4 need more than 255 registers with a pending update)
-            rb = min(rank_block or (PROJECT_RANKS if tiles <= 8 else 2), PROJECT_RANKS, _pow2(r))
+            # (rows of 16 tiles take 2 columns of p at a time: 4 need more than 255 registers with a pending update;
+            # rows that 4 does not divide take 1: their q is read one value at a time, an address each)
+            most = 1 if _align(k) < 4 else PROJECT_RANKS if tiles <= 8 else 2
+            rb = min(rank_block or most, PROJECT_RANKS, _pow2(r))
             _project_kernel[(triton.cdiv(n, bm),)](
                 *args, HAS_SAVED=saved is not None, SUBTRACT=bool(subtract), M=tiles, EVEN=k % tw == 0, RB=rb,
                 **common,
             )  # fmt: skip
             return
-        rb = rank_block or min(_pow2(r), PROJECT_STREAM_RANKS)
+        # (8 columns of p read one value at a time, rows that 4 does not divide, spill: 4 then)
+        rb = rank_block or min(_pow2(r), PROJECT_STREAM_RANKS if _align(k) == 4 else 4)
         for c0 in range(0, r, rb):
             first = c0 == 0  # the first pass updates the residual; the later ones read it updated
             _project_stream_kernel[(triton.cdiv(n, bm),)](
@@ -577,7 +582,8 @@ def lowrank_gram(
         ls = block_n or lanes
     ls = min(ls, lanes)
     cr = min(ls, _layout_rows(bk, GRAM_WARPS))
-    unroll = unroll or (GRAM_UNROLL if residual.device.type == "cuda" else 1)
+    # (rows that 4 does not divide are read one value at a time, an address each: one step at a time then)
+    unroll = unroll or (GRAM_UNROLL if residual.device.type == "cuda" and _align(k) == 4 else 1)
     slabs = lanes // ls
     partial = slabs > 1
     out = torch.empty((slabs, k, r), dtype=torch.float32, device=residual.device) if partial else q
