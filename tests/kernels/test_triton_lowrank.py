@@ -388,6 +388,29 @@ def test_gram_bits_do_not_depend_on_blocks_or_split(n: int, k: int, r: int, kw: 
         assert_same_bits(g, w, str(kw))
 
 
+@pytest.mark.parametrize(("n", "k", "r"), [(33, 70, 4), (5, 2100, 9), (1100, 9, 3), (40, 1026, 2)])
+def test_the_gpus_blocks_give_the_same_bits(monkeypatch: pytest.MonkeyPatch, n: int, k: int, r: int) -> None:
+    """The host's choices for a GPU (its rows per program, rank blocks, lanes per program, two steps loaded together,
+    tiles of out), made here by telling the host it has 132 SMs: the same bits as the interpreter's choices."""
+    monkeypatch.setattr(tlr, "_target_programs", lambda device: 132 * tlr.PROGRAMS_PER_SM)
+    d = data(n, k, r, seed=13)
+    for subtract, grad, pending, saved in PROJECT_CASES[1:3]:
+        got = _project(d, tlr.lowrank_project, subtract, grad, pending, saved)
+        want = _project(d, ordered.lowrank_project, subtract, grad, pending, saved)
+        for g, w in zip(got, want, strict=True):
+            if w is not None:
+                assert_same_bits(g, w, str((subtract, grad, pending)))
+    e1, e2, q1, q2, s1, s2 = d["e"].clone(), d["e"].clone(), empty(k, r), empty(k, r), empty(n, k), empty(n, k)
+    tlr.lowrank_gram(e1, d["g"], d["p"], q1, s1)
+    ordered.lowrank_gram(e2, d["g"], d["p"], q2, s2)
+    for g, w in ((e1, e2), (q1, q2), (s1, s2)):
+        assert_same_bits(g, w, "gram")
+    o1, o2 = d["e"].clone(), d["e"].clone()
+    tlr.lowrank_outer_into(o1, d["p"], d["q"], -0.5, True)
+    ordered.lowrank_outer_into(o2, d["p"], d["q"], -0.5, True)
+    assert_same_bits(o1, o2, "outer")
+
+
 def test_int64_offsets_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernels index with int32 below 2**31 elements and int64 above: the int64 path, forced on small tensors,
     gives the same bits (a matrix that needs it does not fit a test)."""

@@ -192,10 +192,32 @@ def _residual_tile(e_ptr, g_ptr, pp_ptr, pqt_ptr, rows, rmask, cols, kk, rp, HAS
 
 
 @triton.jit
+def _project_columns(v, qt_ptr, p_ptr, rows, rmask, cb, kk, r, c0, BM: tl.constexpr, TW: tl.constexpr,
+                     LOG2_TW: tl.constexpr, M: tl.constexpr, EVEN: tl.constexpr, RB: tl.constexpr):  # fmt: skip
+    """Columns ``c0 .. c0 + RB - 1`` of ``p`` from the kept tiles ``v``: each the tiles times a row of ``q^T``, added
+    tile by tile on the lanes, then the ``RB`` trees as one."""
+    accs = ()  # type: tuple[tl.tensor, ...]
+    for _t in tl.static_range(RB):
+        accs = accs + (tl.zeros_like(v[0]),)  # lane j of the tile: every lane from +0.0, its indices in order
+    for m in tl.static_range(M):
+        cols = m * TW + cb
+        kmask = _column_mask(cols, kk, EVEN or m < M - 1)[None, :]
+        new = ()  # type: tuple[tl.tensor, ...]
+        for t in tl.static_range(RB):
+            qrow = tl.load(qt_ptr + (c0 + t) * kk + cols[None, :], mask=kmask & (c0 + t < r), other=0.0)
+            new = new + (accs[t] + v[m] * qrow,)
+        accs = new
+    total = _row_trees(_stack(accs, RB), BM, TW, LOG2_TW, RB)  # [BM, RB]
+    rb = c0 + tl.arange(0, RB)
+    tl.store(p_ptr + rows[:, None] * r + rb[None, :], total, mask=rmask[:, None] & (rb < r)[None, :])
+
+
+@triton.jit
 def _project_kernel(e_ptr, g_ptr, qt_ptr, p_ptr, pp_ptr, pqt_ptr, s_ptr, n, k, r, rp, HAS_GRAD: tl.constexpr,
                     HAS_PENDING: tl.constexpr, HAS_SAVED: tl.constexpr, SUBTRACT: tl.constexpr,
                     ALIGN: tl.constexpr, BM: tl.constexpr, TW: tl.constexpr, LOG2_TW: tl.constexpr,
-                    M: tl.constexpr, EVEN: tl.constexpr, RB: tl.constexpr, IDX: tl.constexpr):  # fmt: skip
+                    M: tl.constexpr, EVEN: tl.constexpr, RB: tl.constexpr, NB: tl.constexpr,
+                    IDX: tl.constexpr):  # fmt: skip
     """Rows ``[BM * pid, ...)``, whole: their ``M`` tiles of ``TW`` columns (the lanes) are loaded once and kept in
     registers (a tuple of tiles), ``p`` is summed from them rank by rank, and with ``SUBTRACT`` the residual is
     written once, ``residual' - p q^T``, after a block barrier makes the block's ``p`` visible to all its threads.
@@ -213,21 +235,11 @@ def _project_kernel(e_ptr, g_ptr, qt_ptr, p_ptr, pp_ptr, pqt_ptr, s_ptr, n, k, r
         if not SUBTRACT and (HAS_GRAD or HAS_PENDING):
             tl.store(e_ptr + offs, x, mask=msk)
         v = v + (x,)
-    rb = tl.arange(0, RB)
-    for c0 in range(0, r, RB):  # RB columns of p at a time, their trees run as one
-        accs = ()  # type: tuple[tl.tensor, ...]
-        for _t in tl.static_range(RB):
-            accs = accs + (tl.zeros_like(v[0]),)  # lane j of the tile: every lane from +0.0, its indices in order
-        for m in tl.static_range(M):
-            cols = m * TW + cb
-            kmask = _column_mask(cols, kk, EVEN or m < M - 1)[None, :]
-            new = ()  # type: tuple[tl.tensor, ...]
-            for t in tl.static_range(RB):
-                qrow = tl.load(qt_ptr + (c0 + t) * kk + cols[None, :], mask=kmask & (c0 + t < r), other=0.0)
-                new = new + (accs[t] + v[m] * qrow,)
-            accs = new
-        total = _row_trees(_stack(accs, RB), BM, TW, LOG2_TW, RB)  # [BM, RB]
-        tl.store(p_ptr + rows[:, None] * r + (c0 + rb)[None, :], total, mask=rmask[:, None] & (c0 + rb < r)[None, :])
+    if NB == 1:  # rank <= RB: no loop (and so no barrier of the trees' exchanges inside one)
+        _project_columns(v, qt_ptr, p_ptr, rows, rmask, cb, kk, r, 0, BM, TW, LOG2_TW, M, EVEN, RB)
+    else:
+        for c0 in range(0, r, RB):
+            _project_columns(v, qt_ptr, p_ptr, rows, rmask, cb, kk, r, c0, BM, TW, LOG2_TW, M, EVEN, RB)
     if SUBTRACT:  # residual' + sum_t p[i, t] (-q[j, t]): lowrank_outer_into(residual, p, q, -1, True)
         tl.debug_barrier()  # the block's p, stored above by other threads, is visible to all
         for m in tl.static_range(M):
@@ -302,7 +314,7 @@ def _gram_kernel(e_ptr, g_ptr, p_ptr, out_ptr, s_ptr, n, k, r, c0, steps, HAS_GR
     ``lane + LANES * s`` for ``s = 0 .. steps - 1`` (``LS`` consecutive rows every ``LANES``, in
     :func:`_lane_order`), each lane adding its products in order, then adds its ``LS`` lanes by the tree. With
     ``PARTIAL`` that is one aligned subtree of the tree over the ``LANES`` lanes, written to ``out`` (slabs, k, r)
-    for :func:`_gram_reduce_kernel`; otherwise the program holds every lane and writes ``q`` (``out``, (k, r)).
+    for :func:`_reduce_kernel`; otherwise the program holds every lane and writes ``q`` (``out``, (k, r)).
     Columns ``c0 .. c0 + RB - 1`` of ``q``."""
     kk = k // ALIGN * ALIGN
     cols = tl.program_id(0).to(IDX) * BK + tl.arange(0, BK)
@@ -344,7 +356,7 @@ def _gram_kernel(e_ptr, g_ptr, p_ptr, out_ptr, s_ptr, n, k, r, c0, steps, HAS_GR
 
 
 @triton.jit
-def _gram_reduce_kernel(w_ptr, q_ptr, numel, SP: tl.constexpr, LOG2_SP: tl.constexpr, CR: tl.constexpr,
+def _reduce_kernel(w_ptr, q_ptr, numel, SP: tl.constexpr, LOG2_SP: tl.constexpr, CR: tl.constexpr,
                         LOG2_CR: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """``q[j, t]`` = the adjacent-pair tree over the ``SP`` slabs' partials ``w[s, j, t]`` (each slab's result is
     the subtree of its lanes: this is the rest of the tree over all lanes)."""
@@ -450,11 +462,17 @@ def _sm_count(index: int) -> int:
 
 
 def _target_programs(device: torch.device) -> int:
-    """Programs that fill the device: a few per streaming multiprocessor (0 under the interpreter: fewer,
-    larger programs run faster there)."""
+    """Programs that fill the device: a few per streaming multiprocessor; 0 under the interpreter, which runs
+    fewer, larger programs faster. The one place the host's choices learn whether they are a GPU's (the other
+    choices follow it: :func:`_gpu`)."""
     if device.type != "cuda":
         return 0
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * PROGRAMS_PER_SM
+
+
+def _gpu(device: torch.device) -> bool:
+    """Whether the launches are a GPU's (tiles sized for its registers), not the interpreter's."""
+    return _target_programs(device) > 0
 
 
 def _transposed(x: torch.Tensor) -> torch.Tensor:
@@ -498,7 +516,7 @@ def lowrank_project(
     stream = k > PROJECT_RESIDENT if stream is None else stream
     if block_n is not None:
         bm = block_n
-    elif residual.device.type == "cuda":
+    elif _gpu(residual.device):
         # A row block of PROJECT_VALUES values a thread (rows of up to 8192; one row above), half as many in rows
         # that 4 does not divide (read one value at a time: an address each).
         threads = 32 * max(1, min(PROJECT_WARPS, tw // 128))
@@ -524,7 +542,7 @@ def lowrank_project(
             rb = min(rank_block or most, PROJECT_RANKS, _pow2(r))
             _project_kernel[(triton.cdiv(n, bm),)](
                 *args, HAS_SAVED=saved is not None, SUBTRACT=bool(subtract), M=tiles, EVEN=k % tw == 0, RB=rb,
-                **common,
+                NB=triton.cdiv(r, rb), **common,
             )  # fmt: skip
             return
         # (8 columns of p read one value at a time, rows that 4 does not divide, spill: 4 then)
@@ -570,7 +588,7 @@ def lowrank_gram(
     r = p.shape[1]
     lanes = min(GRAM_LANES, _pow2(n))  # a sum over fewer rows than GRAM_LANES: the same bits on fewer lanes
     rb = rank_block or min(_pow2(r), GRAM_RANKS)
-    if residual.device.type == "cuda":
+    if _gpu(residual.device):
         # A step's tile: GRAM_TILE_VALUES a thread (ls lanes by bk columns over 32 * GRAM_WARPS threads), as many
         # again for each rank's accumulators.
         bk = block_k or min(GRAM_BLOCK_K, _pow2(k))
@@ -583,7 +601,7 @@ def lowrank_gram(
     ls = min(ls, lanes)
     cr = min(ls, _layout_rows(bk, GRAM_WARPS))
     # (rows that 4 does not divide are read one value at a time, an address each: one step at a time then)
-    unroll = unroll or (GRAM_UNROLL if residual.device.type == "cuda" and _align(k) == 4 else 1)
+    unroll = unroll or (GRAM_UNROLL if _gpu(residual.device) and _align(k) == 4 else 1)
     slabs = lanes // ls
     partial = slabs > 1
     out = torch.empty((slabs, k, r), dtype=torch.float32, device=residual.device) if partial else q
@@ -601,7 +619,7 @@ def lowrank_gram(
         if partial:
             block = max(16, REDUCE_VALUES // slabs)
             rcr = min(slabs, _layout_rows(block, GRAM_WARPS))
-            _gram_reduce_kernel[(triton.cdiv(k * r, block),)](
+            _reduce_kernel[(triton.cdiv(k * r, block),)](
                 out, q, k * r, SP=slabs, LOG2_SP=slabs.bit_length() - 1, CR=rcr, LOG2_CR=rcr.bit_length() - 1,
                 BLOCK=block, num_warps=GRAM_WARPS,
             )  # fmt: skip
@@ -628,7 +646,7 @@ def lowrank_outer_into(
     if n == 0 or k == 0:
         return
     bk = block_k or min(OUTER_BLOCK_K, _pow2(k))
-    bn = block_n or (OUTER_BLOCK_N if out.device.type == "cuda" else 64)
+    bn = block_n or (OUTER_BLOCK_N if _gpu(out.device) else 64)
     col_blocks = triton.cdiv(k, bk)
     alpha32 = as_fp32(alpha)
     qat = torch.empty((q.shape[1], k), dtype=torch.float32, device=q.device)
