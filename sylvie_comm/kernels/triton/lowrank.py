@@ -60,9 +60,10 @@ So every step runs these kernels on CUDA, bit-equal to :mod:`~sylvie_comm.kernel
 What was measured: only the compiled form, on a CPU (``triton.compile`` for sm_90 and ``ptxas -v``), never a run
 on a GPU. At the benchmark's shapes (fp32 8192 x 8192, rank 4): no float64 instruction; every access of the
 matrix a 16-byte vector load or store; no layout conversion through shared memory in the element loops (shared
-memory only in the tree's exchanges between warps, once per column of ``p`` a row, and the gram's tree once per
-program); no register spill (project 80 registers a thread, 128 at rows of 16384; gram 136; outer 48, 56
-accumulating). Element offsets are int32 where they fit (below 2**31 elements).
+memory only in the trees' exchanges between warps, once per 4 columns of ``p`` a row block, and the gram's trees
+once per program; none inside a loop at rank 4); no register spill (project 86 registers a thread, 128 at rows of
+16384; gram 136; outer 48, 56 accumulating), nor in a sweep of the host's other choices. Element offsets are
+int32 where they fit (below 2**31 elements).
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator,no-untyped-call"
