@@ -21,10 +21,9 @@ to the reference).
   exchanges); with ``subtract`` the residual is written once, ``residual' - p q^T``, after one block barrier. So
   the residual is read once and written once: 12 bytes an element with a gradient, the op's floor. Rows of up to
   8192 are 32 values a thread (one row per program of 8 warps at 8192, more rows per program when shorter); up to
-  :data:`PROJECT_RESIDENT` (16384) 64, 2 columns of ``p`` at a time. Longer rows are
-  streamed (a program steps along its rows, writing the updated residual, with up to 8 columns of ``p`` summed
-  at once) and ``subtract`` is then a second kernel, :func:`lowrank_outer_into` ``(residual, p, q, -1, True)``:
-  20 bytes an element.
+  :data:`PROJECT_RESIDENT` (16384) 64, 2 columns of ``p`` at a time. Longer rows are streamed (a program steps
+  along its rows, writing the updated residual, with up to 8 columns of ``p`` summed at once) and ``subtract`` is
+  then a second kernel, :func:`lowrank_outer_into` ``(residual, p, q, -1, True)``: 20 bytes an element.
 * **gram** (``q = residual^T p``, the sum over ``n`` on :data:`~sylvie_comm.kernels.ordered.GRAM_LANES` lanes): a
   program takes 128 columns and 16 lanes, steps down the rows 512 at a time (two steps' loads in flight, 16 values
   a thread each), each lane adding its products in order, and adds its lanes by the tree (its
@@ -41,8 +40,8 @@ The small factors a kernel reads as vectors of a tile's columns (``q``, the pend
 transposed, ``(r, k)``, copied on the host (one small launch each); ``p`` is read in place (a value per row).
 
 **Triton or cuBLAS on CUDA** (issue 43: "where torch.matmul is faster than a Triton kernel for a low-rank step on
-the GPU, call it"). Decided by bytes, since every step is bound by memory at rank 4 (at 8192 x 8192 the whole
-project is under 20 fp32 operations an element against 12 bytes):
+the GPU, call it"). Decided by bytes, since every step is bound by memory at rank 4 (the whole project is about
+20 fp32 operations, 31 instructions, an element against its 12 bytes):
 
 * project: the fused kernel moves 12 bytes an element. Its torch equivalent, ``residual.add_(grad);
   torch.matmul(residual, q, out=p); residual.addmm_(p, q.T, alpha=-1)``, moves 12 + 4 + 8 = 24 whatever cuBLAS
