@@ -4,26 +4,26 @@ On CPU tensors they run through Triton's interpreter (tests/conftest.py sets ``T
 without CUDA); on a CUDA machine they compile for the GPU and run on CUDA tensors. Either way:
 
 * **The same bits as** :mod:`sylvie_comm.kernels.ordered` (``torch.equal`` on int32 views: every output, every
-  shape, tile size, rank block and split tried, each run again); NaN where it has NaN.
+  shape, tile size, rank block, lane split and path tried, each run again); NaN where it has NaN.
 * **Within a derived float-rounding bound of** :mod:`sylvie_comm.kernels.reference`, whose ``torch.matmul`` sums
-  in an undefined order. With ``u = 2**-24`` (fp32 unit roundoff), ``g32(m) = m u / (1 - m u)``,
-  ``g64(m) = m 2**-53 / (1 - m 2**-53)``, ``tiny = 2**-149`` (the smallest fp32 subnormal), for a dot product of
-  ``m`` terms ``a_j b_j`` with ``T = sum |a_j b_j|``:
+  in an undefined order. With ``u = 2**-24`` (fp32 unit roundoff), ``g32(d) = d u / (1 - d u)``,
+  ``tiny = 2**-149`` (the smallest fp32 subnormal), for a dot product of ``m`` terms ``a_j b_j`` with
+  ``T = sum |a_j b_j|``:
 
-  - the kernel's float64 sum (exact products, chunked, every term through at most ``m + 1`` adds) is within
-    ``g64(m + 1) T`` of the exact sum ``S``, and its fp32 rounding within ``u |result|`` of that (``tiny / 2``
-    more if it is subnormal);
+  - the kernel's sum over ``L`` lanes (every product rounded once, each lane's ``ceil(m / L)`` adds, the tree's
+    ``log2 L`` levels) passes no term through more than ``d = 1 + ceil(m / L) + log2 L`` roundings, so it is
+    within ``g32(d) T`` of the exact sum ``S`` (plus ``tiny / 2`` per product that underflows);
   - ``torch.matmul`` in fp32 is within ``g32(m) T`` of ``S`` in whatever order it adds, fma or not (plus
     ``tiny / 2`` per product that underflows);
 
-  so ``|kernel - reference| <= u |kernel| + g64(m + 1) T + g32(m) T + (m + 1) tiny`` (:func:`dot_bound`). When
-  the two sides start from inputs that already differ (the reference's residual after its own pending update,
-  its own ``p`` before the subtraction), the difference of the exact sums, ``sum |a_kernel - a_ref| |b|``, is
-  added, measured from the actual intermediates (the kernel's are those of ``ordered``, the same bits). The
-  outer product ``out + p (alpha q)^T`` (:func:`outer_bound`) is the same with ``m = r``, plus
-  ``u |reference|`` for the reference's second rounding (``out + fp32(sum)``), plus ``|out_kernel - out_ref|``.
-  Each bound is computed in float64 and widened by ``(1 + (m + 8) 2**-52)`` for the rounding of that
-  computation itself. Nothing here is a tolerance picked to pass: every term is a rounding one side makes.
+  so ``|kernel - reference| <= g32(d) T + g32(m) T + (m + 1) tiny`` (:func:`dot_bound`). When the two sides start
+  from inputs that already differ (the reference's residual after its own pending update, its own ``p`` before
+  the subtraction), the difference of the exact sums, ``sum |a_kernel - a_ref| |b|``, is added, measured from the
+  actual intermediates (the kernel's are those of ``ordered``, the same bits). The outer product
+  ``out + p (alpha q)^T`` (:func:`outer_bound`) is the kernel's ``r + 1`` roundings against the reference's
+  ``r`` (its matmul) and one more (``out + fp32(matmul)``), plus ``|out_kernel - out_ref|``. Each bound is
+  computed in float64 and widened by ``(1 + (m + 8) 2**-52)`` for the rounding of that computation itself.
+  Nothing here is a tolerance picked to pass: every term is a rounding one side makes.
 """
 
 from __future__ import annotations
@@ -56,20 +56,23 @@ U = 2.0**-24
 TINY = 2.0**-149
 ROOT = Path(__file__).resolve().parents[2]
 
-# (n, k, r): one element; tiny; rank 1; a sum over k across chunks (k > CHUNK = 256); a sum over n across chunks
-# (n > 256); a rank above the project and gram kernels' rank block (16: two passes); rows past one program.
-SHAPES = [(1, 1, 1), (7, 5, 2), (40, 40, 1), (33, 70, 4), (9, 260, 9), (300, 20, 3), (5, 20, 17), (130, 17, 5)]
+# (n, k, r): one element; tiny; rank 1; a row of three lane tiles, the last one cut (k > PROJECT_LANES = 1024);
+# lanes of two terms and more for the gram (n > GRAM_LANES = 512); a rank above the gram kernel's rank block (4:
+# five passes); rows past one program.
+SHAPES = [(1, 1, 1), (7, 5, 2), (40, 40, 1), (33, 70, 4), (3, 2100, 2), (1100, 9, 3), (5, 20, 17), (130, 17, 5)]
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-def g32(m: int) -> float:
-    return m * U / (1 - m * U)
+def g32(d: int) -> float:
+    return d * U / (1 - d * U)
 
 
-def g64(m: int) -> float:
-    return m * 2.0**-53 / (1 - m * 2.0**-53)
+def roundings(m: int, lanes: int) -> int:
+    """The most roundings a term of an ``m``-term ordered sum over ``lanes`` lanes passes through: its product,
+    its lane's adds, the tree's levels."""
+    return 1 + -(-m // lanes) + lanes.bit_length() - 1
 
 
 def slack(m: int) -> float:
@@ -100,14 +103,16 @@ def within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, what: str
     assert bool((excess <= 0).all()), f"{what}: exceeds its bound by {float(excess.max())!r}"
 
 
-def dot_bound(ours: torch.Tensor, a_ours: torch.Tensor, a_ref: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``|ours - reference|`` at most, for ``ours`` = the ordered ``a_ours @ b`` and the reference
-    ``torch.matmul(a_ref, b)`` in fp32 (module docstring)."""
+def dot_bound(
+    ours: torch.Tensor, a_ours: torch.Tensor, a_ref: torch.Tensor, b: torch.Tensor, lanes: int
+) -> torch.Tensor:
+    """``|ours - reference|`` at most, for ``ours`` = the ordered ``a_ours @ b`` over ``lanes`` lanes and the
+    reference ``torch.matmul(a_ref, b)`` in fp32 (module docstring)."""
     m = a_ours.shape[1]
     ab, bb = a_ours.double().abs(), b.double().abs()
     t_ours, t_ref = ab @ bb, a_ref.double().abs() @ bb
     moved = (a_ours.double() - a_ref.double()).abs() @ bb
-    bound = U * ours.double().abs() + g64(m + 1) * t_ours + g32(m) * t_ref + moved + (m + 1) * TINY
+    bound = g32(roundings(m, lanes)) * t_ours + g32(m) * t_ref + moved + (m + 1) * TINY
     return bound * slack(m)
 
 
@@ -121,18 +126,19 @@ def outer_bound(
     qa_ours: torch.Tensor,
     qa_ref: torch.Tensor,
 ) -> torch.Tensor:
-    """``|ours - theirs|`` at most, for ``ours = fp32(base + sum_t p qa)`` (float64 sum) and ``theirs =
-    fp32(base + fp32(torch.matmul(p, qa^T)))`` (without ``base``: ``theirs = fp32(matmul)``)."""
+    """``|ours - theirs|`` at most, for ``ours = base + (+0.0 + sum_t p qa)`` (fp32, in order: no term through
+    more than ``r + 1`` roundings) and ``theirs = fp32(base + fp32(torch.matmul(p, qa^T)))`` (without ``base``:
+    ``theirs = fp32(matmul)``)."""
     r = p_ours.shape[1]
     pa, qa = p_ours.double().abs(), qa_ours.double().abs()
     t_ours, t_ref = pa @ qa.T, p_ref.double().abs() @ qa_ref.double().abs().T
     moved = (p_ours.double() - p_ref.double()).abs() @ qa.T
     moved += p_ref.double().abs() @ (qa_ours.double() - qa_ref.double()).abs().T
-    bound = U * ours.double().abs() + g32(r) * t_ref + moved + (r + 2) * TINY
+    bound = g32(r) * t_ref + moved + (r + 2) * TINY
     if base_ours is None or base_ref is None:
-        bound += g64(r + 1) * t_ours
+        bound += g32(r) * t_ours
     else:
-        bound += g64(r + 1) * (base_ours.double().abs() + t_ours)
+        bound += g32(r + 1) * (base_ours.double().abs() + t_ours)
         bound += U * theirs.double().abs() + (base_ours.double() - base_ref.double()).abs()
     return bound * slack(r)
 
@@ -167,25 +173,42 @@ def empty(*shape: int) -> torch.Tensor:
 
 
 def _f32(x: float) -> float:
+    """``x`` rounded to fp32. A sum or product of two fp32 values formed in a Python float (53 bits) and rounded
+    here is the fp32 operation's result: rounding twice is harmless at ``53 >= 2 * 24 + 2`` bits (Figueroa, "When
+    is double rounding innocuous?", 1995)."""
     return float(struct.unpack("f", struct.pack("f", x))[0])
 
 
-@pytest.mark.parametrize(("m", "kk", "r"), [(1, 1, 1), (3, 7, 2), (2, 256, 1), (2, 257, 2), (1, 600, 3)])
-def test_ordered_matmul_is_the_documented_order(m: int, kk: int, r: int) -> None:
-    """:func:`ordered.ordered_matmul` (vectorized over chunks) against the definition written out with Python
-    floats (IEEE doubles): per chunk a partial from 0.0, indices in order; partials in order; one rounding."""
+@pytest.mark.parametrize(
+    ("m", "kk", "r", "lanes"),
+    [(1, 1, 1, 1024), (3, 7, 2, 1024), (2, 1100, 1, 1024), (2, 37, 2, 4), (1, 64, 3, 8), (2, 5, 1, 1)],
+)
+def test_ordered_matmul_is_the_documented_order(m: int, kk: int, r: int, lanes: int) -> None:
+    """:func:`ordered.ordered_matmul` (vectorized over lanes) against the definition written out with Python
+    floats rounded to fp32: index ``j`` to lane ``j mod lanes`` (each from 0.0, in order), the adjacent-pair tree
+    over the lanes."""
     a, b = randn(m, kk, seed=7).cpu(), randn(kk, r, seed=8).cpu()
-    got = ordered.ordered_matmul(a, b)
+    got = ordered.ordered_matmul(a, b, lanes)
     al, bl = a.tolist(), b.tolist()
     for i in range(m):
         for c in range(r):
-            total = 0.0
-            for c0 in range(0, kk, ordered.CHUNK):
-                part = 0.0
-                for j in range(c0, min(kk, c0 + ordered.CHUNK)):
-                    part += al[i][j] * bl[j][c]
-                total += part
-            assert struct.pack("f", got[i, c].item()) == struct.pack("f", _f32(total)), (i, c)
+            acc = [0.0] * lanes
+            for j in range(kk):
+                acc[j % lanes] = _f32(acc[j % lanes] + _f32(al[i][j] * bl[j][c]))
+            while len(acc) > 1:
+                acc = [_f32(acc[2 * h] + acc[2 * h + 1]) for h in range(len(acc) // 2)]
+            assert struct.pack("f", got[i, c].item()) == struct.pack("f", acc[0]), (i, c)
+
+
+def test_ordered_matmul_on_fewer_lanes_is_the_same() -> None:
+    """A sum of ``m`` terms over ``L`` lanes equals the sum over ``min(L, 2**ceil(log2 m))`` lanes (the extra
+    lanes are +0.0): what the kernels use for short sums."""
+    for kk in (1, 5, 64, 100, 512, 1000):
+        a, b = randn(3, kk, seed=kk).cpu(), randn(kk, 2, seed=kk + 1).cpu()
+        want = ordered.ordered_matmul(a, b, 1024)
+        assert_same_bits(ordered.ordered_matmul(a, b, 1 << max(0, (kk - 1).bit_length())), want, str(kk))
+    with pytest.raises(ValueError, match="power of two"):
+        ordered.ordered_matmul(a, b, 6)
 
 
 def test_ordered_outer_is_the_documented_order() -> None:
@@ -198,7 +221,7 @@ def test_ordered_outer_is_the_documented_order() -> None:
         for j in range(4):
             s = 0.0
             for t in range(5):
-                s += p[i, t].item() * _f32(q[j, t].item() * a32)
+                s = _f32(s + _f32(p[i, t].item() * _f32(q[j, t].item() * a32)))
             want = _f32(out[i, j].item() + s)
             assert struct.pack("f", got[i, j].item()) == struct.pack("f", want), (i, j)
 
@@ -210,7 +233,7 @@ def test_ordered_matches_the_reference_within_the_bound() -> None:
     ordered.lowrank_project(e1, d["g"], d["q"], p1, False)
     ref.lowrank_project(e2, d["g"], d["q"], p2, False)
     assert_same_bits(e1, e2, "residual + grad")
-    within(p1, p2, dot_bound(p1, e1, e2, d["q"]), "p")
+    within(p1, p2, dot_bound(p1, e1, e2, d["q"], ordered.PROJECT_LANES), "p")
 
 
 # ---------------------------------------------------------------------------------------------------- schemas
@@ -290,7 +313,7 @@ def test_project(n: int, k: int, r: int, subtract: bool, grad: bool, pending: bo
         if not pending:
             assert_same_bits(v_ours, v_ref, "residual + grad")
     p_ours = got[1]
-    within(p_ours, p_ref, dot_bound(p_ours, v_ours, v_ref, d["q"]), "p")
+    within(p_ours, p_ref, dot_bound(p_ours, v_ours, v_ref, d["q"], ordered.PROJECT_LANES), "p")
     if subtract:
         neg = -d["q"]
         bound = outer_bound(got[0], e_ref, v_ours, v_ref, p_ours, p_ref, neg, neg)
@@ -300,15 +323,19 @@ def test_project(n: int, k: int, r: int, subtract: bool, grad: bool, pending: bo
 
 
 VARIANTS = [
-    {"split": True},
-    {"split": False, "block_n": 32, "block_k": 8, "rank_block": 4},
-    {"split": True, "block_n": 64, "block_k": 2, "rank_block": 8},
+    {"stream": True},
+    {"stream": False, "block_n": 4, "rank_block": 2},
+    {"stream": False, "rank_block": 1},
+    {"stream": True, "block_n": 4, "rank_block": 2},
 ]
 
 
-@pytest.mark.parametrize(("n", "k", "r"), [(20, 260, 3), (9, 40, 9), (130, 17, 5)])
-@pytest.mark.parametrize("kw", VARIANTS, ids=["split", "small-tiles", "split-small-tiles"])
-def test_project_bits_do_not_depend_on_tiles_or_split(n: int, k: int, r: int, kw: dict[str, object]) -> None:
+@pytest.mark.parametrize(("n", "k", "r"), [(5, 2100, 3), (9, 40, 9), (70, 17, 5), (3, 1026, 2)])
+@pytest.mark.parametrize("kw", VARIANTS, ids=["stream", "small-blocks", "rank-by-rank", "stream-small-blocks"])
+def test_project_bits_do_not_depend_on_blocks_or_path(n: int, k: int, r: int, kw: dict[str, object]) -> None:
+    """Rows kept in registers or streamed (with the subtraction a second kernel), any rows per program, any rank
+    block (the default 4 in the other tests): the same bits. (9, 40, 9): a rank block of 2 in five passes;
+    (3, 1026, 2): a last tile of 2 columns, whose row length only 2 divides."""
     d = data(n, k, r, seed=3)
     for subtract, grad, pending, saved in PROJECT_CASES[1:3]:
         got = _project(d, tlr.lowrank_project, subtract, grad, pending, saved, **kw)
@@ -337,26 +364,75 @@ def test_gram(n: int, k: int, r: int, grad: bool, saved: bool) -> None:
     if saved:
         assert s1 is not None and s2 is not None
         assert_same_bits(s1, d["e"], "saved")
-    within(q1, q3, dot_bound(q1, e1.T, e3.T, d["p"]), "q")
+    within(q1, q3, dot_bound(q1, e1.T, e3.T, d["p"], ordered.GRAM_LANES), "q")
 
 
-@pytest.mark.parametrize(("n", "k", "r"), [(270, 40, 3), (270, 9, 9), (17, 130, 5)])
+@pytest.mark.parametrize(("n", "k", "r"), [(1100, 9, 3), (270, 9, 9), (17, 130, 5)])
 @pytest.mark.parametrize(
     "kw",
     [
-        {"split": True},
-        {"split": False, "block_n": 1, "block_k": 32, "rank_block": 2},
-        {"split": True, "block_n": 4, "block_k": 64, "rank_block": 8},
+        {"block_n": 64, "block_k": 4},
+        {"block_n": 512, "block_k": 32, "rank_block": 2, "unroll": 2},
+        {"block_n": 32, "block_k": 64, "rank_block": 8, "unroll": 4},
     ],
-    ids=["split", "small-tiles", "split-small-tiles"],
+    ids=["split-lanes", "rank-blocks-unrolled", "split-lanes-rank-blocks-unrolled"],
 )
-def test_gram_bits_do_not_depend_on_tiles_or_split(n: int, k: int, r: int, kw: dict[str, object]) -> None:
+def test_gram_bits_do_not_depend_on_blocks_or_split(n: int, k: int, r: int, kw: dict[str, object]) -> None:
+    """Any columns per program, any rank block, any steps loaded together (1100 rows: 3 steps of 512), and the
+    lanes split over programs (their subtrees added by a second kernel) or not: the same bits."""
     d = data(n, k, r, seed=5)
     e1, e2, q1, q2, s1, s2 = d["e"].clone(), d["e"].clone(), empty(k, r), empty(k, r), empty(n, k), empty(n, k)
     tlr.lowrank_gram(e1, d["g"], d["p"], q1, s1, **kw)
     ordered.lowrank_gram(e2, d["g"], d["p"], q2, s2)
     for g, w in ((e1, e2), (q1, q2), (s1, s2)):
         assert_same_bits(g, w, str(kw))
+
+
+@pytest.mark.parametrize(("n", "k", "r"), [(33, 70, 4), (5, 2100, 5), (1100, 9, 3), (40, 1026, 2)])
+def test_the_gpus_blocks_give_the_same_bits(monkeypatch: pytest.MonkeyPatch, n: int, k: int, r: int) -> None:
+    """The host's choices for a GPU (its rows per program, rank blocks, lanes per program, two steps loaded together,
+    tiles of out), made here by telling the host it has 132 SMs: the same bits as the interpreter's choices."""
+    monkeypatch.setattr(tlr, "_target_programs", lambda device: 132 * tlr.PROGRAMS_PER_SM)
+    d = data(n, k, r, seed=13)
+    for subtract, grad, pending, saved in PROJECT_CASES[1:3]:
+        got = _project(d, tlr.lowrank_project, subtract, grad, pending, saved)
+        want = _project(d, ordered.lowrank_project, subtract, grad, pending, saved)
+        for g, w in zip(got, want, strict=True):
+            if w is not None:
+                assert_same_bits(g, w, str((subtract, grad, pending)))
+    e1, e2, q1, q2, s1, s2 = d["e"].clone(), d["e"].clone(), empty(k, r), empty(k, r), empty(n, k), empty(n, k)
+    tlr.lowrank_gram(e1, d["g"], d["p"], q1, s1)
+    ordered.lowrank_gram(e2, d["g"], d["p"], q2, s2)
+    for g, w in ((e1, e2), (q1, q2), (s1, s2)):
+        assert_same_bits(g, w, "gram")
+    o1, o2 = d["e"].clone(), d["e"].clone()
+    tlr.lowrank_outer_into(o1, d["p"], d["q"], -0.5, True)
+    ordered.lowrank_outer_into(o2, d["p"], d["q"], -0.5, True)
+    assert_same_bits(o1, o2, "outer")
+
+
+def test_int64_offsets_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels index with int32 below 2**31 elements and int64 above: the int64 path, forced on small tensors,
+    gives the same bits (a matrix that needs it does not fit a test)."""
+    import triton.language as tl
+
+    monkeypatch.setattr(tlr, "_index", lambda rows, cols: tl.int64)
+    d = data(70, 40, 3, seed=11)
+    for kw in ({}, {"stream": True}):
+        got = _project(d, tlr.lowrank_project, True, True, True, True, **kw)
+        want = _project(d, ordered.lowrank_project, True, True, True, True)
+        for g, w in zip(got, want, strict=True):
+            assert w is not None and g is not None
+            assert_same_bits(g, w, str(kw))
+    e1, e2, q1, q2 = d["e"].clone(), d["e"].clone(), empty(40, 3), empty(40, 3)
+    tlr.lowrank_gram(e1, d["g"], d["p"], q1, block_n=16)
+    ordered.lowrank_gram(e2, d["g"], d["p"], q2)
+    assert_same_bits(e1, e2)
+    assert_same_bits(q1, q2)
+    o1, o2 = d["e"].clone(), d["e"].clone()
+    tlr.lowrank_outer_into(o1, d["p"], d["q"], 0.5, True)
+    ordered.lowrank_outer_into(o2, d["p"], d["q"], 0.5, True)
+    assert_same_bits(o1, o2)
 
 
 # ---------------------------------------------------------------------------------------------------- outer
@@ -385,7 +461,7 @@ def test_outer(n: int, k: int, r: int, alpha: float, accumulate: bool) -> None:
 
 @pytest.mark.parametrize(("bn", "bk"), [(2, 4), (8, 16), (64, 128)])
 def test_outer_bits_do_not_depend_on_tiles(bn: int, bk: int) -> None:
-    d = data(20, 30, 6, seed=9)
+    d = data(20, 30, 6, seed=9)  # 30 columns: rows only 2 divides
     o1, o2 = d["e"].clone(), d["e"].clone()
     tlr.lowrank_outer_into(o1, d["p"], d["q"], -0.75, True, block_n=bn, block_k=bk)
     ordered.lowrank_outer_into(o2, d["p"], d["q"], -0.75, True)
@@ -459,29 +535,30 @@ def _guarded(t: torch.Tensor, guard: int = 37) -> tuple[torch.Tensor, torch.Tens
 def test_kernels_touch_nothing_outside_their_tensors() -> None:
     """Every tensor a view inside NaN guards: the guards unchanged (no stray store) and the results those of
     plain tensors (no unmasked load of a guard)."""
-    n, k, r = 300, 37, 5  # rows past one program, a partial column tile, two row chunks (gram's split)
+    n, k, r = 300, 37, 5  # rows past one program, a cut column tile, lanes over several programs (gram)
     d = data(n, k, r)
     plain = _project(d, OPS.lowrank_project, True, True, True, True)
-    views, bufs = {}, {}
-    for name in ("e", "g", "q", "pp", "pq"):
-        views[name], bufs[name] = _guarded(d[name])
-    p, p_buf = _guarded(empty(n, r))
-    s, s_buf = _guarded(empty(n, k))
-    before = {name: b.clone() for name, b in bufs.items()}
-    OPS.lowrank_project(views["e"], views["g"], views["q"], p, True, views["pp"], views["pq"], s)
-    for got, want in zip((views["e"], p, s), plain, strict=True):
-        assert_same_bits(got, want)
-    for buf in (*bufs.values(), p_buf, s_buf):
-        assert bool(torch.isnan(buf[:37]).all() and torch.isnan(buf[-37:]).all())
-    for name in ("g", "q", "pp", "pq"):
-        assert torch.equal(bits(bufs[name]), bits(before[name])), f"{name} changed"
+    for kw in ({}, {"stream": True}):  # rows kept in registers, rows streamed
+        views, bufs = {}, {}
+        for name in ("e", "g", "q", "pp", "pq"):
+            views[name], bufs[name] = _guarded(d[name])
+        p, p_buf = _guarded(empty(n, r))
+        s, s_buf = _guarded(empty(n, k))
+        before = {name: b.clone() for name, b in bufs.items()}
+        tlr.lowrank_project(views["e"], views["g"], views["q"], p, True, views["pp"], views["pq"], s, **kw)
+        for got, want in zip((views["e"], p, s), plain, strict=True):
+            assert_same_bits(got, want, str(kw))
+        for buf in (*bufs.values(), p_buf, s_buf):
+            assert bool(torch.isnan(buf[:37]).all() and torch.isnan(buf[-37:]).all())
+        for name in ("g", "q", "pp", "pq"):
+            assert torch.equal(bits(bufs[name]), bits(before[name])), f"{name} changed"
 
     e, e_buf = _guarded(d["e"])
     q, q_buf = _guarded(empty(k, r))
     pg, _ = _guarded(d["p"])
     e_plain, q_plain = d["e"].clone(), empty(k, r)
     OPS.lowrank_gram(e_plain, d["g"], d["p"], q_plain)
-    tlr.lowrank_gram(e, views["g"], pg, q, split=True)
+    tlr.lowrank_gram(e, views["g"], pg, q, block_n=64)  # the lanes split: partials and a second kernel
     assert_same_bits(e, e_plain)
     assert_same_bits(q, q_plain)
     o, o_buf = _guarded(d["e"])
@@ -515,7 +592,9 @@ def test_arguments_are_checked_with_the_rule_named() -> None:
     with pytest.raises(RuntimeError, match="one-element bool"):
         OPS.lowrank_outer_into(e, p, q, 1.0, False, torch.tensor(1.0, device=DEVICE))
     with pytest.raises(ValueError, match="power of two"):
-        tlr.lowrank_project(e, None, q, p, False, block_k=3)
+        tlr.lowrank_project(e, None, q, p, False, block_n=3)
+    with pytest.raises(ValueError, match="power of two"):
+        tlr.lowrank_gram(e, None, p, q, block_k=3)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors")

@@ -3,49 +3,72 @@
 and their argument checks (:mod:`sylvie_comm.kernels.checks`, which the compiled ops run too).
 
 They return the bits of :mod:`sylvie_comm.kernels.ordered`, not those of :mod:`~sylvie_comm.kernels.reference`
-(whose ``torch.matmul`` has no defined summation order, so no kernel can match it): products of fp32 values
-formed exactly in float64; a long dot product summed in float64 in index order within chunks of
-:data:`~sylvie_comm.kernels.ordered.CHUNK` indices, the chunks' partials added in chunk order; a rank-r outer
-product added ``t = 0 .. r - 1``; one rounding to fp32. Nothing in that order depends on the tiles, the grid, the
-split, the device, or the interpreter: those are free to tune and the tests vary them. All tensors are fp32,
-contiguous, row-major: the matrix (n, k), ``p`` (n, r), ``q`` (k, r). The small factors reach the kernels as
-float64 copies made on the host (exact), laid out so that what a kernel broadcasts is contiguous.
+(whose ``torch.matmul`` has no defined summation order, so no kernel can match it): fp32 products, each rounded; a
+long dot product summed on lanes (index ``j`` on lane ``j mod L``, each lane in index order from ``+0.0``) and the
+lanes added by the adjacent-pair tree; a rank-r outer product added ``t = 0 .. r - 1`` from ``+0.0``. Nothing in
+that order depends on the tiles, the grid, the device, or the interpreter: those are free to tune and the tests
+vary them. Every step is one IEEE fp32 operation (launched with ``enable_fp_fusion=False``; a sum over two values is
+the only ``tl.sum``), so the interpreter and a GPU agree bit for bit. All tensors are fp32, contiguous, row-major:
+the matrix (n, k), ``p`` (n, r), ``q`` (k, r) (other dtypes never reach these kernels: the dispatcher sends them
+to the reference).
 
-* **project** (``p = residual q``, the sum over ``k``): a program takes 128 rows and walks them in ``[128, 4]``
-  tiles. It forms each tile's residual once in registers (``saved``, the pending update in float64, ``+ grad``),
-  then consumes it column by column in a static loop: column ``jj`` is taken out of the tile exactly (a select
-  and a sum of one value with zeros: two shuffles in the layout Triton picks on sm_90, where a thread holds 4 rows
-  of the tile and 4 x 4 of the accumulators) and added, times row ``j`` of ``q``, into float64 accumulators (the
-  chunk's partial and the total; 16 columns of ``q`` per pass over the rows). Without ``subtract`` that pass
-  writes the residual; with it, a last pass writes ``residual' - p q^T`` with ``p`` read back after a block
-  barrier. When the row blocks are too few for the GPU (a short, wide matrix), the ``k`` sum is split into its
-  chunks instead: a program per (row block, chunk) writes the chunk's float64 partial, a second kernel adds the
-  partials in chunk order, and ``subtract`` is a third, ``lowrank_outer_into(residual, p, q, -1, True)``.
-* **gram** (``q = residual^T p``, the sum over ``n``): a program takes 128 columns (a thread per column); rows are
-  contiguous, so it walks them one at a time with coalesced row loads (1 to 8 rows unrolled, their loads in
-  flight together), accumulating ``[16, 128]`` float64 values per pass; each group of rows is loaded once more
-  as a tile, from cache, to write ``saved`` and ``residual + grad``. With too few column blocks for the GPU the
-  rows' chunks are summed by separate programs and their partials added in chunk order by a second kernel.
-* **outer** (``out (+)= p (alpha q)^T``): a program per ``[32, 64]`` tile of ``out`` adds the ``r`` float64
-  products in registers, reads ``out`` once when accumulating and writes it once. ``when`` is read by the
-  kernel (never by the host): a false flag moves no data.
+* **project** (``p = residual q``, the sum over ``k`` on :data:`~sylvie_comm.kernels.ordered.PROJECT_LANES`
+  lanes): a program keeps whole rows in registers, as a tuple of ``[rows, 1024]`` tiles (one 16-byte load of each
+  of ``residual`` and ``grad`` per thread and tile, all issued before any arithmetic, past L1). The pending update
+  and ``+ grad`` are applied as the tiles arrive; ``p``'s column ``t`` is the tiles times a row of ``q^T`` added
+  tile by tile (the lanes: one register per thread) and then the tree (two adds in a thread, five warp shuffles,
+  three exchanges between the 8 warps through shared memory), 4 columns at a time (their trees share the
+  exchanges); with ``subtract`` the residual is written once, ``residual' - p q^T``, after one block barrier. So
+  the residual is read once and written once: 12 bytes an element with a gradient, the op's floor. Rows of up to
+  8192 are 32 values a thread (one row per program of 8 warps at 8192, more rows per program when shorter); up to
+  :data:`PROJECT_RESIDENT` (16384) 64, 2 columns of ``p`` at a time. Longer rows are streamed (a program steps
+  along its rows, writing the updated residual, with up to 8 columns of ``p`` summed at once) and ``subtract`` is
+  then a second kernel, :func:`lowrank_outer_into` ``(residual, p, q, -1, True)``: 20 bytes an element.
+* **gram** (``q = residual^T p``, the sum over ``n`` on :data:`~sylvie_comm.kernels.ordered.GRAM_LANES` lanes): a
+  program takes 128 columns and 16 lanes, steps down the rows 512 at a time (two steps' loads in flight, 16 values
+  a thread each), each lane adding its products in order, and adds its lanes by the tree (its
+  rows laid out so that a thread's lanes are consecutive: the first levels are adds in a thread). Its result is one
+  aligned subtree of the tree over the 512 lanes; a second kernel adds the 32 subtrees by the rest of the tree.
+  That spreads an 8192 x 8192 matrix over 2048 programs and costs 2 x 4 MB of partials against its 256 MB.
+  ``residual + grad`` and ``saved`` are written in the same pass. Ranks above 4 take one pass over the rows per
+  4 (the first one updates the residual).
+* **outer** (``out (+)= p (alpha q)^T``): a program per ``[8, 512]`` tile of ``out`` (32 values a thread, 16-byte
+  stores) adds the ``r`` products in registers, reads ``out`` once when accumulating and writes it once. ``when``
+  is read by the kernel (never by the host): a false flag moves no data.
 
-The trade-off. A float64 sum in a fixed sequential order can use neither tensor cores nor a reduction tree, so
-the products run on the float64 FMA units: on an H200 about 17 T FMA/s (half the fp32 rate; an fma is
-exact-equivalent here, every product being exact in float64, so the compiler may fuse). One element of the
-matrix costs ``r`` FMAs (``r + r'`` with a pending update, ``2 r + r'`` with ``subtract``) against 8 to 16
-bytes of memory traffic, so the kernels should stay memory-bound up to a rank of about 16 to 32 and become
-compute-bound above. The project kernel also spends a few instructions per element taking columns out of the
-tile (the price of coalesced loads for a sum that runs across them), a rank above 16 costs another pass over
-the rows, and the host's float64 copies of the factors are one to three extra small launches per call. In
-exchange every GPU, every Triton release and the CPU interpreter give the same bits, so a run on one machine
-is reproduced on another. The tile sizes were chosen by compiling for sm_90 and reading the result (at most 205
-registers a thread, a spill of 16 bytes at most, no layout conversion through shared memory in the summation
-loops); they have not been timed on a GPU yet.
+The small factors a kernel reads as vectors of a tile's columns (``q``, the pending ``q``, ``alpha q``) reach it
+transposed, ``(r, k)``, copied on the host (one small launch each); ``p`` is read in place (a value per row).
+
+**Triton or cuBLAS on CUDA** (issue 43: "where torch.matmul is faster than a Triton kernel for a low-rank step on
+the GPU, call it"). Decided by bytes, since every step is bound by memory at rank 4 (the whole project is about
+20 fp32 operations, 31 instructions, an element against its 12 bytes):
+
+* project: the fused kernel moves 12 bytes an element. Its torch equivalent, ``residual.add_(grad);
+  torch.matmul(residual, q, out=p); residual.addmm_(p, q.T, alpha=-1)``, moves 12 + 4 + 8 = 24 whatever cuBLAS
+  does: twice the floor. Triton.
+* gram: 4 bytes an element either way (``torch.matmul(residual.T, p, out=q)``); the kernel adds 3 % of partials
+  and a second launch. With a gradient the kernel's 12 bytes (16 with ``saved``) beat ``add_`` + ``matmul``'s 16
+  (24 with the copy to ``saved``). Triton, unless a GPU shows cuBLAS's skinny GEMM at 4 bytes faster.
+* outer: 4 bytes an element (8 accumulating) either way (``torch.matmul(p, q.T, out=out)``,
+  ``out.addmm_(p, q.T, alpha=alpha)``). Triton: the pending update inside ``lowrank_project`` has the bits of
+  ``lowrank_outer_into`` (what a resume relies on), which a cuBLAS outer product would break.
+
+So every step runs these kernels on CUDA, bit-equal to :mod:`~sylvie_comm.kernels.ordered` on every device;
+``sylvie_comm.bench.cuda`` can time the torch equivalents above beside them to check the decision on a GPU.
+
+What was measured: only the compiled form, on a CPU (``triton.compile`` for sm_90 and ``ptxas -v``), never a run
+on a GPU. At the benchmark's shapes (fp32 8192 x 8192, rank 4): no float64 instruction; every access of the
+matrix a 16-byte vector load or store; no layout conversion through shared memory in the element loops (shared
+memory only in the trees' exchanges between warps, once per 4 columns of ``p`` a row block, and the gram's trees
+once per program; none inside a loop at rank 4); no register spill (project 86 registers a thread, 128 at rows of
+16384; gram 136; outer 48, 56 accumulating), nor in a sweep of the host's other choices. Element offsets are
+int32 where they fit (below 2**31 elements).
 """
 
 # mypy: disable-error-code="no-untyped-def,untyped-decorator,no-untyped-call"
 # (triton.jit kernels take untyped tensors and constexprs; torch.library.Library is untyped)
+# ruff: noqa: RUF005
+# (tuples of tiles grow by concatenation: Triton's compiler takes no starred expression)
 from __future__ import annotations
 
 import functools
@@ -55,30 +78,30 @@ import triton
 import triton.language as tl
 
 from sylvie_comm.kernels import checks
-from sylvie_comm.kernels.ordered import CHUNK, as_fp32
+from sylvie_comm.kernels.ordered import GRAM_LANES, PROJECT_LANES, as_fp32
 from sylvie_comm.kernels.triton import NAMESPACE, interpreted, launch_context
 
 __all__ = ["SCHEMAS", "lowrank_gram", "lowrank_outer_into", "lowrank_project"]
 
-# Tiles (none changes a bit; tests/kernels/test_triton_lowrank.py runs several). The float64 accumulators of
-# the project and gram kernels (a chunk's partial and the total) take 4 registers per column of p / q a thread
-# holds, and the unrolled loads of q / p rows as many again, hence the rank blocks and the rows unrolled.
-PROJECT_WARPS = 4
-PROJECT_BLOCK_N = 32 * PROJECT_WARPS  # rows per program
-PROJECT_BLOCK_K = 4  # columns per tile (divides CHUNK)
-PROJECT_RANK_BLOCK = 16  # columns of q per pass over the rows
+# Tiles and launches (none changes a bit; tests/kernels/test_triton_lowrank.py runs several).
+PROJECT_WARPS = 8  # 8 warps of 32 threads, 4 columns each: one tile of PROJECT_LANES columns per row
+PROJECT_VALUES = 32  # values of the kept rows a thread holds (rows of up to 8192; one row of up to 16384 holds 64)
+PROJECT_RESIDENT = 16 * PROJECT_LANES  # the longest row kept in registers; longer ones are streamed
+PROJECT_RANKS = 4  # columns of p summed together (their trees share the exchanges between warps)
+PROJECT_STREAM_RANKS = 8  # columns of p a streaming pass sums at once
 GRAM_WARPS = 4
-GRAM_BLOCK_K = 32 * GRAM_WARPS  # columns per program: one per thread
-GRAM_RANK_BLOCK = 16  # columns of p per pass over the rows
-GRAM_ROW_FLOATS = 16  # float64 values of p rows a thread holds at once: rows unrolled = this / rank block
-OUTER_BLOCK_N = 32  # the tile of out per program
-OUTER_BLOCK_K = 64
-REDUCE_BLOCK = 256  # elements of p / q per program of the chunk reduction
-# Programs per streaming multiprocessor below which the project and gram kernels split their sums into chunks
-# (one program per chunk, the partials added by a second kernel) and the project kernel takes fewer rows.
+GRAM_BLOCK_K = 128  # columns per program: a warp's 32 threads x 4
+GRAM_RANKS = 4  # columns of q per pass over the rows
+GRAM_TILE_VALUES = 16  # values of a step's tile a thread holds (16 lanes by 128 columns over 128 threads)
+GRAM_UNROLL = 2  # steps over the rows whose loads are in flight together
+REDUCE_VALUES = 4096  # partials per program of the gram's second kernel
+# The outer product's tile of out per program: 32 values a thread, as wide as its warps' 4 columns a thread (so that
+# a row of alpha q^T, loaded as a vector, comes in the tile's layout).
+OUTER_WARPS = 4
+OUTER_BLOCK_N = 8
+OUTER_BLOCK_K = 128 * OUTER_WARPS
+# Programs per streaming multiprocessor below which the gram kernel narrows its column blocks.
 PROGRAMS_PER_SM = 4
-# Most chunks a split may have (a grid dimension).
-MAX_SLABS = 65535
 
 # The schemas of csrc/ops/ops.cpp, word for word.
 SCHEMAS = {
@@ -92,207 +115,288 @@ SCHEMAS = {
 
 
 # ---------------------------------------------------------------------------------------------------- device code
-#
-# The small factors reach the kernels as float64 copies made on the host (exact: every fp32 value is a float64
-# value), laid out so that what a kernel broadcasts is contiguous: a conversion instruction is 4x slower than a
-# float64 fma on H100/H200, and converting in the kernel would repeat it in every thread that uses the value.
 
 
 @triton.jit
-def _load_residual(e_ptr, g_ptr, ppt_ptr, pqt_ptr, rows, cols, n, k, rp, HAS_GRAD: tl.constexpr,
-                   HAS_PENDING: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """A ``[BN, BK]`` tile of the residual as stored, and as the project kernel uses it: after the pending
-    update (``e + sum_t pp[i, t] (-pq[j, t])``: float64 products added from +0.0 in order, ``e`` added, one
-    rounding; ``ppt``/``pqt`` the factors transposed, float64) and ``+ grad`` (one fp32 add). Zero outside the
-    matrix, so padding adds nothing."""
-    rmask = rows < n
-    kmask = cols < k
-    m = rmask[:, None] & kmask[None, :]
-    offs = rows[:, None] * k + cols[None, :]
-    e = tl.load(e_ptr + offs, mask=m, other=0.0)
-    v = e
+def _row_tree(acc, BM: tl.constexpr, W: tl.constexpr, LOG2_W: tl.constexpr):
+    """``[BM, W] -> [BM]``: each row's ``W`` lanes added by the adjacent-pair tree (lane ``2i`` plus lane
+    ``2i + 1``, then the same on the halves). Every step is a sum over exactly two values, one IEEE addition on every
+    backend; on sm_90 it compiles to adds in a thread, warp shuffles and, for the lanes of different warps, a
+    word per warp through shared memory."""
+    for i in tl.static_range(LOG2_W):
+        acc = tl.sum(tl.reshape(acc, [BM, W >> (i + 1), 2]), axis=2)
+    return tl.reshape(acc, [BM])
+
+
+@triton.jit
+def _stack(accs, RB: tl.constexpr):
+    """``RB`` (1, 2 or 4) tensors ``[BM, W]`` as one ``[BM, W, RB]``, ``accs[t]`` at index ``t`` of the new last
+    axis (joins: the new axis lies in each thread's registers, no data moves)."""
+    tl.static_assert(RB == 1 or RB == 2 or RB == 4)
+    if RB == 1:
+        return tl.expand_dims(accs[0], 2)
+    elif RB == 2:
+        return tl.join(accs[0], accs[1])
+    else:  # [.., i, j] = accs[2 i + j]
+        return tl.reshape(tl.join(tl.join(accs[0], accs[2]), tl.join(accs[1], accs[3])), accs[0].shape + [4])
+
+
+@triton.jit
+def _row_trees(acc, BM: tl.constexpr, W: tl.constexpr, LOG2_W: tl.constexpr, RB: tl.constexpr):
+    """``[BM, W, RB] -> [BM, RB]``: :func:`_row_tree` on each of the ``RB`` slices at once (one exchange between
+    warps a level for all of them)."""
+    for i in tl.static_range(LOG2_W):
+        acc = tl.sum(tl.reshape(acc, [BM, W >> (i + 1), 2, RB]), axis=2)
+    return tl.reshape(acc, [BM, RB])
+
+
+@triton.jit
+def _column_tree(acc, W: tl.constexpr, BK: tl.constexpr, LOG2_W: tl.constexpr):
+    """``[W, BK] -> [BK]``: each column's ``W`` lanes (the rows of the tile) added by the adjacent-pair tree."""
+    for i in tl.static_range(LOG2_W):
+        acc = tl.sum(tl.reshape(acc, [W >> (i + 1), 2, BK]), axis=1)
+    return tl.reshape(acc, [BK])
+
+
+@triton.jit
+def _column_mask(cols, kk, FULL: tl.constexpr):
+    """``cols < kk``, or (``FULL``: the caller knows it) all true, which the compiler folds away."""
+    if FULL:
+        return cols == cols
+    return cols < kk
+
+
+@triton.jit
+def _residual_tile(e_ptr, g_ptr, pp_ptr, pqt_ptr, rows, rmask, cols, kk, rp, HAS_GRAD: tl.constexpr,
+                   HAS_PENDING: tl.constexpr, FULL: tl.constexpr):  # fmt: skip
+    """A ``[rows, cols]`` tile of the residual as stored (``e``) and as ``p = residual q`` uses it (``x``): after
+    the pending update (``e + (+0.0 + sum_t pp[i, t] (-pq[j, t]))``, the products added in order of ``t``) and
+    ``+ grad``; zero outside the matrix, so the padding adds nothing. ``pqt``: the pending ``q`` transposed.
+    ``FULL``: every column of the tile is inside the matrix (no column mask)."""
+    kmask = _column_mask(cols, kk, FULL)
+    msk = rmask[:, None] & kmask[None, :]
+    offs = rows[:, None] * kk + cols[None, :]
+    e = tl.load(e_ptr + offs, mask=msk, other=0.0, cache_modifier=".cg")  # read once: past L1
+    x = e
     if HAS_PENDING:
-        d = tl.zeros([BN, BK], dtype=tl.float64)
+        s = tl.zeros_like(e)
         for t in range(rp):
-            pc = tl.load(ppt_ptr + t * n + rows, mask=rmask, other=0.0)
-            qc = tl.load(pqt_ptr + t * k + cols, mask=kmask, other=0.0)
-            d -= pc[:, None] * qc[None, :]  # == d + p (-q): alpha = -1 negates exactly
-        v = (e.to(tl.float64) + d).to(tl.float32)
+            # -pp (a multiply by -1: exact, -0.0 for +0.0) times pq: the bits of pp times (-pq)
+            a = tl.load(pp_ptr + rows * rp + t, mask=rmask, other=0.0) * -1.0
+            s += a[:, None] * tl.load(pqt_ptr + t * kk + cols[None, :], mask=kmask[None, :], other=0.0)
+        # An infinite pending factor times a zero of the padding is NaN there: the padding stays zero.
+        x = tl.where(msk, e + s, 0.0)
     if HAS_GRAD:
-        v = v + tl.load(g_ptr + offs, mask=m, other=0.0)
-    # An infinite pending factor makes NaN outside the matrix too; the tile's zeros must stay zeros.
-    v = tl.where(m, v, 0.0)
-    return e, v, m, offs
+        x = x + tl.load(g_ptr + offs, mask=msk, other=0.0, cache_modifier=".cg")
+    return e, x, msk, offs
 
 
 @triton.jit
-def _project_kernel(e_ptr, g_ptr, q_ptr, p_ptr, ppt_ptr, pqt_ptr, s_ptr, pt_ptr, w_ptr, n, k, r, rp, slab_cols,
-                    HAS_GRAD: tl.constexpr, HAS_PENDING: tl.constexpr, HAS_SAVED: tl.constexpr,
-                    SUBTRACT: tl.constexpr, PARTIAL: tl.constexpr, ONE_PASS: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, RB: tl.constexpr, CHUNK_: tl.constexpr):  # fmt: skip
-    """Rows ``[BN * pid0, ...)``, columns ``[slab_cols * pid1, ...)``. ``q_ptr``: q in float64, (k, r);
-    ``pt_ptr``: where p goes in float64, transposed (r, n), for ``SUBTRACT``; ``w_ptr``: with ``PARTIAL`` (the
-    slab is one chunk), where its float64 partial of p goes, (chunks, n, r)."""
-    tl.static_assert(CHUNK_ % BK == 0)
-    rows = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+def _project_columns(v, qt_ptr, p_ptr, rows, rmask, cb, kk, r, c0, BM: tl.constexpr, TW: tl.constexpr,
+                     LOG2_TW: tl.constexpr, M: tl.constexpr, EVEN: tl.constexpr, RB: tl.constexpr):  # fmt: skip
+    """Columns ``c0 .. c0 + RB - 1`` of ``p`` from the kept tiles ``v``: each the tiles times a row of ``q^T``, added
+    tile by tile on the lanes, then the ``RB`` trees as one."""
+    accs = ()  # type: tuple[tl.tensor, ...]
+    for _t in tl.static_range(RB):
+        accs = accs + (tl.zeros_like(v[0]),)  # lane j of the tile: every lane from +0.0, its indices in order
+    for m in tl.static_range(M):
+        cols = m * TW + cb
+        kmask = _column_mask(cols, kk, EVEN or m < M - 1)[None, :]
+        new = ()  # type: tuple[tl.tensor, ...]
+        for t in tl.static_range(RB):
+            qrow = tl.load(qt_ptr + (c0 + t) * kk + cols[None, :], mask=kmask & (c0 + t < r), other=0.0)
+            new = new + (accs[t] + v[m] * qrow,)
+        accs = new
+    total = _row_trees(_stack(accs, RB), BM, TW, LOG2_TW, RB)  # [BM, RB]
+    rb = c0 + tl.arange(0, RB)
+    tl.store(p_ptr + rows[:, None] * r + rb[None, :], total, mask=rmask[:, None] & (rb < r)[None, :])
+
+
+@triton.jit
+def _project_kernel(e_ptr, g_ptr, qt_ptr, p_ptr, pp_ptr, pqt_ptr, s_ptr, n, k, r, rp, HAS_GRAD: tl.constexpr,
+                    HAS_PENDING: tl.constexpr, HAS_SAVED: tl.constexpr, SUBTRACT: tl.constexpr,
+                    ALIGN: tl.constexpr, BM: tl.constexpr, TW: tl.constexpr, LOG2_TW: tl.constexpr,
+                    M: tl.constexpr, EVEN: tl.constexpr, RB: tl.constexpr, NB: tl.constexpr,
+                    IDX: tl.constexpr):  # fmt: skip
+    """Rows ``[BM * pid, ...)``, whole: their ``M`` tiles of ``TW`` columns (the lanes) are loaded once and kept in
+    registers (a tuple of tiles), ``p`` is summed from them rank by rank, and with ``SUBTRACT`` the residual is
+    written once, ``residual' - p q^T``, after a block barrier makes the block's ``p`` visible to all its threads.
+    ``qt_ptr``: q transposed (r, k). ``EVEN``: ``TW`` divides ``k`` (no tile is cut)."""
+    kk = k // ALIGN * ALIGN  # == k, and the compiler knows ALIGN divides it: aligned rows, 16-byte loads
+    rows = tl.program_id(0).to(IDX) * BM + tl.arange(0, BM)
     rmask = rows < n
-    slab = tl.program_id(1)
-    j_begin = slab * slab_cols
-    j_end = tl.minimum(k, j_begin + slab_cols)
-    jb = tl.arange(0, BK)
-    cb = tl.arange(0, RB)
-    for c0 in range(0, r, RB):
-        ccols = c0 + cb
-        cmask = ccols < r
-        total = tl.zeros([BN, RB], dtype=tl.float64)
-        for jc in range(j_begin, j_end, CHUNK_):
-            part = tl.zeros([BN, RB], dtype=tl.float64)
-            for j0 in range(jc, tl.minimum(jc + CHUNK_, j_end), BK):
-                cols = tl.multiple_of(j0, BK) + jb  # (j0 is: BK divides CHUNK, slabs start at chunks)
-                e, v, m, offs = _load_residual(e_ptr, g_ptr, ppt_ptr, pqt_ptr, rows, cols, n, k, rp, HAS_GRAD,
-                                               HAS_PENDING, BN, BK)  # fmt: skip
-                if ONE_PASS:
-                    if HAS_SAVED:
-                        tl.store(s_ptr + offs, e, mask=m)
-                    tl.store(e_ptr + offs, v, mask=m)
-                for jj in tl.static_range(BK):
-                    # Column jj of the tile, exactly: the other entries replaced by zeros (not multiplied, so an
-                    # infinity elsewhere cannot leak in), and x + 0 + ... + 0 == x in any order for every x but
-                    # -0.0, which becomes +0.0 (whose product adds nothing to a sum that started at +0.0).
-                    col = tl.sum(tl.where(jb[None, :] == jj, v, 0.0), axis=1).to(tl.float64)
-                    qrow = tl.load(q_ptr + (j0 + jj) * r + ccols, mask=cmask & (j0 + jj < k), other=0.0)
-                    part += col[:, None] * qrow[None, :]
-            total += part
-        pm = rmask[:, None] & cmask[None, :]
-        poffs = rows[:, None] * r + ccols[None, :]
-        if PARTIAL:
-            tl.store(w_ptr + slab.to(tl.int64) * n * r + poffs, total, mask=pm)
-        else:
-            p32 = total.to(tl.float32)
-            tl.store(p_ptr + poffs, p32, mask=pm)
-            if SUBTRACT:
-                tl.store(pt_ptr + ccols[None, :] * n + rows[:, None], p32.to(tl.float64), mask=pm)
-    if not ONE_PASS:
-        if SUBTRACT:
-            tl.debug_barrier()  # the block's p, written above by other threads, is visible to all
-        for j0 in range(j_begin, j_end, BK):
-            cols = tl.multiple_of(j0, BK) + jb  # (j0 is: BK divides CHUNK, slabs start at chunks)
-            kmask = cols < k
-            e, v, m, offs = _load_residual(e_ptr, g_ptr, ppt_ptr, pqt_ptr, rows, cols, n, k, rp, HAS_GRAD,
-                                           HAS_PENDING, BN, BK)  # fmt: skip
-            if HAS_SAVED:
-                tl.store(s_ptr + offs, e, mask=m)
-            if SUBTRACT:  # residual' + sum_t p[i, t] (-q[j, t]): lowrank_outer_into(residual, p, q, -1, True)
-                s = tl.zeros([BN, BK], dtype=tl.float64)
-                for t in range(r):
-                    pc = tl.load(pt_ptr + t * n + rows, mask=rmask, other=0.0)
-                    qc = tl.load(q_ptr + cols * r + t, mask=kmask, other=0.0)
-                    s -= pc[:, None] * qc[None, :]
-                v = (v.to(tl.float64) + s).to(tl.float32)
-            tl.store(e_ptr + offs, v, mask=m)
+    cb = tl.arange(0, TW)
+    v = ()  # type: tuple[tl.tensor, ...]
+    for m in tl.static_range(M):
+        e, x, msk, offs = _residual_tile(e_ptr, g_ptr, pp_ptr, pqt_ptr, rows, rmask, m * TW + cb, kk, rp, HAS_GRAD,
+                                         HAS_PENDING, EVEN or m < M - 1)  # fmt: skip
+        if HAS_SAVED:
+            tl.store(s_ptr + offs, e, mask=msk)
+        if not SUBTRACT and (HAS_GRAD or HAS_PENDING):
+            tl.store(e_ptr + offs, x, mask=msk)
+        v = v + (x,)
+    if NB == 1:  # rank <= RB: no loop (and so no barrier of the trees' exchanges inside one)
+        _project_columns(v, qt_ptr, p_ptr, rows, rmask, cb, kk, r, 0, BM, TW, LOG2_TW, M, EVEN, RB)
+    else:
+        for c0 in range(0, r, RB):
+            _project_columns(v, qt_ptr, p_ptr, rows, rmask, cb, kk, r, c0, BM, TW, LOG2_TW, M, EVEN, RB)
+    if SUBTRACT:  # residual' + sum_t p[i, t] (-q[j, t]): lowrank_outer_into(residual, p, q, -1, True)
+        tl.debug_barrier()  # the block's p, stored above by other threads, is visible to all
+        for m in tl.static_range(M):
+            cols = m * TW + cb
+            kmask = _column_mask(cols, kk, EVEN or m < M - 1)[None, :]
+            s = tl.zeros_like(v[m])
+            for t in range(r):
+                a = tl.load(p_ptr + rows * r + t, mask=rmask, other=0.0) * -1.0
+                s += a[:, None] * tl.load(qt_ptr + t * kk + cols[None, :], mask=kmask, other=0.0)
+            tl.store(e_ptr + rows[:, None] * kk + cols[None, :], v[m] + s, mask=rmask[:, None] & kmask)
 
 
 @triton.jit
-def _gram_kernel(e_ptr, g_ptr, p_ptr, q_ptr, w_ptr, s_ptr, n, k, r, slab_rows, HAS_GRAD: tl.constexpr,
-                 HAS_SAVED: tl.constexpr, PARTIAL: tl.constexpr, ONE_PASS: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, RB: tl.constexpr, CHUNK_: tl.constexpr):  # fmt: skip
-    """Columns ``[BK * pid0, ...)``, rows ``[slab_rows * pid1, ...)``. ``p_ptr``: p in float64, (n, r). The
-    accumulators are ``[RB, BK]`` (q transposed), so that a row of the residual broadcasts along their first
-    axis in the layout its coalesced load has."""
-    tl.static_assert(CHUNK_ % BN == 0)
-    cols = tl.program_id(0).to(tl.int64) * BK + tl.arange(0, BK)
-    kmask = cols < k
-    slab = tl.program_id(1)
-    i_begin = slab * slab_rows
-    i_end = tl.minimum(n, i_begin + slab_rows)
-    ib = tl.arange(0, BN)
-    cb = tl.arange(0, RB)
-    for c0 in range(0, r, RB):
-        ccols = c0 + cb
-        cmask = ccols < r
-        total = tl.zeros([RB, BK], dtype=tl.float64)
-        for ic in range(i_begin, i_end, CHUNK_):
-            ic_end = tl.minimum(ic + CHUNK_, i_end)
-            part = tl.zeros([RB, BK], dtype=tl.float64)
-            for i0 in range(ic, ic_end, BN):
-                # Rows one by one, in order: contiguous loads, all BN of them free to be in flight together
-                # (nothing is stored before the group is summed).
-                for ii in tl.static_range(BN):
-                    i = tl.cast(i0, tl.int64) + ii
-                    valid = i < ic_end
-                    ev = tl.load(e_ptr + i * k + cols, mask=kmask & valid, other=0.0)
-                    if HAS_GRAD:
-                        ev = ev + tl.load(g_ptr + i * k + cols, mask=kmask & valid, other=0.0)
-                    prow = tl.load(p_ptr + i * r + ccols, mask=cmask & valid, other=0.0)
-                    part += prow[:, None] * ev.to(tl.float64)[None, :]
-                if ONE_PASS:  # the same rows again as a tile (from cache): saved and residual + grad
-                    rows = (i0 + ib).to(tl.int64)
-                    m = (rows < ic_end)[:, None] & kmask[None, :]
-                    offs = rows[:, None] * k + cols[None, :]
-                    e = tl.load(e_ptr + offs, mask=m, other=0.0)
-                    if HAS_SAVED:
-                        tl.store(s_ptr + offs, e, mask=m)
-                    if HAS_GRAD:
-                        tl.store(e_ptr + offs, e + tl.load(g_ptr + offs, mask=m, other=0.0), mask=m)
-            total += part
-        qoffs = ccols[:, None] + cols[None, :] * r
-        qmask = cmask[:, None] & kmask[None, :]
-        if PARTIAL:  # this slab is one chunk: its float64 partial, added in chunk order by _reduce_kernel
-            tl.store(w_ptr + slab.to(tl.int64) * k * r + qoffs, total, mask=qmask)
-        else:
-            tl.store(q_ptr + qoffs, total.to(tl.float32), mask=qmask)
-    if not ONE_PASS:  # several passes read the rows: write them after the last
-        for i0 in range(i_begin, i_end, BN):
-            rows = (i0 + ib).to(tl.int64)
-            m = (rows < i_end)[:, None] & kmask[None, :]
-            offs = rows[:, None] * k + cols[None, :]
-            e = tl.load(e_ptr + offs, mask=m, other=0.0)
+def _project_stream_kernel(e_ptr, g_ptr, qt_ptr, p_ptr, pp_ptr, pqt_ptr, s_ptr, n, k, r, rp, c0,
+                           HAS_GRAD: tl.constexpr, HAS_PENDING: tl.constexpr, HAS_SAVED: tl.constexpr,
+                           ALIGN: tl.constexpr, BM: tl.constexpr, TW: tl.constexpr, LOG2_TW: tl.constexpr,
+                           RB: tl.constexpr, IDX: tl.constexpr):  # fmt: skip
+    """Rows too long to keep: rows ``[BM * pid, ...)`` streamed tile by tile, columns ``c0 .. c0 + RB - 1`` of p
+    summed at once (a tuple of accumulators); the residual as ``p`` uses it is written back as it is read (the
+    subtraction is a second kernel, :func:`_outer_kernel`)."""
+    kk = k // ALIGN * ALIGN
+    rows = tl.program_id(0).to(IDX) * BM + tl.arange(0, BM)
+    rmask = rows < n
+    cb = tl.arange(0, TW)
+    accs = ()  # type: tuple[tl.tensor, ...]
+    for _t in tl.static_range(RB):
+        accs = accs + (tl.zeros([BM, TW], dtype=tl.float32),)
+    for j0 in range(0, kk, TW):
+        cols = tl.multiple_of(j0, TW) + cb
+        e, x, msk, offs = _residual_tile(e_ptr, g_ptr, pp_ptr, pqt_ptr, rows, rmask, cols, kk, rp, HAS_GRAD,
+                                         HAS_PENDING, False)  # fmt: skip
+        if HAS_SAVED:
+            tl.store(s_ptr + offs, e, mask=msk)
+        if HAS_GRAD or HAS_PENDING:
+            tl.store(e_ptr + offs, x, mask=msk)
+        kmask = (cols < kk)[None, :]
+        new = ()  # type: tuple[tl.tensor, ...]
+        for t in tl.static_range(RB):
+            qrow = tl.load(qt_ptr + (c0 + t) * kk + cols[None, :], mask=kmask & (c0 + t < r), other=0.0)
+            new = new + (accs[t] + x * qrow,)
+        accs = new
+    for t in tl.static_range(RB):
+        tl.store(p_ptr + rows * r + c0 + t, _row_tree(accs[t], BM, TW, LOG2_TW), mask=rmask & (c0 + t < r))
+
+
+@triton.jit
+def _lane_order(LS: tl.constexpr, CR: tl.constexpr):
+    """The lane of each of ``LS`` tile rows: row ``a CR + c`` holds lane ``a + (LS / CR) c``, so that the lanes
+    a thread holds (Triton's layout repeats a tile's rows every ``CR``: the rows of one pass of its threads and
+    warps) are consecutive, and the first levels of the tree are adds in a thread."""
+    rho = tl.arange(0, LS)
+    return rho // CR + (LS // CR) * (rho % CR)
+
+
+@triton.jit
+def _lane_tree(acc, LS: tl.constexpr, LOG2_LS: tl.constexpr, CR: tl.constexpr, LOG2_CR: tl.constexpr,
+               BK: tl.constexpr):  # fmt: skip
+    """``[LS, BK] -> [BK]``: the adjacent-pair tree over the lanes of tile rows in :func:`_lane_order`: first
+    over ``a`` (lanes ``a + (LS / CR) c`` for each ``c``: aligned subtrees), then over ``c``."""
+    acc = tl.reshape(acc, [LS // CR, CR, BK])
+    for i in tl.static_range(LOG2_LS - LOG2_CR):
+        acc = tl.sum(tl.reshape(acc, [(LS // CR) >> (i + 1), 2, CR, BK]), axis=1)
+    return _column_tree(tl.reshape(acc, [CR, BK]), CR, BK, LOG2_CR)
+
+
+@triton.jit
+def _gram_kernel(e_ptr, g_ptr, p_ptr, out_ptr, s_ptr, n, k, r, c0, steps, HAS_GRAD: tl.constexpr,
+                 HAS_SAVED: tl.constexpr, PARTIAL: tl.constexpr, ALIGN: tl.constexpr, LANES: tl.constexpr,
+                 LS: tl.constexpr, LOG2_LS: tl.constexpr, CR: tl.constexpr, LOG2_CR: tl.constexpr,
+                 BK: tl.constexpr, RB: tl.constexpr, UNROLL: tl.constexpr, IDX: tl.constexpr):  # fmt: skip
+    """Columns ``[BK * pid0, ...)``, lanes ``[LS * pid1, ...)`` of the sum over the rows: the program reads rows
+    ``lane + LANES * s`` for ``s = 0 .. steps - 1`` (``LS`` consecutive rows every ``LANES``, in
+    :func:`_lane_order`), each lane adding its products in order, then adds its ``LS`` lanes by the tree. With
+    ``PARTIAL`` that is one aligned subtree of the tree over the ``LANES`` lanes, written to ``out`` (slabs, k, r)
+    for :func:`_reduce_kernel`; otherwise the program holds every lane and writes ``q`` (``out``, (k, r)).
+    Columns ``c0 .. c0 + RB - 1`` of ``q``."""
+    kk = k // ALIGN * ALIGN
+    cols = tl.program_id(0).to(IDX) * BK + tl.arange(0, BK)
+    kmask = cols < kk
+    lanes = tl.program_id(1) * LS + _lane_order(LS, CR)
+    accs = ()  # type: tuple[tl.tensor, ...]
+    for _t in tl.static_range(RB):
+        accs = accs + (tl.zeros([LS, BK], dtype=tl.float32),)
+    for s0 in range(0, steps, UNROLL):
+        # UNROLL steps' loads first, all in flight together, then their products in step order (a step past the
+        # last reads nothing and adds +0.0 products)
+        xs = ()  # type: tuple[tl.tensor, ...]
+        ps = ()  # type: tuple[tl.tensor, ...]
+        for u in tl.static_range(UNROLL):
+            rows = ((s0 + u) * LANES + lanes).to(IDX)
+            rmask = rows < n
+            m = rmask[:, None] & kmask[None, :]
+            offs = rows[:, None] * kk + cols[None, :]
+            x = tl.load(e_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
             if HAS_SAVED:
-                tl.store(s_ptr + offs, e, mask=m)
+                tl.store(s_ptr + offs, x, mask=m)
             if HAS_GRAD:
-                tl.store(e_ptr + offs, e + tl.load(g_ptr + offs, mask=m, other=0.0), mask=m)
+                x = x + tl.load(g_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
+                tl.store(e_ptr + offs, x, mask=m)
+            xs = xs + (x,)
+            for t in tl.static_range(RB):
+                ps = ps + (tl.load(p_ptr + rows * r + c0 + t, mask=rmask & (c0 + t < r), other=0.0),)
+        for u in tl.static_range(UNROLL):
+            new = ()  # type: tuple[tl.tensor, ...]
+            for t in tl.static_range(RB):
+                new = new + (accs[t] + xs[u] * ps[u * RB + t][:, None],)
+            accs = new
+    for t in tl.static_range(RB):
+        total = _lane_tree(accs[t], LS, LOG2_LS, CR, LOG2_CR, BK)
+        at = cols * r + c0 + t  # in q (k, r)
+        if PARTIAL:  # in this slab's part of the workspace (slabs, k, r), q's layout
+            at += tl.program_id(1).to(tl.int64) * kk * r  # (the workspace may pass 2**31 elements)
+        tl.store(out_ptr + at, total, mask=kmask & (c0 + t < r))
 
 
 @triton.jit
-def _reduce_kernel(w_ptr, out_ptr, numel, slabs, BLOCK: tl.constexpr):
-    """``out = fp32(+0.0 + partial[0] + partial[1] + ...)``, the chunks' float64 partials in chunk order."""
-    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _reduce_kernel(w_ptr, q_ptr, numel, SP: tl.constexpr, LOG2_SP: tl.constexpr, CR: tl.constexpr,
+                        LOG2_CR: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """``q[j, t]`` = the adjacent-pair tree over the ``SP`` slabs' partials ``w[s, j, t]`` (each slab's result is
+    the subtree of its lanes: this is the rest of the tree over all lanes)."""
+    idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # j * r + t
     m = idx < numel
-    acc = tl.zeros([BLOCK], dtype=tl.float64)
-    for s in range(slabs):
-        acc += tl.load(w_ptr + s * numel + idx, mask=m, other=0.0)
-    tl.store(out_ptr + idx, acc.to(tl.float32), mask=m)
+    sl = _lane_order(SP, CR)
+    w = tl.load(w_ptr + sl[:, None].to(tl.int64) * numel + idx[None, :], mask=m[None, :], other=0.0)
+    tl.store(q_ptr + idx, _lane_tree(w, SP, LOG2_SP, CR, LOG2_CR, BLOCK), mask=m)
 
 
 @triton.jit
-def _outer_tile(o_ptr, pt_ptr, qt_ptr, rows, cols, n, k, r, ACCUMULATE: tl.constexpr, BN: tl.constexpr,
-                BK: tl.constexpr):  # fmt: skip
+def _outer_tile(o_ptr, p_ptr, qat_ptr, pid, n, k, r, col_blocks, ACCUMULATE: tl.constexpr, ALIGN: tl.constexpr,
+                BN: tl.constexpr, BK: tl.constexpr, IDX: tl.constexpr):  # fmt: skip
+    kk = k // ALIGN * ALIGN
+    rows = (pid // col_blocks).to(IDX) * BN + tl.arange(0, BN)
+    cols = (pid % col_blocks) * BK + tl.arange(0, BK)
     rmask = rows < n
-    kmask = cols < k
-    s = tl.zeros([BN, BK], dtype=tl.float64)
+    kmask = cols < kk
+    s = tl.zeros([BN, BK], dtype=tl.float32)
     for t in range(r):
-        pc = tl.load(pt_ptr + t * n + rows, mask=rmask, other=0.0)
-        qc = tl.load(qt_ptr + t * k + cols, mask=kmask, other=0.0)
-        s += pc[:, None] * qc[None, :]
+        a = tl.load(p_ptr + rows * r + t, mask=rmask, other=0.0)
+        s += a[:, None] * tl.load(qat_ptr + t * kk + cols[None, :], mask=kmask[None, :], other=0.0)
     m = rmask[:, None] & kmask[None, :]
-    offs = rows[:, None] * k + cols[None, :]
+    offs = rows[:, None] * kk + cols[None, :]
     if ACCUMULATE:
-        s = tl.load(o_ptr + offs, mask=m, other=0.0).to(tl.float64) + s
-    tl.store(o_ptr + offs, s.to(tl.float32), mask=m)
+        s = tl.load(o_ptr + offs, mask=m, other=0.0, cache_modifier=".cg") + s
+    tl.store(o_ptr + offs, s, mask=m)
 
 
 @triton.jit
-def _outer_kernel(o_ptr, pt_ptr, qt_ptr, when_ptr, n, k, r, col_blocks, HAS_WHEN: tl.constexpr,
-                  ACCUMULATE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """``pt_ptr``: p transposed (r, n), ``qt_ptr``: ``alpha q`` (rounded to fp32) transposed (r, k), in float64."""
+def _outer_kernel(o_ptr, p_ptr, qat_ptr, when_ptr, n, k, r, col_blocks, HAS_WHEN: tl.constexpr,
+                  ACCUMULATE: tl.constexpr, ALIGN: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  IDX: tl.constexpr):  # fmt: skip
+    """A ``[BN, BK]`` tile of ``out``. ``qat_ptr``: ``alpha q`` (rounded to fp32) transposed, (r, k)."""
     pid = tl.program_id(0)
-    rows = (pid // col_blocks).to(tl.int64) * BN + tl.arange(0, BN)
-    cols = (pid % col_blocks).to(tl.int64) * BK + tl.arange(0, BK)
     if HAS_WHEN:
         if tl.load(when_ptr) != 0:
-            _outer_tile(o_ptr, pt_ptr, qt_ptr, rows, cols, n, k, r, ACCUMULATE, BN, BK)
+            _outer_tile(o_ptr, p_ptr, qat_ptr, pid, n, k, r, col_blocks, ACCUMULATE, ALIGN, BN, BK, IDX)
     else:
-        _outer_tile(o_ptr, pt_ptr, qt_ptr, rows, cols, n, k, r, ACCUMULATE, BN, BK)
+        _outer_tile(o_ptr, p_ptr, qat_ptr, pid, n, k, r, col_blocks, ACCUMULATE, ALIGN, BN, BK, IDX)
 
 
 # ---------------------------------------------------------------------------------------------------- host code
@@ -319,7 +423,37 @@ def _check_block(value: int | None, name: str, at_most: int) -> None:
 
 
 def _pow2(x: int) -> int:
+    """The least power of two at least ``x`` (1 for ``x <= 1``)."""
     return 1 << max(0, (x - 1).bit_length())
+
+
+def _pow2_floor(x: int) -> int:
+    """The greatest power of two at most ``x`` (1 for ``x <= 1``)."""
+    return 1 << max(0, x.bit_length() - 1)
+
+
+def _layout_rows(cols: int, warps: int) -> int:
+    """The rows one pass of the threads covers in Triton's layout of a ``[rows, cols]`` fp32 tile (4 consecutive
+    values a thread, a warp's threads along the columns first, then its warps): the period of the rows a thread
+    holds. A guess (a layout Triton picks otherwise costs speed, never bits)."""
+    per = min(4, cols)
+    threads = min(32, cols // per)
+    warps_along = min(warps, max(1, cols // (per * threads)))
+    return (32 // threads) * (warps // warps_along)
+
+
+def _index(rows: int, cols: int) -> tl.dtype:
+    """The integer type of the element offsets of a (rows, cols) matrix (rows counting the programs' padding, cols
+    the longest row of the matrix and the factors read by row): int32 where they fit (fewer registers and
+    instructions than int64), else int64."""
+    return tl.int32 if rows * cols < 2**31 else tl.int64
+
+
+def _align(k: int) -> int:
+    """The greatest of 4, 2, 1 dividing ``k``: what the kernels tell the compiler of a row's length (with 16-byte
+    aligned tensors, 4 makes every row start 16-byte aligned and every tile's mask constant over 4 columns: 16-byte
+    loads and stores)."""
+    return 4 if k % 4 == 0 else 2 if k % 2 == 0 else 1
 
 
 @functools.cache
@@ -328,29 +462,22 @@ def _sm_count(index: int) -> int:
 
 
 def _target_programs(device: torch.device) -> int:
-    """Programs that fill the device: a few per streaming multiprocessor (0 under the interpreter: fewer,
-    larger programs run faster there)."""
+    """Programs that fill the device: a few per streaming multiprocessor; 0 under the interpreter, which runs
+    fewer, larger programs faster. The one place the host's choices learn whether they are a GPU's (the other
+    choices follow it: :func:`_gpu`)."""
     if device.type != "cuda":
         return 0
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) * PROGRAMS_PER_SM
 
 
-def _f64_transposed(x: torch.Tensor) -> torch.Tensor:
-    """A (rows, cols) fp32 factor as a contiguous (cols, rows) float64 copy (exact)."""
-    out = torch.empty((x.shape[1], x.shape[0]), dtype=torch.float64, device=x.device)
-    return out.copy_(x.t())
+def _gpu(device: torch.device) -> bool:
+    """Whether the launches are a GPU's (tiles sized for its registers), not the interpreter's."""
+    return _target_programs(device) > 0
 
 
-def _rank_block(r: int, rank_block: int | None, most: int) -> int:
-    _check_block(rank_block, "rank_block", 64)
-    return rank_block if rank_block is not None else min(most, _pow2(r))
-
-
-def _split(chunks: int, programs: int, device: torch.device, split: bool | None) -> bool:
-    """Whether to sum the chunks in separate programs: asked for, or needed to fill the device."""
-    if split is None:
-        split = programs < _target_programs(device)
-    return split and 1 < chunks <= MAX_SLABS
+def _transposed(x: torch.Tensor) -> torch.Tensor:
+    """A (rows, cols) factor as a contiguous (cols, rows) copy: what a kernel reads a column of as a vector."""
+    return torch.empty((x.shape[1], x.shape[0]), dtype=x.dtype, device=x.device).copy_(x.t())
 
 
 def lowrank_project(
@@ -364,50 +491,70 @@ def lowrank_project(
     saved: torch.Tensor | None = None,
     *,
     block_n: int | None = None,
-    block_k: int | None = None,
+    stream: bool | None = None,
     rank_block: int | None = None,
-    split: bool | None = None,
 ) -> None:
     """``torch.ops.sylvie_comm_triton.lowrank_project``: :func:`sylvie_comm.kernels.ordered.lowrank_project`'s
     bits. The keywords override the host's choices, which change no bits (for tests): ``block_n`` rows per
-    program, ``block_k`` columns per tile, ``rank_block`` columns of ``q`` per pass, ``split`` the sum over ``k``
-    cut into its chunks, each summed by its own programs (then ``p`` is their partials added in chunk order by a
-    second kernel and ``subtract`` is :func:`lowrank_outer_into` ``(residual, p, q, -1, True)``, a third)."""
+    program; ``stream`` the rows streamed tile by tile instead of kept in registers (what rows longer than
+    :data:`PROJECT_RESIDENT` take: then ``subtract`` is :func:`lowrank_outer_into` ``(residual, p, q, -1, True)``,
+    a second kernel), ``rank_block`` the columns of ``p`` summed at once (at most 4 when kept in registers)."""
     device_type = _check_device(residual, "lowrank_project", "residual")
     checks.lowrank_project(device_type, residual, grad, q, p, subtract, pending_p, pending_q, saved)
     n, k = residual.shape
     _check_block(block_n, "block_n", 1024)
-    _check_block(block_k, "block_k", CHUNK)
-    r = q.shape[1]
-    rb = _rank_block(r, rank_block, PROJECT_RANK_BLOCK)
+    _check_block(rank_block, "rank_block", 64)
     if n == 0:
         return
     if k == 0:
         p.zero_()  # an empty sum; the residual is empty
         return
-    chunks = triton.cdiv(k, CHUNK)
-    bn = block_n or PROJECT_BLOCK_N
-    split = _split(chunks, triton.cdiv(n, bn), residual.device, split)
-    if block_n is None and triton.cdiv(n, bn) * (chunks if split else 1) < _target_programs(residual.device):
-        bn = 32  # a warp per program: more programs
-    fused_subtract = bool(subtract) and not split
+    r = q.shape[1]
     rp = pending_p.shape[1] if pending_p is not None else 0
-    q64 = q.to(torch.float64)
-    ppt = _f64_transposed(pending_p) if pending_p is not None else q64
-    pqt = _f64_transposed(pending_q) if pending_q is not None else q64
-    pt = torch.empty((r, n), dtype=torch.float64, device=q.device) if fused_subtract else q64
-    work = torch.empty((chunks, n, r), dtype=torch.float64, device=q.device) if split else q64
+    tw = min(PROJECT_LANES, _pow2(k))  # the lanes of a sum over fewer indices than PROJECT_LANES: the same bits
+    tiles = triton.cdiv(k, tw)
+    stream = k > PROJECT_RESIDENT if stream is None else stream
+    if block_n is not None:
+        bm = block_n
+    elif _gpu(residual.device):
+        # A row block of PROJECT_VALUES values a thread (rows of up to 8192; one row above), half as many in rows
+        # that 4 does not divide (read one value at a time: an address each).
+        threads = 32 * max(1, min(PROJECT_WARPS, tw // 128))
+        values = PROJECT_VALUES if _align(k) == 4 else PROJECT_VALUES // 2
+        bm = min(_pow2(n), _pow2_floor(max(1, values * threads // (tw * (1 if stream else tiles)))))
+    else:
+        bm = min(_pow2(n), _pow2_floor(max(1, (1 << 16) // (tw * (1 if stream else tiles)))))
+    qt = _transposed(q)
+    pqt = _transposed(pending_q) if pending_q is not None else qt
+    args = (residual, grad if grad is not None else residual, qt, p, pending_p if pending_p is not None else qt, pqt,
+            saved if saved is not None else residual, n, k, r, rp)  # fmt: skip
+    # Warps along the tile only (a tile narrower than theirs would spread them over rows, and q's rows, loaded as
+    # vectors, would then need another layout than the tile's).
+    warps = max(1, min(PROJECT_WARPS, tw // 128))
+    common = {"HAS_GRAD": grad is not None, "HAS_PENDING": pending_p is not None, "ALIGN": _align(k), "BM": bm,
+              "TW": tw, "LOG2_TW": tw.bit_length() - 1, "IDX": _index(triton.cdiv(n, bm) * bm, max(k, r, rp)),
+              "num_warps": warps, "enable_fp_fusion": False}  # fmt: skip
     with launch_context(residual.device):
-        _project_kernel[(triton.cdiv(n, bn), chunks if split else 1)](
-            residual, grad if grad is not None else residual, q64, p, ppt, pqt,
-            saved if saved is not None else residual, pt, work, n, k, r, rp, CHUNK if split else k,
-            HAS_GRAD=grad is not None, HAS_PENDING=pending_p is not None, HAS_SAVED=saved is not None,
-            SUBTRACT=fused_subtract, PARTIAL=split, ONE_PASS=not fused_subtract and r <= rb, BN=bn,
-            BK=block_k or PROJECT_BLOCK_K, RB=rb, CHUNK_=CHUNK, num_warps=max(1, min(PROJECT_WARPS, bn // 32)),
-        )  # fmt: skip
-        if split:
-            _reduce_kernel[(triton.cdiv(n * r, REDUCE_BLOCK),)](work, p, n * r, chunks, BLOCK=REDUCE_BLOCK)
-    if split and subtract:
+        if not stream:
+            # (rows of 16 tiles take 2 columns of p at a time: 4 need more than 255 registers with a pending update;
+            # rows that 4 does not divide take 1: their q is read one value at a time, an address each)
+            most = 1 if _align(k) < 4 else PROJECT_RANKS if tiles <= 8 else 2
+            rb = min(rank_block or most, PROJECT_RANKS, _pow2(r))
+            _project_kernel[(triton.cdiv(n, bm),)](
+                *args, HAS_SAVED=saved is not None, SUBTRACT=bool(subtract), M=tiles, EVEN=k % tw == 0, RB=rb,
+                NB=triton.cdiv(r, rb), **common,
+            )  # fmt: skip
+            return
+        # (8 columns of p read one value at a time, rows that 4 does not divide, spill: 4 then)
+        rb = rank_block or min(_pow2(r), PROJECT_STREAM_RANKS if _align(k) == 4 else 4)
+        for c0 in range(0, r, rb):
+            first = c0 == 0  # the first pass updates the residual; the later ones read it updated
+            _project_stream_kernel[(triton.cdiv(n, bm),)](
+                *args, c0, **{**common, "HAS_GRAD": first and grad is not None,
+                              "HAS_PENDING": first and pending_p is not None}, HAS_SAVED=first and saved is not None,
+                RB=rb,
+            )  # fmt: skip
+    if subtract:
         lowrank_outer_into(residual, p, q, -1.0, True)
 
 
@@ -421,37 +568,61 @@ def lowrank_gram(
     block_n: int | None = None,
     block_k: int | None = None,
     rank_block: int | None = None,
-    split: bool | None = None,
+    unroll: int | None = None,
 ) -> None:
     """``torch.ops.sylvie_comm_triton.lowrank_gram``: :func:`sylvie_comm.kernels.ordered.lowrank_gram`'s bits.
-    The keywords override the host's choices, which change no bits (for tests): ``block_n`` rows unrolled,
-    ``block_k`` columns per program, ``rank_block`` columns of ``p`` per pass, ``split`` the rows' chunks summed
-    by separate programs, their partials added in chunk order by a second kernel."""
+    The keywords override the host's choices, which change no bits (for tests): ``block_n`` lanes per program
+    (fewer than the sum's lanes: the programs' subtrees added by a second kernel), ``block_k`` columns per program,
+    ``rank_block`` columns of ``q`` per pass over the rows, ``unroll`` steps down the rows loaded together."""
     checks.lowrank_gram(_check_device(residual, "lowrank_gram", "residual"), residual, grad, p, q, saved)
     n, k = residual.shape
-    _check_block(block_n, "block_n", CHUNK)
+    _check_block(block_n, "block_n", GRAM_LANES)
     _check_block(block_k, "block_k", 1024)
-    r = p.shape[1]
-    rb = _rank_block(r, rank_block, GRAM_RANK_BLOCK)
+    _check_block(rank_block, "rank_block", 64)
+    _check_block(unroll, "unroll", 8)
     if k == 0:
         return  # q is empty, and so are the residual, grad and saved
     if n == 0:
         q.zero_()  # an empty sum
         return
-    bk = block_k or GRAM_BLOCK_K
-    bn = block_n or max(1, min(8, GRAM_ROW_FLOATS // rb))
-    chunks = triton.cdiv(n, CHUNK)
-    split = _split(chunks, triton.cdiv(k, bk), residual.device, split)
-    work = torch.empty((chunks, k, r), dtype=torch.float64, device=residual.device) if split else q
+    r = p.shape[1]
+    lanes = min(GRAM_LANES, _pow2(n))  # a sum over fewer rows than GRAM_LANES: the same bits on fewer lanes
+    rb = rank_block or min(_pow2(r), GRAM_RANKS)
+    if _gpu(residual.device):
+        # A step's tile: GRAM_TILE_VALUES a thread (ls lanes by bk columns over 32 * GRAM_WARPS threads), as many
+        # again for each rank's accumulators.
+        bk = block_k or min(GRAM_BLOCK_K, _pow2(k))
+        ls = block_n or min(lanes, _pow2_floor(max(1, GRAM_TILE_VALUES * 32 * GRAM_WARPS // bk)))
+        while block_k is None and bk > 32 and triton.cdiv(k, bk) * (lanes // ls) < _target_programs(residual.device):
+            bk //= 2  # narrower column blocks: more programs
+    else:
+        bk = block_k or min(256, _pow2(k))
+        ls = block_n or lanes
+    ls = min(ls, lanes)
+    cr = min(ls, _layout_rows(bk, GRAM_WARPS))
+    # (rows that 4 does not divide are read one value at a time, an address each: one step at a time then)
+    unroll = unroll or (GRAM_UNROLL if _gpu(residual.device) and _align(k) == 4 else 1)
+    slabs = lanes // ls
+    partial = slabs > 1
+    out = torch.empty((slabs, k, r), dtype=torch.float32, device=residual.device) if partial else q
     with launch_context(residual.device):
-        _gram_kernel[(triton.cdiv(k, bk), chunks if split else 1)](
-            residual, grad if grad is not None else residual, p.to(torch.float64), q, work,
-            saved if saved is not None else residual, n, k, r, CHUNK if split else n,
-            HAS_GRAD=grad is not None, HAS_SAVED=saved is not None, PARTIAL=split, ONE_PASS=r <= rb, BN=bn,
-            BK=bk, RB=rb, CHUNK_=CHUNK, num_warps=max(1, min(GRAM_WARPS, bk // 32)),
-        )  # fmt: skip
-        if split:
-            _reduce_kernel[(triton.cdiv(k * r, REDUCE_BLOCK),)](work, q, k * r, chunks, BLOCK=REDUCE_BLOCK)
+        for c0 in range(0, r, rb):
+            first = c0 == 0  # the first pass updates the residual; the later ones read it updated
+            _gram_kernel[(triton.cdiv(k, bk), slabs)](
+                residual, grad if grad is not None else residual, p, out, saved if saved is not None else residual,
+                n, k, r, c0, triton.cdiv(n, lanes), HAS_GRAD=first and grad is not None,
+                HAS_SAVED=first and saved is not None, PARTIAL=partial, ALIGN=_align(k), LANES=lanes, LS=ls,
+                LOG2_LS=ls.bit_length() - 1, CR=cr, LOG2_CR=cr.bit_length() - 1, BK=bk, RB=rb, UNROLL=unroll,
+                IDX=_index(triton.cdiv(n, lanes * unroll) * lanes * unroll, max(triton.cdiv(k, bk) * bk, r)),
+                num_warps=GRAM_WARPS, enable_fp_fusion=False,
+            )  # fmt: skip
+        if partial:
+            block = max(16, REDUCE_VALUES // slabs)
+            rcr = min(slabs, _layout_rows(block, GRAM_WARPS))
+            _reduce_kernel[(triton.cdiv(k * r, block),)](
+                out, q, k * r, SP=slabs, LOG2_SP=slabs.bit_length() - 1, CR=rcr, LOG2_CR=rcr.bit_length() - 1,
+                BLOCK=block, num_warps=GRAM_WARPS,
+            )  # fmt: skip
 
 
 def lowrank_outer_into(
@@ -474,16 +645,22 @@ def lowrank_outer_into(
     _check_block(block_k, "block_k", 1024)
     if n == 0 or k == 0:
         return
-    bn = block_n or OUTER_BLOCK_N
-    bk = block_k or OUTER_BLOCK_K
+    bk = block_k or min(OUTER_BLOCK_K, _pow2(k))
+    bn = block_n or (OUTER_BLOCK_N if _gpu(out.device) else 64)
     col_blocks = triton.cdiv(k, bk)
     alpha32 = as_fp32(alpha)
-    qa = q if alpha32 == 1.0 else q * torch.tensor(alpha32, dtype=torch.float32, device=q.device)  # fp32, once
+    qat = torch.empty((q.shape[1], k), dtype=torch.float32, device=q.device)
+    if alpha32 == 1.0:
+        qat.copy_(q.t())
+    else:  # alpha q rounded to fp32, once, transposed: one pass over the small factor
+        torch.mul(q.t(), alpha32, out=qat)
     flag = when.reshape(1).view(torch.uint8) if when is not None else out
     with launch_context(out.device):
         _outer_kernel[(triton.cdiv(n, bn) * col_blocks,)](
-            out, _f64_transposed(p), _f64_transposed(qa), flag, n, k, p.shape[1], col_blocks,
-            HAS_WHEN=when is not None, ACCUMULATE=bool(accumulate), BN=bn, BK=bk, num_warps=4,
+            out, p, qat, flag, n, k, p.shape[1], col_blocks, HAS_WHEN=when is not None,
+            ACCUMULATE=bool(accumulate), ALIGN=_align(k), BN=bn, BK=bk,
+            IDX=_index(triton.cdiv(n, bn) * bn, max(k, p.shape[1])), num_warps=max(1, min(OUTER_WARPS, bk // 128)),
+            enable_fp_fusion=False,
         )  # fmt: skip
 
 
