@@ -110,7 +110,7 @@ WORLD = 4  # one-bit rows averaged by onebit_mean_feedback_encode
 # Kernels that move too few bytes for the bulk rules, by "family.kernel" name, with why.
 TAIL_KERNELS: dict[str, str] = {
     "qbit._encode_meta_kernel": "combines each row's per-segment min/max keys into its scale: one key per segment",
-    "lowrank._reduce_kernel": "adds the per-chunk partials of p or q (n x rank values per chunk)",
+    "lowrank._reduce_kernel": "adds gram's per-slab subtrees of q by the rest of the tree (k x rank values a slab)",
 }
 
 # Bulk kernels excused from one rule, each with the reason (shown in the report; a name no op launches fails the test).
