@@ -39,7 +39,8 @@ to the reference).
 The small factors a kernel reads as vectors of a tile's columns (``q``, the pending ``q``, ``alpha q``) reach it
 transposed, ``(r, k)``, copied on the host (one small launch each); ``p`` is read in place (a value per row).
 
-**Triton or cuBLAS on CUDA** (``torch.matmul`` is called where it is the faster on the GPU). Decided by bytes, since every step is bound by memory at rank 4 (the whole project is about
+**Triton or cuBLAS on CUDA** (``torch.matmul`` is called where it is the faster on the GPU). Decided by bytes,
+since every step is bound by memory at rank 4 (the whole project is about
 20 fp32 operations, 31 instructions, an element against its 12 bytes):
 
 * project: the fused kernel moves 12 bytes an element. Its torch equivalent, ``residual.add_(grad);
