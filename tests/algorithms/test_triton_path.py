@@ -111,6 +111,7 @@ def test_every_algorithm_runs_the_triton_kernels_as_the_references(name: str, ro
 
 
 def test_the_cpu_switch_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert kt.load(), kt.load_error()  # the kernel modules read the interpreter switch as they are imported: first
     monkeypatch.setattr(kt, "interpreted", lambda: False)
     with pytest.raises(RuntimeError, match="only through Triton's interpreter"):
         kernels.route_cpu_through_triton(True)
