@@ -5,9 +5,10 @@ Every function here has the semantics of the function of the same name in
 argument checks (:mod:`sylvie_comm.kernels.checks`) have passed in Python (:mod:`sylvie_comm.kernels.compiled`: a bad
 argument never throws in C++); CUDA tensors take the
 Triton kernels (:mod:`sylvie_comm.kernels.triton`, compiled by Triton at run time; torch's CUDA wheels install
-Triton); any other tensor, or a machine without them, takes the references. The kernels return the references' bits (the
-one-bit scales of the C++ kernels to within one fp32 ulp, their float64 sums running in another order; the
-low-rank products in their own fixed order, :mod:`sylvie_comm.kernels.ordered`, to float rounding).
+Triton); any other tensor, or a machine without them, takes the references. The kernels return the references' bits
+(the one-bit scales too: every implementation sums a chunk in the order of
+:func:`sylvie_comm.kernels.reference.chunk_sums`), except the low-rank products, summed in their own fixed order
+(:mod:`sylvie_comm.kernels.ordered`), which the references' ``torch.matmul`` matches to float rounding.
 
 ``SYLVIE_COMM_TRITON_CPU=1`` (or :func:`route_cpu_through_triton`) sends CPU tensors through the Triton kernels
 as well, run by Triton's interpreter: the GPU code path, executed on a machine without a GPU.
