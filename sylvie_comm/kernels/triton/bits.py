@@ -124,6 +124,42 @@ def unpack_fields(units, FIELD: tl.constexpr, PER: tl.constexpr):  # type: ignor
 
 
 @_jit
+def as_unit(units, UNIT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """uint32 units as the integer type of a ``UNIT``-byte store (int32, int16 or uint8 views of the output)."""
+    if UNIT == 4:
+        out = units.to(tl.int32, bitcast=True)
+    elif UNIT == 2:
+        out = units.to(tl.uint16).to(tl.int16, bitcast=True)
+    else:
+        out = units.to(tl.uint8)
+    return out
+
+
+@_jit
+def from_unit(units, UNIT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """Loaded ``UNIT``-byte units (int32, int16 or uint8 views) as uint32: the inverse of :func:`as_unit`."""
+    if UNIT == 4:
+        out = units.to(tl.uint32, bitcast=True)
+    elif UNIT == 2:
+        out = units.to(tl.uint16, bitcast=True).to(tl.uint32)
+    else:
+        out = units.to(tl.uint32)
+    return out
+
+
+@_jit
+def _tile(col_tiles, R: tl.constexpr, C: tl.constexpr, PER: tl.constexpr):  # type: ignore[no-untyped-def]
+    """This program's tile: its rows ``[R, 1]``, value columns ``[1, C]`` and unit columns ``[1, C // PER]``."""
+    pid = tl.program_id(0)
+    rt = pid // col_tiles
+    ct = pid - rt * col_tiles
+    r = rt.to(tl.int64) * R + tl.arange(0, R)[:, None]
+    c = ct * C + tl.arange(0, C)[None, :]
+    j = ct * (C // PER) + tl.arange(0, C // PER)[None, :]
+    return r, c, j
+
+
+@_jit
 def value_at(byte, col, BITS: tl.constexpr):  # type: ignore[no-untyped-def]
     """The ``BITS``-bit value of column ``col`` (any shape, broadcast with ``byte``) as uint8, from ``byte``: the byte
     of its row at ``(col * BITS) // 8``, which the caller loads."""
@@ -141,21 +177,10 @@ def _pack_kernel(values, out, rows, cols, ucols, col_tiles, stride_r, stride_c, 
     BITS`` values each; ``out`` viewed as int32, int16 or uint8, ``ucols`` units per row). Contiguous rows
     (``stride_c`` 1) load 16 bytes per thread; MASKED false: every tile full."""
     PER: tl.constexpr = 8 * UNIT // BITS
-    pid = tl.program_id(0)
-    rt = pid // col_tiles
-    ct = pid - rt * col_tiles
-    r = rt.to(tl.int64) * R + tl.arange(0, R)[:, None]
-    c = ct * C + tl.arange(0, C)[None, :]
-    j = ct * (C // PER) + tl.arange(0, C // PER)[None, :]
+    r, c, j = _tile(col_tiles, R, C, PER)
     ptrs = values + r * stride_r + c * stride_c
     v = tl.load(ptrs, mask=(r < rows) & (c < cols), other=0) if MASKED else tl.load(ptrs)
-    units = pack_fields(v.to(tl.uint32) & ((1 << BITS) - 1), BITS, PER)
-    if UNIT == 4:
-        units = units.to(tl.int32, bitcast=True)
-    elif UNIT == 2:
-        units = units.to(tl.uint16).to(tl.int16, bitcast=True)
-    else:
-        units = units.to(tl.uint8)
+    units = as_unit(pack_fields(v.to(tl.uint32) & ((1 << BITS) - 1), BITS, PER), UNIT)
     if MASKED:
         tl.store(out + r * ucols + j, units, mask=(r < rows) & (j < ucols))
     else:
@@ -169,21 +194,10 @@ def _unpack_kernel(packed, out, rows, cols, ucols, col_tiles, stride_r, stride_c
     """The inverse of :func:`_pack_kernel`: a tile of ``R`` rows by ``C // PER`` units (``packed`` viewed as int32,
     int16 or uint8, strides in units) into ``C`` values per row of the contiguous ``out``, 16 bytes per thread."""
     PER: tl.constexpr = 8 * UNIT // BITS
-    pid = tl.program_id(0)
-    rt = pid // col_tiles
-    ct = pid - rt * col_tiles
-    r = rt.to(tl.int64) * R + tl.arange(0, R)[:, None]
-    c = ct * C + tl.arange(0, C)[None, :]
-    j = ct * (C // PER) + tl.arange(0, C // PER)[None, :]
+    r, c, j = _tile(col_tiles, R, C, PER)
     ptrs = packed + r * stride_r + j * stride_c
     units = tl.load(ptrs, mask=(r < rows) & (j < ucols), other=0) if MASKED else tl.load(ptrs)
-    if UNIT == 4:
-        units = units.to(tl.uint32, bitcast=True)
-    elif UNIT == 2:
-        units = units.to(tl.uint16, bitcast=True).to(tl.uint32)
-    else:
-        units = units.to(tl.uint32)
-    v = unpack_fields(units, BITS, PER).to(tl.uint8)
+    v = unpack_fields(from_unit(units, UNIT), BITS, PER).to(tl.uint8)
     if MASKED:
         tl.store(out + r * cols + c, v, mask=(r < rows) & (c < cols))
     else:
@@ -267,12 +281,7 @@ def _pack_into(values: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     if not rows or not cols:
         return
     units, unit = _as_units(out)
-    r, c, col_tiles, masked = _tiles(rows, cols, 8 * unit // bits)
-    with launch_context(values.device):
-        _pack_kernel[(triton.cdiv(rows, r) * col_tiles,)](
-            values, units, rows, cols, units.shape[1], col_tiles, values.stride(0), values.stride(1),
-            BITS=bits, UNIT=unit, R=r, C=c, MASKED=masked, num_warps=_WARPS,
-        )  # fmt: skip
+    _launch_tiles(_pack_kernel, values, units, rows, cols, bits, unit, (values.stride(0), values.stride(1)))
 
 
 def _unpack_bits(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
@@ -291,10 +300,18 @@ def _unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     if not rows or not cols:
         return
     units, unit = _as_units(packed)
+    _launch_tiles(_unpack_kernel, units, out, rows, cols, bits, unit, (units.stride(0), units.stride(1)))
+
+
+def _launch_tiles(kernel: Any, src: torch.Tensor, dst: torch.Tensor, rows: int, cols: int, bits: int, unit: int,
+                  strides: tuple[int, int]) -> None:  # fmt: skip
+    """Launch :func:`_pack_kernel` or :func:`_unpack_kernel` over ``rows x cols`` values in tiles (``strides``: the
+    strided side's, in its elements or units); the packed side has ``ucols`` units a row."""
+    packed = dst if kernel is _pack_kernel else src
     r, c, col_tiles, masked = _tiles(rows, cols, 8 * unit // bits)
-    with launch_context(packed.device):
-        _unpack_kernel[(triton.cdiv(rows, r) * col_tiles,)](
-            units, out, rows, cols, units.shape[1], col_tiles, units.stride(0), units.stride(1),
+    with launch_context(src.device):
+        kernel[(triton.cdiv(rows, r) * col_tiles,)](
+            src, dst, rows, cols, packed.shape[1], col_tiles, *strides,
             BITS=bits, UNIT=unit, R=r, C=c, MASKED=masked, num_warps=_WARPS,
         )  # fmt: skip
 

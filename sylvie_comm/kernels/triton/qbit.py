@@ -76,7 +76,7 @@ import triton.language as tl
 
 from sylvie_comm.kernels import checks, reference
 from sylvie_comm.kernels.triton import NAMESPACE, interpreted, launch_context
-from sylvie_comm.kernels.triton.bits import pack_fields, unpack_fields
+from sylvie_comm.kernels.triton.bits import as_unit, from_unit, pack_fields, unpack_fields
 
 __all__ = ["qbit_decode", "qbit_decode_into", "qbit_encode"]
 
@@ -166,6 +166,19 @@ def _noise_pairs(lo, key0, key1, odd, p, ODD: tl.constexpr, WRAP: tl.constexpr):
     ue = ((he | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * 1.52587890625e-05
     uo = ((ho | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * 1.52587890625e-05
     return ue, uo
+
+
+@triton.jit
+def _pair_masks(p, cols, PAIRED: tl.constexpr):
+    """Which of pair ``p``'s two elements (even, odd) lie in a row of ``cols``: both or neither for a paired row
+    (even length), else each on its own."""
+    if PAIRED:
+        me = p < cols // 2
+        mo = me
+    else:
+        me = 2 * p < cols
+        mo = 2 * p + 1 < cols
+    return me, mo
 
 
 @triton.jit
@@ -310,12 +323,7 @@ def _store_codes(
         units = tl.where(keep, pack_fields(qe | (qo << BITS), 2 * BITS, UP), 0)
         j = p0 // UP + tl.arange(0, CP // UP)[None, :]
         ptrs = packed_ptr + row * ucols + j
-        if UNIT == 4:
-            value = units.to(tl.int32, bitcast=True)
-        elif UNIT == 2:
-            value = units.to(tl.uint16).to(tl.int16, bitcast=True)
-        else:
-            value = units.to(tl.uint8)
+        value = as_unit(units, UNIT)
         if MASKED:
             tl.store(ptrs, value, mask=row_ok & (j < ucols))
         else:
@@ -340,13 +348,7 @@ def _load_codes(
         j = p0 // UP + tl.arange(0, CP // UP)[None, :]
         ptrs = packed_ptr + row * ucols + j
         units = tl.load(ptrs, mask=row_ok & (j < ucols), other=0) if MASKED else tl.load(ptrs)
-        if UNIT == 4:
-            units = units.to(tl.uint32, bitcast=True)
-        elif UNIT == 2:
-            units = units.to(tl.uint16, bitcast=True).to(tl.uint32)
-        else:
-            units = units.to(tl.uint32)
-        fields = unpack_fields(units, 2 * BITS, UP)
+        fields = unpack_fields(from_unit(units, UNIT), 2 * BITS, UP)
         return fields & ((1 << BITS) - 1), fields >> BITS
 
 
@@ -366,12 +368,8 @@ def _encode_rows_kernel(
     row = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)[:, None]
     p = tl.arange(0, CP)[None, :]
     row_ok = row < rows
-    if PAIRED:
-        me = row_ok & (p < cols // 2)
-        mo = me
-    else:
-        me = row_ok & (2 * p < cols)
-        mo = row_ok & (2 * p + 1 < cols)
+    me, mo = _pair_masks(p, cols, PAIRED)
+    me, mo = row_ok & me, row_ok & mo
     xe, xo = _load_pairs(x_ptr, row, p, me, mo, cols, KIND, PAIRED, MASKED)
     mn_key, mx_key = _pair_keys(xe, xo, me, mo, MASKED)
     scale, minimum, mn, inv, finite = _row_meta(tl.min(mn_key, axis=1)[:, None], tl.max(mx_key, axis=1)[:, None],
@@ -399,12 +397,7 @@ def _encode_minmax_kernel(
     acc_mx = tl.zeros([BP], tl.uint32)
     for i in range(0, SEGP, BP):
         p = s * SEGP + i + tl.arange(0, BP)
-        if PAIRED:
-            me = p < cols // 2
-            mo = me
-        else:
-            me = 2 * p < cols
-            mo = 2 * p + 1 < cols
+        me, mo = _pair_masks(p, cols, PAIRED)
         xe, xo = _load_pairs(x_ptr, row, p, me, mo, cols, KIND, PAIRED, MASKED)
         mn_key, mx_key = _pair_keys(xe, xo, me, mo, MASKED)
         acc_mn = tl.minimum(acc_mn, mn_key)
@@ -457,12 +450,7 @@ def _encode_quantize_kernel(
     for i in range(0, SEGP, BP):
         p0 = s * SEGP + i
         p = p0 + tl.arange(0, BP)[None, :]
-        if PAIRED:
-            me = p < cols // 2
-            mo = me
-        else:
-            me = 2 * p < cols
-            mo = 2 * p + 1 < cols
+        me, mo = _pair_masks(p, cols, PAIRED)
         xe, xo = _load_pairs(x_ptr, row, p, me, mo, cols, KIND, PAIRED, MASKED)
         ue, uo = _noise_pairs(lo, key0, key1, odd, p.to(tl.uint32), ODD, WRAP)
         qe, qo = _pair_codes(xe, xo, mn, inv, ue, uo, me, mo, LEVELS, MASKED)
