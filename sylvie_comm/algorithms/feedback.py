@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -21,6 +23,7 @@ class FeedbackAlgorithm(Algorithm):
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         self.feedback = ErrorFeedback()
+        self._batches: dict[tuple[int, Hashable], _Batch] = {}
         super().__init__(transport, options, seed=seed)
 
     def _guard_residual(self, feedback: ErrorFeedback, key: str, like: torch.Tensor) -> torch.Tensor | None:
@@ -45,21 +48,39 @@ class FeedbackAlgorithm(Algorithm):
         return befores
 
     def _feedback_batches(
-        self, members: Sequence[Member], kinds: Sequence[K], encode: Callable[[K, torch.Tensor], torch.Tensor]
-    ) -> None:
+        self, key: Hashable, members: Sequence[Member], kinds: Sequence[K],
+        encode: Callable[[K, torch.Tensor], torch.Tensor],
+    ) -> None:  # fmt: skip
         """Error feedback a kind of tensors at a time (``kinds``: objects with ``members``, indices into
-        ``members``): per kind its residuals, each compensated with its gradient in its own buffer
-        (:meth:`ErrorFeedback.compensate_`), stacked into one ``(T, numel)`` fp32 batch; ``encode(kind, batch)``
-        returns what was sent, decoded, as such a batch; the batch less that goes back into the residuals. Every
-        residual is guarded at once. Per tensor the bits of :meth:`ErrorFeedback.encode`."""
-        befores = self._guard_residuals(self.feedback, [(m.name, m.tensor) for m in members])
-        for kind in kinds:
-            comps = [self.feedback.compensate_(members[i].name, members[i].tensor).view(-1) for i in kind.members]
-            batch = torch.stack(comps)
-            batch.sub_(encode(kind, batch))
-            torch._foreach_copy_(comps, list(batch.unbind(0)))
-        for m, before in zip(members, befores, strict=True):
-            self._guard_created(self.feedback, m.name, before)
+        ``members``, of one shape; ``key``: the group's): per kind its residuals are the rows of one
+        :meth:`ErrorFeedback.arena`, guarded as one tensor, compensated with their gradients by one multi-tensor
+        add; ``encode(kind, batch)`` returns what was sent, decoded, as a ``(T, numel)`` batch, and the arena less
+        that is the new residuals. A few launches per kind, none per tensor; per tensor the bits of
+        :meth:`ErrorFeedback.encode`."""
+        for i, kind in enumerate(kinds):
+            ms = [members[j] for j in kind.members]
+            batch = self._arena(self.feedback, (key, i), [m.name for m in ms], [m.tensor.shape for m in ms],
+                                ms[0].tensor.device)  # fmt: skip
+            torch._foreach_add_(batch.views, [m.tensor for m in ms])
+            batch.tensor.sub_(encode(kind, batch.tensor))
+
+    def _arena(
+        self, feedback: ErrorFeedback, key: Hashable, names: Sequence[str], shapes: Sequence[torch.Size],
+        device: torch.device, width: int = 0, save: bool = True,
+    ) -> _Batch:  # fmt: skip
+        """The residual rows of ``names`` (:meth:`ErrorFeedback.arena`, ``width`` elements a row, default the
+        first shape's size) and each row as a view of its shape; saved for the step guard as one tensor
+        (``save=False``: the caller takes :meth:`StepGuard.slot` itself, for a kernel to write). Kept per ``key``
+        while the arena stands: O(1) on the hot path."""
+        width = width or math.prod(shapes[0])
+        tensor = feedback.arena(key, names, shapes, width, device)
+        batch = self._batches.get((id(feedback), key))
+        if batch is None or batch.tensor is not tensor:
+            views = [tensor[i, : math.prod(shape)].view(shape) for i, shape in enumerate(shapes)]
+            batch = self._batches[(id(feedback), key)] = _Batch(tensor, views)
+        if save:
+            self.guard.save((id(feedback), "arena", key), tensor)
+        return batch
 
     def _feedback_encode(self, codec: Codec, name: str, tensor: torch.Tensor, **kwargs: Any) -> Encoded:
         """:meth:`ErrorFeedback.encode` on the worker residual of ``name``, with the residual guarded."""
@@ -102,6 +123,14 @@ def _existing(feedback: ErrorFeedback, key: str, like: torch.Tensor) -> torch.Te
     """``key``'s residual where it has ``like``'s shape (on ``like``'s device); None where the step will create it."""
     res = feedback.residual(key, like.device)
     return None if res is None or res.shape != like.shape else res
+
+
+@dataclass(eq=False)
+class _Batch:
+    """An arena of residual rows and each row as its member's view (what a multi-tensor op takes)."""
+
+    tensor: torch.Tensor
+    views: list[torch.Tensor]
 
 
 class _Kind(Protocol):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -49,14 +49,69 @@ class _Slot:
         return self.per_rank * self.layout.width // 8
 
 
+# Tensors of at most this many elements that share a layout (and scale mode and dtype) are encoded, averaged and
+# decoded as one batch, a launch per kind per phase whatever their number (their residuals the rows of one arena);
+# a larger one runs alone, where a launch per tensor costs little next to its bytes and a batch's staging copy
+# would cost memory bandwidth.
+BATCH_MAX = 1 << 16
+
+
+@dataclass(eq=False)
+class _Run:
+    """Slots of one kind (exact layout, scale mode, dtype), consecutive in every row: one batch. Its staging
+    buffers (the gradients, zero-padded to whole parts; the decoded values) are made once per device."""
+
+    index: int
+    slots: list[_Slot]
+    stages: dict[tuple[str, torch.device], tuple[torch.Tensor, list[torch.Tensor]]] = field(default_factory=dict)
+
+    @property
+    def layout(self) -> RowLayout:
+        return self.slots[0].layout
+
+    @property
+    def norm(self) -> bool:
+        return self.slots[0].norm
+
+    @property
+    def per_rank(self) -> int:
+        return self.slots[0].per_rank
+
+    @property
+    def scales(self) -> slice:
+        """The run's fp32 scales in a row's scale section."""
+        at = self.slots[0].scales_at
+        return slice(at, at + len(self.slots) * self.slots[0].n_scales)
+
+    @property
+    def bits(self) -> slice:
+        """The run's bytes in a row's bit section."""
+        at = self.slots[0].bits_at
+        return slice(at, at + len(self.slots) * self.slots[0].n_bytes)
+
+    def stage(self, what: str, width: int, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A ``(len(slots), width)`` zero buffer of the tensors' device and dtype (``what`` names it) and each row's
+        first elements as a view of its tensor's shape: what ``torch._foreach_copy_`` fills or reads."""
+        t = tensors[0]
+        got = self.stages.get((what, t.device))
+        if got is None or got[0].dtype != t.dtype:
+            buf = torch.zeros(len(tensors), width, dtype=t.dtype, device=t.device)
+            got = self.stages[(what, t.device)] = (buf, [buf[i, : x.numel()].view(x.shape) for i, x in
+                                                         enumerate(tensors)])  # fmt: skip
+        return got
+
+
 @dataclass
 class _Rows:
-    """A group's one-bit rows: ``row_bytes`` per rank, fp32 scales first (4-byte aligned), then sign bits."""
+    """A group's one-bit rows: ``row_bytes`` per rank, fp32 scales first (4-byte aligned), then sign bits.
+    ``runs`` are batches of small tensors of one kind; ``alone`` the other slots, each run by itself."""
 
     slots: list[_Slot]
     scale_bytes: int
     bit_bytes: int
     row_bytes: int
+    runs: list[_Run] = field(default_factory=list)
+    alone: list[_Slot] = field(default_factory=list)
 
     def sections(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scales (fp32) and bits (uint8) views of (n, row_bytes) rows."""
@@ -178,19 +233,39 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         return out
 
     def _build(self, group: Group) -> _Rows:
+        """Every compressed tensor's slot in a row: the batches first (:data:`BATCH_MAX`; kinds in order of first
+        appearance, each kind's tensors consecutive), then the tensors that run alone, in order."""
         w = self.world_size
-        slots, scales, bits = [], 0, 0
+        kinds: dict[tuple[Any, ...], list[tuple[int, Member, RowLayout, bool]]] = {}
+        alone = []
         for i, m in enumerate(group.compressed):
             opts = {**self.options, **m.options}  # a per-name rule may set chunk_size and scale
             layout = row_layout(m.tensor.shape, opts["chunk_size"], pieces=w)
             if not layout.units:
                 continue  # an empty tensor: nothing to send
-            slot = _Slot(i, m.name, layout, math.ceil(layout.units / w), scales, bits, opts["scale"] == "norm")
+            entry = (i, m, layout, opts["scale"] == "norm")
+            if _exact_layout(layout) and layout.numel <= BATCH_MAX:
+                kinds.setdefault((layout, entry[3], m.tensor.dtype), []).append(entry)
+            else:
+                alone.append(entry)
+        slots: list[_Slot] = []
+        runs, singles, at = [], [], [0, 0]
+
+        def place(i: int, m: Member, layout: RowLayout, norm: bool) -> _Slot:
+            slot = _Slot(i, m.name, layout, math.ceil(layout.units / w), at[0], at[1], norm)
             slots.append(slot)
-            scales += slot.n_scales
-            bits += slot.n_bytes
-        row = 4 * scales + bits
-        return _Rows(slots, 4 * scales, bits, row + (-row) % 4)
+            at[0] += slot.n_scales
+            at[1] += slot.n_bytes
+            return slot
+
+        for entries in kinds.values():
+            if len(entries) == 1:
+                alone.append(entries[0])
+                continue
+            runs.append(_Run(len(runs), [place(*e) for e in entries]))
+        singles = [place(*e) for e in sorted(alone, key=lambda e: e[0])]
+        row = 4 * at[0] + at[1]
+        return _Rows(slots, 4 * at[0], at[1], row + (-row) % 4, runs, singles)
 
     def _encode_into(
         self, slot: _Slot, units: torch.Tensor, first: int, scales: torch.Tensor, bits: torch.Tensor
@@ -299,7 +374,9 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         if not layout.slots:
             return send  # only raw tensors (empty rows cannot be viewed as fp32 scales)
         scales, bits = layout.sections(send)
-        for slot in layout.slots:
+        for run in layout.runs:
+            self._encode_run(group.key, run, members, scales, bits)
+        for slot in layout.alone:
             m: Member = members[slot.member]
             if _exact(slot.layout, m.tensor):
                 self._encode_fused(slot, self.feedback, m.name, m.tensor, slot.layout.units, w, scales, bits)
@@ -310,6 +387,62 @@ class OneBitAlgorithm(FeedbackAlgorithm):
             self.feedback.update(m.name, comp, slot.layout.from_units(local).view(m.tensor.shape))
             self._guard_created(self.feedback, m.name, before)
         return send
+
+    def _encode_run(self, key: int, run: _Run, members: list[Member], scales: torch.Tensor,
+                    bits: torch.Tensor) -> None:  # fmt: skip
+        """A batch's worker phase, one launch: its gradients staged into ``(T, w * per_rank * span)`` rows (zero
+        padding: whole units of zeros, which encode as :meth:`_pad` writes and leave the residual zero), its
+        residuals the rows of an arena of that width, encoded into a ``(T, w, ...)`` code then dealt into the rows
+        (at one rank, straight into the row). The bits of :meth:`_encode_fused` tensor by tensor."""
+        w, lay, per = self.world_size, run.layout, run.per_rank
+        tensors = [members[s.member].tensor for s in run.slots]
+        width = w * per * lay.span
+        batch = self._arena(self.feedback, (key, "worker", run.index), [s.name for s in run.slots],
+                            [t.shape for t in tensors], tensors[0].device, width, save=False)  # fmt: skip
+        saved = self.guard.slot((id(self.feedback), "arena", (key, "worker", run.index)), batch.tensor)
+        stage, views = run.stage("grad", width, tensors)
+        torch._foreach_copy_(views, tensors)
+        if w == 1:
+            s_out, b_out = scales[0, run.scales], bits[0, run.bits]
+        else:
+            s_out = torch.empty(w * (run.scales.stop - run.scales.start), device=stage.device)
+            b_out = torch.empty(w * (run.bits.stop - run.bits.start), dtype=torch.uint8, device=stage.device)
+        kernels.onebit_feedback_encode(batch.tensor.view(-1), stage.view(-1), lay.chunk, run.norm, b_out, s_out,
+                                       saved=None if saved is None else saved.view(-1))  # fmt: skip
+        if w > 1:
+            t = len(run.slots)
+            scales[:, run.scales].view(w, t, -1).copy_(s_out.view(t, w, -1).transpose(0, 1))
+            bits[:, run.bits].view(w, t, -1).copy_(b_out.view(t, w, -1).transpose(0, 1))
+
+    def _server_run(self, key: int, run: _Run, rs: torch.Tensor, rb: torch.Tensor, ms: torch.Tensor,
+                    mb: torch.Tensor) -> None:  # fmt: skip
+        """A batch's server phase, one launch: its server residuals the rows of an arena, the mean of every
+        rank's part decoded in registers (:meth:`_server_fused` tensor by tensor, the same bits; a part's padding
+        units are encodes of zeros from every rank, which leave the residual zero and encode as :meth:`_pad`)."""
+        lay, rank, per = run.layout, self.transport.rank, run.per_rank
+        names = [f"{s.name}@{rank}" for s in run.slots]
+        arena_key = (key, "server", run.index)
+        batch = self._arena(self.server_feedback, arena_key, names, [torch.Size((per, lay.width))] * len(names),
+                            rb.device, per * lay.width, save=False)  # fmt: skip
+        saved = self.guard.slot((id(self.server_feedback), "arena", arena_key), batch.tensor)
+        kernels.onebit_mean_feedback_encode(
+            batch.tensor.view(-1), rb[:, run.bits], rs[:, run.scales], lay.chunk, run.norm, mb[0, run.bits],
+            ms[0, run.scales], saved=None if saved is None else saved.view(-1),
+        )  # fmt: skip
+
+    def _decode_run(self, run: _Run, gs: torch.Tensor, gb: torch.Tensor, members: list[Member]) -> None:
+        """A batch's decode, one launch into a staging buffer, then one multi-tensor copy into the tensors (at
+        more than one rank, the gathered rows first dealt back into tensor order)."""
+        w, lay, per, t = self.world_size, run.layout, run.per_rank, len(run.slots)
+        tensors = [members[s.member].tensor for s in run.slots]
+        b, sc = gb[:, run.bits], gs[:, run.scales]
+        if w > 1:
+            b = b.reshape(w, t, -1).transpose(0, 1).contiguous()
+            sc = sc.reshape(w, t, -1).transpose(0, 1).contiguous()
+        width = w * per * lay.width
+        out, views = run.stage("decoded", width, tensors)
+        kernels.onebit_decode(b.reshape(-1), sc.reshape(-1), t * width, lay.chunk, out.dtype, out=out.view(-1))
+        torch._foreach_copy_(tensors, views)
 
     def _finish(self, group: Group, layout: _Rows, step: int, meter: Meter, prepared: Any) -> None:
         send: torch.Tensor = prepared
@@ -323,7 +456,9 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                 mine = torch.zeros(1, layout.row_bytes, dtype=torch.uint8, device=send.device)
                 rs, rb = layout.sections(recv)
                 ms, mb = layout.sections(mine)
-                for slot in layout.slots:
+                for run in layout.runs:
+                    self._server_run(group.key, run, rs, rb, ms, mb)
+                for slot in layout.alone:
                     units, first = slot.layout, rank * slot.per_rank
                     if _exact_layout(units):
                         self._server_fused(slot, rs, rb, ms, mb)
@@ -348,7 +483,9 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                 # A NaN or Inf any rank sent makes its server's mean, hence a gathered scale, non-finite.
                 bad = nonfinite(gs)
                 self.guard.report(bad)
-                for slot in layout.slots:
+                for run in layout.runs:
+                    self._decode_run(run, gs, gb, members)
+                for slot in layout.alone:
                     t = members[slot.member].tensor
                     if _exact(slot.layout, t, any_float=True):
                         self._decode_fused(slot, gs, gb, t)

@@ -112,7 +112,7 @@ class SignAlgorithm(FeedbackAlgorithm):
 
         def encode() -> tuple[torch.Tensor, torch.Tensor]:
             """Per kind the batch's encode, with error feedback: the bits of the codec tensor by tensor."""
-            self._feedback_batches(members, layout, encode_kind)
+            self._feedback_batches(group.key, members, layout, encode_kind)
             if not signs:
                 return torch.zeros(0, dtype=torch.int8, device=device), torch.zeros(0, device=device)
             return torch.cat(signs), torch.cat(scales)

@@ -116,7 +116,7 @@ class TopKAlgorithm(FeedbackAlgorithm):
         def encode() -> torch.Tensor:
             """Per kind the batch's selection, with error feedback: the codec's bits tensor by tensor. Every kind's
             values (fp32 bits as int32), then every kind's indices."""
-            self._feedback_batches(members, layout, select)
+            self._feedback_batches(group.key, members, layout, select)
             if not values:
                 return torch.zeros(0, dtype=torch.int32, device=device)
             return torch.cat(values + indices)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +30,8 @@ class ErrorFeedback:
 
     def __init__(self) -> None:
         self._residuals: dict[str, torch.Tensor] = {}
+        self._arenas: dict[Hashable, _Arena] = {}
+        self._owner: dict[str, Hashable] = {}  # a name's arena, where its residual is a row of one
 
     def __contains__(self, name: str) -> bool:
         return name in self._residuals
@@ -45,7 +48,47 @@ class ErrorFeedback:
         res = self._residuals.get(name)
         if res is not None and device is not None and res.device != device:
             res = self._residuals[name] = res.to(device)
+            self._detach(name)
         return res
+
+    def arena(self, key: Hashable, names: Sequence[str], shapes: Sequence[torch.Size], width: int,
+              device: torch.device) -> torch.Tensor:  # fmt: skip
+        """A ``(len(names), width)`` fp32 tensor whose row ``i`` begins with the residual of ``names[i]``: that
+        residual *is* the row's first ``numel`` elements (a view of shape ``shapes[i]``), so a kind of tensors
+        is compensated, encoded and updated as one batch, in place, with no copy in or out. The rest of a row is
+        padding: zeros, which stay zeros while the caller adds zeros there. Made once per ``key`` (a group's
+        kind) and kept while every name's residual is still its row: a name reset, loaded, replaced or claimed by
+        another arena since makes it again, its rows holding the residuals as they stand (zeros where a name has
+        none). Checked in O(1) on the hot path."""
+        got = self._arenas.get(key)
+        if got is not None and got.live and got.names == tuple(names) and got.tensor.device == device:
+            return got.tensor
+        out = torch.zeros(len(names), width, dtype=torch.float32, device=device)
+        for i, (name, shape) in enumerate(zip(names, shapes, strict=True)):
+            numel = math.prod(shape)
+            if numel > width:
+                raise ValueError(f"ErrorFeedback.arena: '{name}' has {numel} elements, over the row's {width}")
+            row = out[i, :numel].view(shape)
+            res = self._residuals.get(name)
+            if res is not None:
+                _check_shape(name, res, row)
+                row.copy_(res)
+            self._detach(name)
+            self._residuals[name] = row
+            self._owner[name] = key
+        self._arenas[key] = _Arena(tuple(names), out)
+        return out
+
+    def _detach(self, name: str) -> None:
+        """``name``'s residual is no longer the row of an arena: that arena is made again when next asked for."""
+        owner = self._owner.pop(name, None)
+        if owner is not None:
+            arena = self._arenas.pop(owner, None)
+            if arena is not None:
+                arena.live = False
+                for other in arena.names:
+                    if self._owner.get(other) == owner:
+                        del self._owner[other]
 
     def compensate(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor + residual`` as a new fp32 tensor (the input is not modified)."""
@@ -63,6 +106,7 @@ class ErrorFeedback:
         res = self.residual(name, tensor.device)
         if res is None:
             comp = self._residuals[name] = tensor.to(torch.float32, copy=True)
+            self._detach(name)
             return comp
         _check_shape(name, res, tensor)
         return res.add_(tensor)
@@ -75,6 +119,7 @@ class ErrorFeedback:
         else:
             res = compensated.to(torch.float32) - decoded.to(torch.float32)
             self._residuals[name] = res
+            self._detach(name)
         return res
 
     def encode(self, codec: Codec, name: str, tensor: torch.Tensor, bound_rows: bool = False) -> Encoded:
@@ -99,8 +144,16 @@ class ErrorFeedback:
         """Forget the residual of ``name`` (or all residuals)."""
         if name is None:
             self._residuals.clear()
+            self._dissolve()
         else:
             self._residuals.pop(name, None)
+            self._detach(name)
+
+    def _dissolve(self) -> None:
+        for arena in self._arenas.values():
+            arena.live = False
+        self._arenas.clear()
+        self._owner.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {k: v.detach().clone() for k, v in self._residuals.items()}}
@@ -113,6 +166,16 @@ class ErrorFeedback:
             if not isinstance(v, torch.Tensor) or v.dtype != torch.float32:
                 raise ValueError(f"ErrorFeedback.load_state_dict: residual '{k}' must be a float32 tensor")
         self._residuals = {k: v.detach().clone() for k, v in residuals.items()}
+        self._dissolve()
+
+
+@dataclasses.dataclass(eq=False)
+class _Arena:
+    """The rows of :meth:`ErrorFeedback.arena`: ``live`` while every name's residual is still its row."""
+
+    names: tuple[str, ...]
+    tensor: torch.Tensor
+    live: bool = True
 
 
 def _check_shape(name: str, residual: torch.Tensor, tensor: torch.Tensor) -> None:

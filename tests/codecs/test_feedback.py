@@ -89,3 +89,44 @@ def test_one_bit_qbit_needs_range_bounded_feedback():
         bounded.encode(codec, "x", x, bound_rows=True)
     assert plain.residual("x").norm() > 100 * x.norm()
     assert bounded.residual("x").norm() < 3 * x.norm()
+
+
+def test_an_arena_holds_the_residuals_as_its_rows():
+    ef = ErrorFeedback()
+    ef.compensate_("a", torch.ones(2, 3))  # a residual before the arena: copied into its row
+    rows = ef.arena("k", ["a", "b"], [torch.Size((2, 3)), torch.Size((4,))], 8, torch.device("cpu"))
+    assert rows.shape == (2, 8) and torch.equal(rows[0, :6], torch.ones(6)) and not rows[1].any()
+    rows[1, :4] = 5.0  # the rows are the residuals
+    assert torch.equal(ef.residual("b"), torch.full((4,), 5.0)) and ef.residual("a").shape == (2, 3)
+    assert ef.arena("k", ["a", "b"], [torch.Size((2, 3)), torch.Size((4,))], 8, torch.device("cpu")) is rows
+
+
+@pytest.mark.parametrize("change", ["reset", "load", "replace", "claim"])
+def test_an_arena_is_made_again_once_a_residual_is_no_longer_its_row(change):
+    ef = ErrorFeedback()
+    shapes = [torch.Size((3,)), torch.Size((3,))]
+    rows = ef.arena("k", ["a", "b"], shapes, 3, torch.device("cpu"))
+    rows.fill_(2.0)
+    if change == "reset":
+        ef.reset("a")
+    elif change == "load":
+        ef.load_state_dict({"residuals": {"a": torch.full((3,), 7.0), "b": torch.full((3,), 2.0)}})
+    elif change == "replace":
+        ef.update("a", torch.zeros(5), torch.zeros(5))  # another shape: a new buffer
+        ef.reset("a")
+    else:
+        ef.arena("other", ["a"], shapes[:1], 3, torch.device("cpu"))
+    again = ef.arena("k", ["a", "b"], shapes, 3, torch.device("cpu"))
+    assert again is not rows
+    expected_a = {"reset": 0.0, "load": 7.0, "replace": 0.0, "claim": 2.0}[change]
+    assert torch.equal(again[0], torch.full((3,), expected_a)) and torch.equal(again[1], torch.full((3,), 2.0))
+    assert ef.residual("a").data_ptr() == again.data_ptr()
+
+
+def test_an_arena_checks_its_residuals_and_its_width():
+    ef = ErrorFeedback()
+    ef.compensate_("a", torch.ones(4))
+    with pytest.raises(ValueError, match="'a' has shape"):
+        ef.arena("k", ["a"], [torch.Size((2, 3))], 6, torch.device("cpu"))
+    with pytest.raises(ValueError, match="'b' has 6 elements, over the row's 5"):
+        ef.arena("k", ["b"], [torch.Size((2, 3))], 5, torch.device("cpu"))
