@@ -141,6 +141,8 @@ class Monitor:
         # (a framework's first step after a resume groups them its own way: DDP rebuilds its buckets).
         self._verdicts: list[tuple[str, str, float, float]] = []
         self._verdicts_at: int | None = None  # the step that judged them (None: a checkpoint's, applied first)
+        # Checks whose figures are on their way: (group key, step, names, summed figures, the all-reduce, patience).
+        self._pending: list[tuple[int, int, list[str], torch.Tensor, Future[Any], int]] = []
         self.bytes = 0
         self.events: list[str] = []
         self._loaded: dict[str, Mapping[str, Any]] = {}  # figures of a checkpoint, for tensors not yet seen
@@ -192,6 +194,8 @@ class Monitor:
     def around(self, group: Group, step: int, meter: Meter, run: Any) -> Future[None]:
         """Run ``run(group)`` (the algorithm on ``group`` with adaptation's decisions applied) with this
         step's measurements around it."""
+        if self._pending:
+            self._judge_checks(step)
         if self._verdicts and step != self._verdicts_at:
             self._apply_verdicts()
         due, measures = self.due(step), self.measures(step)
@@ -248,6 +252,8 @@ class Monitor:
         at the checks the exact mean of a window of every shard (an fp32 all-reduce of a copy of that window of
         ``flat``, on the channel) against ``out``'s. Adaptation rewrites the segments' options, or sends a
         segment raw (its residual added to ``flat`` once)."""
+        if self._pending:
+            self._judge_checks(step)
         if self._verdicts and step != self._verdicts_at:
             self._apply_verdicts()
         w = self.algorithm.world_size
@@ -414,7 +420,8 @@ class Monitor:
     # ------------------------------------------------------------------ checks and decisions
 
     def _decide(self, key: int, comp: list[Member], meter: Meter, step: int) -> None:
-        """Average every tensor's figures across the ranks (one small all-reduce), then warn and adapt."""
+        """Launch the average of every tensor's figures across the ranks (one small all-reduce); they are read, and
+        warned and adapted on, at the next step (:meth:`_judge_checks`)."""
         if not comp:
             return
         # The last step's figures are added once it is decided; a later group of this step leaves it alone.
@@ -442,10 +449,25 @@ class Monitor:
         if self._channel is not None:
             meter.collective("all_reduce", summed)
             self.bytes += wire_bytes("all_reduce", 4 * summed.numel(), self.algorithm.world_size)
-        self._collective(summed).wait()
+        done = self._collective(summed)
+        with self._lock:  # read at the next step's first group (or a report, or a checkpoint): off the hot path
+            self._pending.append((key, step, names, summed, done, self.algorithm.patience(key, self.patience)))
+
+    def _judge_checks(self, step: int | None = None) -> None:
+        """Read and judge the figures of the checks launched before ``step`` (every one where None): the host
+        reads them a step after the check, when their all-reduce is long done, so no hook waits on it."""
+        with self._lock:
+            ready = [c for c in self._pending if c[1] != step]
+            self._pending = [c for c in self._pending if c[1] == step]
+        for check in ready:
+            self._judge_check(*check)
+
+    def _judge_check(self, key: int, step: int, names: list[str], summed: torch.Tensor, done: Future[Any],
+                     patience: int) -> None:  # fmt: skip
+        """Warn and adapt on a check's figures, averaged across the ranks (so every rank decides the same)."""
+        done.wait()
         figures = (summed / self.algorithm.world_size).tolist()  # the host reads once per check
         over, lighter = [], []
-        patience = self.algorithm.patience(key, self.patience)
         for n, (lag, err, count, ex_rel, ex_cos, has) in zip(names, figures, strict=True):
             t = self._tensors[n]
             fresh = {
@@ -587,7 +609,9 @@ class Monitor:
 
     def report(self) -> dict[str, Any]:
         """What ``stats()["monitor"]`` holds: checks, bytes, per tensor the figures of the last check and its
-        setting, and the adaptation's decisions in order."""
+        setting, and the adaptation's decisions in order (a check's figures are read here if the next step has not
+        read them yet)."""
+        self._judge_checks()
         tensors = {}
         for n, t in self._tensors.items():
             setting: Any = RAW if n in self.raw else self.overrides.get(n, {})
@@ -598,6 +622,7 @@ class Monitor:
     def state_dict(self) -> dict[str, Any]:
         """Decisions, counters and the figures since the last check (floats), so a resume decides the same."""
         self.algorithm.guard.settle()
+        self._judge_checks()
         with self._lock:
             per = {}
             for n, t in self._tensors.items():
