@@ -184,3 +184,13 @@ def test_two_processes_over_gloo_measure_every_row_a_step_as_long_as_the_slower_
     assert {g["row"] for g in part["goals"]} == {"none", "fp16", *step.feedback_codecs()}
     assert all(len(r["step_ms"]) == 2 for r in part["rows"].values())
 
+
+@pytest.mark.multiprocess
+def test_the_hooks_bench_runs_the_step_part_on_the_cpu_when_asked(tmp_path) -> None:
+    with threads(torch.get_num_threads()):  # main() runs on one thread
+        assert hooks.main(["--only", "step", "--steps", "1", "--out", str(tmp_path / "hooks.json")]) == 0
+    result = json.loads((tmp_path / "hooks.json").read_text())
+    assert set(result["step"]["models"]) == set(step.MODEL_NAMES) and result["layouts"] == {}
+    assert all("ranks" not in m for m in result["step"]["models"].values())  # one process only on the CPU
+    assert "A whole DDP step per hook on the CPU" in (tmp_path / "hooks.md").read_text()
+    assert "step" in hooks.PARTS and "step" not in hooks.CPU_PARTS  # by default on CUDA only
