@@ -123,7 +123,8 @@ def run_row(name: str, work: Work, device: torch.device, warmup: int, steps: int
     """``warmup + steps`` steps of a fresh DDP model with the hook ``name``; each timed step's seconds (device
     synchronized before and after), DDP's buckets, the last loss and (ours) the monitor's checks in the timed steps.
     A collective: the default process group must be up; ``barrier()`` runs before each step."""
-    model = work.build().to(device)
+    with device:  # built on the device: a GPU initializes GPT-2's 124M weights in no time
+        model = work.build()
     gloo = dist.get_backend() == "gloo"
     cap: dict[str, Any] = {}
     if gloo and name == "torch-powersgd":  # one bucket (POWERSGD_ON_GLOO)
