@@ -15,6 +15,12 @@
 #            as cuda-kernels-<device>-<date>.json and .md, named for benchmarks/. It needs no extension, so it runs
 #            before the build; estimated, not yet timed on a GPU (about 40 kernels to compile, then about a second
 #            per row): the part gives it a time limit, and the record is written with what was reached.
+#   step     a whole DDP training step per hook (python -m sylvie_comm.bench.step): ResNet-50 (batch 32 at 224 x 224,
+#            SGD) and a GPT-2-small-sized decoder (batch 8 x 512 tokens, AdamW), 10 timed steps after 5 of warm-up,
+#            each of our hooks next to DDP without a hook and PyTorch's fp16 and PowerSGD hooks in one process (NCCL,
+#            world size 1), with the issue's goals met or not; then 2 processes on the one GPU over gloo (CUDA
+#            tensors). OUTDIR/step-cuda.json and .md, written after each part. Estimated, not yet timed on a GPU: no
+#            row starts after the part's seconds less a minute (the rows left are named in the record).
 #   build    the extension against the installed torch (42-48 s on the H200).
 #   triton   the GPU kernels compiled for the GPU (no interpreter here), bit-equal to the references run on CPU
 #            copies: the tests CI runs through Triton's interpreter (665 passed in the 170 s the H200's run gave it).
@@ -34,7 +40,7 @@
 # pytest, pybind11, ninja, scikit-learn.
 set -uo pipefail
 
-declare -A PART_SECONDS=([bench]=180 [build]=60 [triton]=200 [paths]=120 [hooks]=60 [gnn]=60 [kernels]=120)
+declare -A PART_SECONDS=([bench]=180 [step]=240 [build]=60 [triton]=200 [paths]=120 [hooks]=60 [gnn]=60 [kernels]=120)
 
 if [ $# -ne 1 ]; then
   echo "usage: scripts/gpu-check.sh OUTDIR" >&2
@@ -71,7 +77,7 @@ LIMIT=0
 asked() {  # name: whether GPU_CHECK_PARTS asks for the part (the build: whenever a part after it is asked for)
   [ -z "${GPU_CHECK_PARTS:-}" ] && return 0
   if [ "$1" = build ]; then
-    tr ' ' '\n' <<<"$GPU_CHECK_PARTS" | grep -qvx -e bench -e ''
+    tr ' ' '\n' <<<"$GPU_CHECK_PARTS" | grep -qvx -e bench -e step -e ''
     return
   fi
   [[ " $GPU_CHECK_PARTS " == *" $1 "* ]]
@@ -116,6 +122,16 @@ if start bench; then
   [ "$LIMIT" -gt 0 ] && bench_limit=(--time-limit $((LIMIT > 40 ? LIMIT - 20 : LIMIT)))
   step bench "$PY" -m sylvie_comm.bench.cuda --out "$OUT" "${bench_limit[@]}"
   cat "$OUT/cuda-kernels.md" 2>/dev/null
+fi
+# A whole training step per hook on the GPU: it needs no extension either. No row starts after its time limit (the
+# part's expected seconds, or what is left of its limit, less a minute: a row started before it finishes, the
+# 2-process part's ranks are stopped 30 s past it, and the record is written), so the parts after it keep theirs.
+if start step; then
+  step_limit=$((PART_SECONDS[step] - 60))
+  [ "$LIMIT" -gt 0 ] && [ $((LIMIT - 60)) -lt "$step_limit" ] && step_limit=$((LIMIT > 80 ? LIMIT - 60 : 20))
+  step step "$PY" -m sylvie_comm.bench.step --device cuda --steps 10 --time-limit "$step_limit" \
+    --out "$OUT/step-cuda.json"
+  cat "$OUT/step-cuda.md" 2>/dev/null
 fi
 start build && step build env MAX_JOBS="${MAX_JOBS:-16}" "$PY" setup.py build_ext --inplace
 # pytest without the project's addopts (the GPU machine may have no pytest-xdist or pytest-timeout: tests/conftest.py

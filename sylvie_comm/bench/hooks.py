@@ -13,7 +13,9 @@ callback and deadlocks.
 The record also holds, from the same run, an FSDP2 unit's reduce-scatter next to FSDP2's own
 (:mod:`sylvie_comm.bench.hooks_fsdp`) and a GNN halo layer next to the same layer without an exchange, with an
 epoch of our layers next to PyG's (:mod:`sylvie_comm.bench.hooks_halo`); ``--only ddp`` (or ``fsdp``, ``halo``)
-runs one part.
+runs one part. On ``--device cuda`` it also holds a whole training step of ResNet-50 and a GPT-2-sized decoder per
+hook (:mod:`sylvie_comm.bench.step`, the ``step`` part, run in a process of its own); ``--only step`` runs that part
+on the CPU too, with tiny models and its one-process part only.
 
 Run ``python -m sylvie_comm.bench.hooks`` (``--layers``, ``--steps``; ``--out FILE.json`` writes the record and
 ``FILE.md``, its tables with the ratios to the baselines of the same run). CI runs it after the tests and prints
@@ -27,7 +29,9 @@ import contextlib
 import json
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
@@ -45,7 +49,8 @@ from sylvie_comm.bench.timing import sync
 
 # Every algorithm with an encoding of its own (``auto`` runs one of these per bucket).
 OURS = tuple(name for name, cls in ALGORITHMS.items() if not cls.delegates)
-PARTS = ("ddp", "fsdp", "halo")
+PARTS = ("ddp", "fsdp", "halo", "step")
+CPU_PARTS = ("ddp", "fsdp", "halo")  # the parts run on the CPU unless --only names them: ``step`` on CUDA only
 
 
 def _model(layers: int) -> nn.Module:
@@ -144,9 +149,10 @@ def _run(name: str, layers: int, steps: int, bucket_mb: float, device: torch.dev
 
 
 def measure(
-    layers: int = 32, steps: int = 20, parts: tuple[str, ...] = PARTS, device: str | torch.device = "cpu"
+    layers: int = 32, steps: int = 20, parts: tuple[str, ...] | None = None, device: str | torch.device = "cpu"
 ) -> dict[str, Any]:
-    """Every hook, one after the other in one process (a group of one rank), then the FSDP2 and halo parts.
+    """Every hook, one after the other in one process (a group of one rank), then the FSDP2 and halo parts, and on
+    CUDA the whole-step part (``parts`` None: those; on the CPU, :data:`CPU_PARTS`).
 
     On ``device="cuda"`` the DDP and FSDP2 parts run on the GPU over NCCL (the halo part stays on the CPU)."""
     dev = torch.device(device)
@@ -162,13 +168,32 @@ def measure(
     }  # fmt: skip
     if dev.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(dev)
+    if parts is None:
+        parts = PARTS if dev.type == "cuda" else CPU_PARTS
     if "ddp" in parts:
         out["layouts"] = _ddp(layers, steps, dev)
     if "fsdp" in parts:
         out["fsdp"] = hooks_fsdp.measure((8, 32), steps, device=dev)
     if "halo" in parts:
         out["halo"] = hooks_halo.halo_rows(max(1, steps // 2))
+    if "step" in parts:
+        out["step"], out["step_md"] = step_part(dev, steps)
     return out
+
+
+def step_part(device: torch.device, steps: int) -> tuple[dict[str, Any], str]:
+    """The whole-step bench's record and tables (``python -m sylvie_comm.bench.step``, in a process of its own: it
+    imports this module's hooks, and starts the ranks of its 2-process part): full-sized models on CUDA, tiny ones
+    on the CPU, where it runs its one-process part only. A run that writes no record is an error of the part."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "step.json"
+        command = [sys.executable, "-m", "sylvie_comm.bench.step", "--device", str(device), "--steps", str(steps),
+                   "--out", str(out), *(() if device.type == "cuda" else ("--procs", "0"))]  # fmt: skip
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if not out.exists():
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-5:]
+            return {"errors": {"step": f"exit status {proc.returncode}: {' / '.join(tail)}"}}, ""
+        return json.loads(out.read_text()), out.with_suffix(".md").read_text()
 
 
 def _ddp(layers: int, steps: int, device: torch.device) -> dict[str, Any]:
@@ -231,6 +256,9 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "```", hooks_fsdp.table(result["fsdp"]).rstrip("\n"), "```"]
     if "halo" in result:
         lines += ["", "```", hooks_halo.table(result["halo"]), "```"]
+    if "step" in result:
+        lines += ["", result["step_md"].rstrip("\n")]
+        lines += [f"- {name}: {e}" for name, e in result["step"].get("errors", {}).items() if name == "step"]
     return "\n".join(lines) + "\n"
 
 
@@ -238,12 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sylvie_comm.bench.hooks", description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--only", choices=PARTS, action="append", help="run this part only (repeatable)")
-    parser.add_argument("--device", default="cpu", help="cpu (gloo), or cuda: the DDP and FSDP2 parts on a GPU (NCCL)")
+    parser.add_argument("--only", choices=PARTS, action="append",
+                        help="run this part only (repeatable; step runs by default on cuda only)")  # fmt: skip
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (gloo), or cuda: the DDP, FSDP2 and step parts on a GPU (NCCL)")  # fmt: skip
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    result = measure(args.layers, args.steps, tuple(args.only or PARTS), args.device)
+    result = measure(args.layers, args.steps, tuple(args.only) if args.only else None, args.device)
     print(markdown(result), end="")
     if args.out:
         out = Path(args.out)
