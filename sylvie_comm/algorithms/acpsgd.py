@@ -49,17 +49,19 @@ class ACPSGDAlgorithm(LowRankAlgorithm):
             for m in comp:
                 p, q = self._factors[m.name]
                 owed = self._pending.pop(m.name, None)
-                res = self._residuals[m.name]
+                res, mat = self._residuals[m.name], self._matrix(m)
+                # The plan made every argument but the gradient: that one is checked here, the rest not per call.
+                checked = not kernels.plain_f32(mat, res)
                 if p_step:  # E <- E - P' Q'^T (owed), E <- M + E, P <- E Q, E <- E - P Q^T: one pass
                     saved = self._saved_slot(m.name)  # E as it was, written by the same pass
-                    kernels.lowrank_project(res, self._matrix(m), q, p, subtract=True, pending=owed, saved=saved)
+                    kernels.lowrank_project(res, mat, q, p, subtract=True, pending=owed, saved=saved, checked=checked)
                     if owed is not None:
                         self._reapply_if_skipped(m.name, owed)
                 else:  # E <- M + E, Q <- E^T P: one pass; E <- E - P Q^T is owed to the next P step
                     if owed is not None:  # a tensor that missed the P step (absent from its bucket then)
-                        kernels.lowrank_outer_into(res, owed[0], owed[1], -1.0, accumulate=True)
+                        kernels.lowrank_outer_into(res, owed[0], owed[1], -1.0, accumulate=True, checked=False)
                     # E saved owing nothing: a skipped step owes nothing either
-                    kernels.lowrank_gram(res, self._matrix(m), p, q, saved=self._saved_slot(m.name))
+                    kernels.lowrank_gram(res, mat, p, q, saved=self._saved_slot(m.name), checked=checked)
                     self._defer_update(m.name, p, q)
             self._fill_raw(group, buf, raw_at)
 

@@ -117,7 +117,8 @@ class LowRankAlgorithm(Algorithm):
             self._factors[m.name] = (p, q)
             if m.name not in self._residuals:
                 loaded = self._loaded.get(m.name)
-                res = loaded["residual"].to(device, copy=True) if loaded else torch.zeros(n, k, device=device)
+                res = (loaded["residual"].to(device, memory_format=torch.contiguous_format, copy=True) if loaded
+                       else torch.zeros(n, k, device=device))  # fmt: skip
                 self._residuals[m.name] = res
             op += n * r
             oq += k * r
@@ -138,7 +139,8 @@ class LowRankAlgorithm(Algorithm):
 
         The scale multiplies the small factor, not the product: one write pass over the gradient.
         """
-        kernels.lowrank_outer_into(self._matrix(m), p, q, scale, accumulate=False)
+        mat = self._matrix(m)
+        kernels.lowrank_outer_into(mat, p, q, scale, accumulate=False, checked=not kernels.plain_f32(mat, p))
 
     def persistent_tensors(self) -> list[torch.Tensor]:
         bufs = [t for _, f in self._layouts.values() for t in (f.pbuf, f.qbuf)]

@@ -44,8 +44,9 @@ class PowerSGDAlgorithm(LowRankAlgorithm):
             # residual waits for the averaged P. A skipped step puts back E, which then still owes P' Q'^T.
             # (The owed entry stays until the Q phase's _defer_update replaces it, saving it first.)
             owed = self._pending.get(m.name)
-            res, saved = self._residuals[m.name], self._saved_slot(m.name)
-            kernels.lowrank_project(res, self._matrix(m), q, p, subtract=False, pending=owed, saved=saved)
+            res, saved, mat = self._residuals[m.name], self._saved_slot(m.name), self._matrix(m)
+            kernels.lowrank_project(res, mat, q, p, subtract=False, pending=owed, saved=saved,
+                                    checked=not kernels.plain_f32(mat, res))  # the plan made the rest
         self._fill_raw(group, layout.pbuf, layout.raw_p)
 
     def _finish(self, group: Group, layout: Factors, step: int, meter: Meter, prepared: object) -> None:
@@ -57,7 +58,7 @@ class PowerSGDAlgorithm(LowRankAlgorithm):
             for m in comp:
                 p, q = self._factors[m.name]
                 res = self._residuals[m.name]
-                kernels.lowrank_gram(res, None, p, q)
+                kernels.lowrank_gram(res, None, p, q, checked=False)  # all the plan's
                 # E <- M + E - P Q^T with this rank's Q, in the next pass
                 self._defer_update(m.name, p, q, keep_owed=True)
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from sylvie_comm import kernels
 from sylvie_comm.algorithms.base import Future, Group, Member, Segment, ShardLayout, then
-from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
+from sylvie_comm.algorithms.feedback import FeedbackAlgorithm, kinds_of
 from sylvie_comm.algorithms.guard import nonfinite, poison
 from sylvie_comm.algorithms.shard_rows import (
     StepVerdict,
@@ -60,6 +60,14 @@ class _Part:
 
 
 @dataclass
+class _Kind:
+    """Parts of tensors of one shape, dtype and width (``members``: their indices in the group's parts): their
+    residuals are the rows of one arena, compensated with one multi-tensor add and updated with one subtraction."""
+
+    members: list[int]
+
+
+@dataclass
 class _Row:
     """A rank's contribution to a group: the fp32 scales and minimums of every tensor, then their packed values."""
 
@@ -67,6 +75,7 @@ class _Row:
     meta_bytes: int
     row_bytes: int  # 4-byte aligned, so every rank's fp32 section can be viewed in the gathered buffer
     wire: _Wire | None = None  # the buffers and their views, made at the group's first step on its device
+    kinds: list[_Kind] = field(default_factory=list)
 
 
 @dataclass
@@ -84,6 +93,7 @@ class _Wire:
     sends: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     received: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
     total: list[torch.Tensor]
+    kind_totals: list[torch.Tensor]  # per kind, ``(len(members), rows * cols)``: ``total``'s rows
 
     @classmethod
     def make(cls, layout: _Row, world: int, device: torch.device) -> _Wire:
@@ -100,15 +110,21 @@ class _Wire:
                 values.view(part.rows, part.packed_per_row),
             )
 
+        kind_totals = [torch.zeros(len(k.members), layout.parts[k.members[0]].rows * layout.parts[k.members[0]].cols,
+                                   device=device) for k in layout.kinds]  # fmt: skip
+        total: list[torch.Tensor] = [torch.empty(0)] * len(layout.parts)
+        for kind, buf in zip(layout.kinds, kind_totals, strict=True):
+            for j, i in enumerate(kind.members):
+                total[i] = buf[j].view(layout.parts[i].rows, layout.parts[i].cols)
         return cls(
             device, send, gathered, rows[:, : layout.meta_bytes].view(torch.float32) if layout.meta_bytes else None,
             [views(send, part) for part in layout.parts],
             [[views(rows[r], part) for r in range(world)] for part in layout.parts],
-            [torch.zeros(part.rows, part.cols, device=device) for part in layout.parts],
+            total, kind_totals,
         )  # fmt: skip
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.send, self.gathered, *self.total]
+        return [self.send, self.gathered, *self.kind_totals]
 
 
 @dataclass
@@ -275,7 +291,10 @@ class QSGDAlgorithm(FeedbackAlgorithm):
             meta += 2 * rows
             packed += part.packed_bytes
         row = 4 * meta + packed
-        return _Row(parts, 4 * meta, row + (-row) % 4)
+        members = self._members(group)
+        kinds = kinds_of(members, lambda m: (m.tensor.shape, m.tensor.dtype, int(m.options.get("bits", self.bits))),
+                         lambda m: _Kind([]))  # fmt: skip
+        return _Row(parts, 4 * meta, row + (-row) % 4, kinds=kinds)
 
     def _step(self, group: Group, layout: _Row, step: int, meter: Meter) -> Future[None]:
         members, w = self._members(group), self.world_size
@@ -284,27 +303,31 @@ class QSGDAlgorithm(FeedbackAlgorithm):
             wire = layout.wire = _Wire.make(layout, w, group.device)
 
         def encode() -> torch.Tensor:
-            parts = zip(members, layout.parts, wire.sends, wire.total, strict=True)
-            befores = (self._guard_residuals(self.feedback, [(m.name, m.tensor) for m in members]) if self.feedback_on
-                       else [None] * len(members))  # fmt: skip
-            for (m, part, (scales, minimums, packed), scratch), before in zip(parts, befores, strict=True):
-                codec = self._codec(m.name, part.bits)
-                offset = step * m.tensor.numel()  # the step's own noise: no stream position to keep
-                if self.feedback_on:
-                    # ErrorFeedback.encode with QBitCodec's one block, straight through the kernels: the residual
-                    # buffer takes the gradient, is encoded, and loses what was sent (decoded into the scratch the
-                    # receive side overwrites).
-                    comp = self.feedback.compensate_(m.name, m.tensor).view(part.rows, part.cols)
-                    values, scale, minimum = kernels.qbit_encode(comp, part.bits, codec.seed, offset)
-                    comp.sub_(kernels.qbit_decode(values, scale, minimum, part.bits, part.cols, torch.float32,
-                                                  out=scratch))  # fmt: skip
-                    self._guard_created(self.feedback, m.name, before)
-                else:
-                    codec.offset = offset
+            if not self.feedback_on:
+                for m, part, (scales, minimums, packed) in zip(members, layout.parts, wire.sends, strict=True):
+                    codec = self._codec(m.name, part.bits)
+                    codec.offset = step * m.tensor.numel()  # the step's own noise: no stream position to keep
                     values, scale, minimum = codec.encode(m.tensor.view(part.rows, part.cols)).payload
-                scales.copy_(scale.view(-1))
-                minimums.copy_(minimum.view(-1))
-                packed.copy_(values.view(packed.shape))
+                    self._put((scales, minimums, packed), values, scale, minimum)
+                return wire.send
+            # ErrorFeedback.encode with QBitCodec's one block, straight through the kernels, a kind at a time: the
+            # residuals (an arena's rows) take the gradients, are encoded, and lose what was sent (decoded into the
+            # scratch the receive side overwrites). Every argument but the gradients is the plan's.
+            for k, kind in enumerate(layout.kinds):
+                ms = [members[i] for i in kind.members]
+                batch = self._arena(self.feedback, (group.key, k), [m.name for m in ms], [m.tensor.shape for m in ms],
+                                    group.device)  # fmt: skip
+                torch._foreach_add_(batch.views, [m.tensor for m in ms])
+                for j, i in enumerate(kind.members):
+                    part, m = layout.parts[i], members[i]
+                    comp = batch.tensor[j].view(part.rows, part.cols)
+                    seed = self._codec(m.name, part.bits).seed
+                    values, scale, minimum = kernels.qbit_encode(comp, part.bits, seed, step * m.tensor.numel(),
+                                                                 checked=False)  # fmt: skip
+                    kernels.qbit_decode(values, scale, minimum, part.bits, part.cols, torch.float32, out=wire.total[i],
+                                        checked=False)  # fmt: skip
+                    self._put(wire.sends[i], values, scale, minimum)
+                batch.tensor.sub_(wire.kind_totals[k])
             return wire.send
 
         send = meter.timed("encode", encode)
@@ -324,14 +347,24 @@ class QSGDAlgorithm(FeedbackAlgorithm):
                 self.guard.report(bad)
                 for m, part, received, total in zip(members, layout.parts, wire.received, wire.total, strict=True):
                     total.zero_()
-                    for scale, minimum, values in received:
-                        total += kernels.qbit_decode(values, scale, minimum, part.bits, part.cols, torch.float32)
+                    for scale, minimum, values in received:  # the wire's views: the plan's, as the kernel takes them
+                        total += kernels.qbit_decode(values, scale, minimum, part.bits, part.cols, torch.float32,
+                                                     checked=False)  # fmt: skip
                     m.tensor.copy_(total.div_(w).view(m.tensor.shape))
                 poison((m.tensor for m in members), bad)
 
             meter.timed("decode", run)
 
         return then(futs, decode)
+
+    @staticmethod
+    def _put(views: tuple[torch.Tensor, torch.Tensor, torch.Tensor], values: torch.Tensor, scale: torch.Tensor,
+             minimum: torch.Tensor) -> None:  # fmt: skip
+        """A tensor's code into its place in this rank's row."""
+        scales, minimums, packed = views
+        scales.copy_(scale.view(-1))
+        minimums.copy_(minimum.view(-1))
+        packed.copy_(values.view(packed.shape))
 
     def persistent_tensors(self) -> list[torch.Tensor]:
         """The residuals and the groups' wire buffers (kept from step to step)."""

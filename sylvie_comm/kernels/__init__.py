@@ -28,6 +28,7 @@ __all__ = [
     "backend",
     "copy_if",
     "copy_if_many",
+    "direct",
     "lowrank_gram",
     "lowrank_outer_into",
     "lowrank_project",
@@ -36,6 +37,7 @@ __all__ = [
     "onebit_feedback_encode",
     "onebit_mean_feedback_encode",
     "pack_bits",
+    "plain_f32",
     "qbit_decode",
     "qbit_encode",
     "reference",
@@ -77,6 +79,23 @@ def _ops_for(device: torch.device) -> Any:
             return torch.ops.sylvie_comm_triton
         return compiled.namespace()
     return None
+
+
+def direct(op: str, device: torch.device) -> Any:
+    """``op``'s C++ kernel with no per-call check or routing (``torch.ops.sylvie_comm_cpu.<op>``), for a caller that
+    vouches for every argument (made by its plan: fp32, contiguous, shaped for each other, on ``device``; what it
+    does not own, the gradient, it checks itself per call); None where the call must go through the entry point:
+    not a CPU device, no extension, the CPU routed through Triton, or ``torch.compile`` tracing / a dispatch mode
+    active (a trace records the checked op). The checks cost several times the kernel on a small tensor."""
+    if device.type != "cpu" or compiled.OPS is None or _ops_for(device) is not compiled.OPS:
+        return None
+    return compiled.KERNELS[op]
+
+
+def plain_f32(t: torch.Tensor, like: torch.Tensor) -> bool:
+    """Whether ``t`` is an fp32 contiguous tensor on ``like``'s device: the one per-call check of an argument a
+    :func:`direct` caller does not own."""
+    return t.dtype == torch.float32 and t.is_contiguous() and t.device == like.device
 
 
 def backend(t: torch.Tensor) -> str:
@@ -144,8 +163,14 @@ def onebit_decode(
 
 
 def qbit_encode(
-    x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype = torch.float32
+    x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype = torch.float32, *,
+    checked: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed codes, scales and minimums of ``x``'s rows (``checked=False``: as :func:`lowrank_project`)."""
+    raw = None if checked else direct("qbit_encode", x.device)
+    if raw is not None:
+        packed, scale, minimum = raw(x, bits, _as_int64(seed), _as_int64(offset), meta_dtype)
+        return packed, scale, minimum
     ns = _ops_for(x.device)
     if ns is not None:
         packed, scale, minimum = ns.qbit_encode(x, bits, _as_int64(seed), _as_int64(offset), meta_dtype)
@@ -161,8 +186,16 @@ def qbit_decode(
     cols: int,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,
+    *,
+    checked: bool = True,
 ) -> torch.Tensor:
-    """Decode into a new ``(rows, cols)`` tensor, or into ``out`` of that shape."""
+    """Decode into a new ``(rows, cols)`` tensor, or into ``out`` of that shape (``checked=False``: as
+    :func:`lowrank_project`)."""
+    if not checked and direct("qbit_decode", packed.device) is not None:
+        if out is not None:
+            direct("qbit_decode_into", packed.device)(packed, scale, minimum, bits, out)
+            return out
+        return direct("qbit_decode", packed.device)(packed, scale, minimum, bits, cols, dtype)  # type: ignore[no-any-return]
     ns = _ops_for(packed.device)
     if out is not None and ns is not None and out.is_contiguous() and out.dim() == 2:
         ns.qbit_decode_into(packed, scale, minimum, bits, out)
@@ -250,14 +283,21 @@ def lowrank_project(
     subtract: bool,
     pending: tuple[torch.Tensor, torch.Tensor] | None = None,
     saved: torch.Tensor | None = None,
+    *,
+    checked: bool = True,
 ) -> None:
     """``residual -= P' Q'^T`` (``pending = (P', Q')``), ``residual += grad``, ``p = residual q`` and
-    (``subtract``) ``residual -= p q^T``: one pass. ``saved``: the residual before all of it.
+    (``subtract``) ``residual -= p q^T``: one pass. ``saved``: the residual before all of it. ``checked=False``: the
+    caller vouches for the arguments (:func:`direct`; the low-rank ops take it likewise).
 
     The pending update has the bits of :func:`lowrank_outer_into` ``(residual, P', Q', -1.0, accumulate=True)``
     on the same tensors, whichever path the rest takes (an fp16 ``grad`` sends the rest to the reference).
     """
     pp, pq = pending if pending is not None else (None, None)
+    raw = None if checked else direct("lowrank_project", residual.device)
+    if raw is not None:
+        raw(residual, grad, q, p, subtract, pp, pq, saved)
+        return
     ns = _fused(residual, grad, q, p, pp, pq, saved)
     if ns is not None:
         ns.lowrank_project(residual, grad, q, p, subtract, pp, pq, saved)
@@ -275,8 +315,14 @@ def lowrank_gram(
     p: torch.Tensor,
     q: torch.Tensor,
     saved: torch.Tensor | None = None,
+    *,
+    checked: bool = True,
 ) -> None:
     """``residual += grad``, ``q = residual^T p``: one pass (``saved``: the residual before)."""
+    raw = None if checked else direct("lowrank_gram", residual.device)
+    if raw is not None:
+        raw(residual, grad, p, q, saved)
+        return
     ns = _fused(residual, grad, p, q, saved)
     if ns is not None:
         ns.lowrank_gram(residual, grad, p, q, saved)
@@ -291,12 +337,18 @@ def lowrank_outer_into(
     alpha: float,
     accumulate: bool,
     when: torch.Tensor | None = None,
+    *,
+    checked: bool = True,
 ) -> None:
     """``out = p (alpha q)^T`` (or ``+=`` with ``accumulate``), written in place: one pass.
 
     With ``when`` (a one-element bool tensor on ``out``'s device) nothing changes unless it is true; the
     kernel reads it on the device, so the host never waits for it, and a false one costs no pass over ``out``.
     """
+    raw = None if checked else direct("lowrank_outer_into", out.device)
+    if raw is not None:
+        raw(out, p, q, alpha, accumulate, when)
+        return
     ns = _fused(out, p, q)
     if ns is not None and (when is None or _flag_on(when, out)):
         ns.lowrank_outer_into(out, p, q, alpha, accumulate, when)

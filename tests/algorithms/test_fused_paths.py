@@ -61,6 +61,7 @@ def test_onebit_fused_same_bits(world: int, scale: str, monkeypatch: pytest.Monk
 def test_lowrank_fused_matches_reference(world: int, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     fused = run(name, world, 4)
     monkeypatch.setattr(kernels, "_fused", lambda *a: None)
+    monkeypatch.setattr(kernels, "direct", lambda *a: None)  # the plan's unchecked calls take the references too
     plain = run(name, world, 4)
     for (out_f, state_f), (out_p, state_p) in zip(fused, plain, strict=True):
         for a, b in zip(out_f, out_p, strict=True):
@@ -85,3 +86,32 @@ def test_fused_kernels_take_fp32_contiguous_tensors_on_one_device_that_has_them(
     if torch.cuda.is_available():  # mixed devices never reach a kernel; CUDA ones only where built
         assert not kernels._fused(a, b.cuda())
         assert kernels._fused(a.cuda(), b.cuda()) is not None
+
+
+def test_the_unchecked_route_is_the_cpu_kernels_route_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kernels.direct`` hands out a C++ kernel only where the entry point would take it: a CPU tensor with the
+    extension, not routed through Triton, not under a trace (where the checked op must be recorded)."""
+    from sylvie_comm import _ops
+    from sylvie_comm.kernels import compiled
+
+    cpu = torch.device("cpu")
+    if not _ops.HAS_EXTENSION:
+        assert kernels.direct("lowrank_gram", cpu) is None
+        return
+    assert kernels.direct("lowrank_gram", cpu) is compiled.KERNELS["lowrank_gram"]
+    assert kernels.direct("lowrank_gram", torch.device("meta")) is None
+    monkeypatch.setattr(kernels, "_ops_for", lambda device: torch.ops.sylvie_comm)  # a trace's namespace
+    assert kernels.direct("lowrank_gram", cpu) is None
+
+
+@pytest.mark.parametrize("name", ["acpsgd", "powersgd", "qsgd"])
+def test_the_plans_unchecked_calls_give_the_bits_of_the_checked_ones(name: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    direct = run(name, 2, 4)
+    monkeypatch.setattr(kernels, "direct", lambda *a: None)
+    checked = run(name, 2, 4)
+    for (out_d, state_d), (out_c, state_c) in zip(direct, checked, strict=True):
+        for a, b in zip(out_d, out_c, strict=True):
+            assert all(torch.equal(a[n], b[n]) for n in a)
+        for n in state_d:
+            assert all(torch.equal(state_d[n][k], state_c[n][k]) for k in state_d[n])
