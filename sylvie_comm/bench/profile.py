@@ -15,9 +15,9 @@ as in a long run; its warnings, set off by a gradient that never changes, are si
    profiler of its own (``calling``, ``executor``, ``callbacks``: what runs from a future's ``set_result`` off the
    calling thread); the calling thread's time blocked in ``wait()`` is the wait. From 3.12 cProfile is one profiler
    for every thread (``sys.monitoring``): the threads are not told apart (``per_thread: false``);
-3. **under torch.profiler**: the dispatcher ops (``aten::``, our kernels, ``c10d::``) per call not nested in another
-   op, the communication thread's jobs run inline (the profiler follows a future's callbacks, not a thread it did
-   not start on); on a GPU also the CUDA kernel launches and kernels. Equal in every run of the same settings.
+3. **under torch.profiler** (every thread's events): the dispatcher ops (``aten::``, our kernels, ``c10d::``) per
+   call not nested in another op, with those run off the calling thread; on a GPU also the CUDA kernel launches
+   and kernels. Equal in every run of the same settings.
 
 ``python -m sylvie_comm.bench.profile`` (``--codec NAME`` repeatable, ``--layers``, ``--width``, ``--layout``,
 ``--calls``, ``--device``, ``--top``; ``--out FILE.json`` also writes ``FILE.md``).
@@ -326,28 +326,11 @@ def summarize(profiled: dict[str, Any], top: int) -> dict[str, Any]:
             "by_family": table(families), "by_module": table(modules), "top": rows}  # fmt: skip
 
 
-@contextlib.contextmanager
-def _inline(executor: transport.SerialExecutor | None) -> Iterator[None]:
-    """The executor's jobs run on the submitting thread, as its thread runs them (:func:`transport._run`)."""
-    if executor is None:
-        yield
-        return
-
-    def submit(job: Callable[[], Any], stream: Any = None) -> torch.futures.Future[Any]:
-        fut: torch.futures.Future[Any] = torch.futures.Future(devices=[stream.device] if stream is not None else None)
-        transport._run(job, fut, stream)
-        return fut
-
-    executor.submit = submit  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del executor.submit
-
-
-def _ops(hook: Hook, state: Any, s: _Setup, executor: transport.SerialExecutor | None, top: int) -> dict[str, Any]:
-    """The calls under ``torch.profiler``: dispatcher ops per call (and CUDA launches and kernels on a GPU), read
-    from kineto's raw events (torch's own event tree costs about 100 µs an event to build: minutes here)."""
+def _ops(hook: Hook, state: Any, s: _Setup, top: int) -> dict[str, Any]:
+    """The calls under ``torch.profiler``, on every thread (by default it records the thread that starts it and the
+    work it hands to c10d, not the communication thread nor a future's callbacks on the process group's threads):
+    dispatcher ops per call (and CUDA launches and kernels on a GPU), read from kineto's raw events (torch's own
+    event tree costs about 100 µs an event to build: minutes here)."""
     _quiet_kineto()
     cuda = s.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -356,7 +339,8 @@ def _ops(hook: Hook, state: Any, s: _Setup, executor: transport.SerialExecutor |
         with record_function(REFILL):
             s.refill()
 
-    with _inline(executor), torch.profiler.profile(activities=activities) as prof:
+    every = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with torch.profiler.profile(activities=activities, experimental_config=every) as prof:
         _run(hook, state, replace(s, refill=marked))
     assert prof.profiler is not None and prof.profiler.kineto_results is not None
     names: dict[str, str] = {}  # one string per name
@@ -425,7 +409,7 @@ def count_ops(events: Sequence[Event], per_step: int, cuda: bool, top: int) -> d
     if cuda:
         device = [e for e in events if not e.cpu and not e.name.startswith(("Memcpy", "Memset"))]
         out["cuda_launches_per_call"] = launches / calls
-        out["cuda_kernels_per_call"] = sum(e.linked not in refill for e in device) / calls
+        out["cuda_kernels_per_call"] = sum(not (e.linked and e.linked in refill) for e in device) / calls
     return out
 
 
@@ -463,8 +447,8 @@ def _row(name: str, model: nn.Module, s: _Setup, top: int) -> dict[str, Any]:
         base = _timed(base_hook, base_state, s)
         executor = getattr(ours.algorithm, "_executor", None)
         profile = summarize(_profiled(hook, state, s, executor), top)
-        ops = _ops(hook, state, s, executor, top)
-        base_ops = _ops(base_hook, base_state, s, None, top)
+        ops = _ops(hook, state, s, top)
+        base_ops = _ops(base_hook, base_state, s, top)
     finally:
         ours.close()
     timing.update(torch_fp16_us_per_call=base["us_per_call"], x_torch_fp16=timing["us_per_call"] / base["us_per_call"],
