@@ -261,7 +261,9 @@ def _family_of_builtin(func: str) -> str:
     # pybind's methods are named "<built-in method torch._C.wait>", a C type's "<method 'wait' of 'X' objects>"
     if func.endswith(".wait>") or func.startswith("<method 'wait' of 'torch"):
         return WAIT
-    if "torch" in func or "PyCapsule" in func or "sylvie_comm" in func:
+    if "sylvie_comm" in func:  # a compiled kernel of ours, through torch.ops
+        return "sylvie_comm C++ kernels"
+    if "torch" in func or "PyCapsule" in func:
         return "torch (C++ calls)"
     return "python builtins"
 
