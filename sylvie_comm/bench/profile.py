@@ -370,14 +370,15 @@ def count_ops(events: Sequence[Event], per_step: int, cuda: bool, top: int) -> d
     """Per hook call (``per_step`` a step, each step opened by a :data:`REFILL` range, whose content is left out):
     the dispatcher ops (names with ``::``) not nested in another op, by name and namespace (the mean, and the
     median step's); every op, nested ones too; those run off the calling thread; on CUDA the kernel launches and
-    the kernels."""
+    the kernels (a launch or a kernel linked to a refill's op left out)."""
     cpu = sorted((e for e in events if e.cpu), key=lambda e: (e.thread, e.start, -e.end))
     opens = sorted(e.start for e in cpu if e.name == REFILL)
     calling = next((e.thread for e in cpu if e.name == REFILL), None)
     names: Counter[str] = Counter()
     steps = [0] * len(opens)
-    refill: set[int] = set()
-    nested = other = launches = 0
+    refill: set[int] = set()  # the correlation ids of the refills' events
+    links: list[int] = []  # each launch's op (CUPTI's runtime events carry their own thread ids, not the op's)
+    nested = other = 0
     stack: list[tuple[int, bool, bool]] = []  # the enclosing ranges: (end, in a refill, an op or under one)
     thread = None
     for e in cpu:
@@ -391,7 +392,9 @@ def count_ops(events: Sequence[Event], per_step: int, cuda: bool, top: int) -> d
         if in_refill:
             refill.add(e.correlation)
             continue
-        launches += e.name in _LAUNCHES
+        if e.name in _LAUNCHES:
+            links.append(e.linked)
+            continue
         nested += is_op
         if is_op and not under_op:
             names[e.name] += 1
@@ -410,7 +413,7 @@ def count_ops(events: Sequence[Event], per_step: int, cuda: bool, top: int) -> d
     }  # fmt: skip
     if cuda:
         device = [e for e in events if not e.cpu and not e.name.startswith(("Memcpy", "Memset"))]
-        out["cuda_launches_per_call"] = launches / calls
+        out["cuda_launches_per_call"] = sum(not (x and x in refill) for x in links) / calls
         out["cuda_kernels_per_call"] = sum(not (e.linked and e.linked in refill) for e in device) / calls
     return out
 

@@ -97,10 +97,11 @@ def _ev(name: str, start: int, end: int, thread: int = 1, cpu: bool = True, corr
 
 
 def test_the_op_count_leaves_out_nested_ops_and_the_refills_and_counts_cuda_launches() -> None:
+    # A runtime call (cudaLaunchKernel) carries CUPTI's thread id (77), not its op's: it is linked to the op instead.
     events = [
-        _ev(REFILL, 0, 10), _ev("aten::copy_", 1, 9, corr=1), _ev("cudaLaunchKernel", 2, 3, corr=2),
+        _ev(REFILL, 0, 10), _ev("aten::copy_", 1, 9, corr=1), _ev("cudaLaunchKernel", 2, 3, thread=77, linked=1),
         _ev("copy_kernel", 4, 5, cpu=False, linked=1),  # the refill's kernel: left out
-        _ev("aten::add_", 11, 20, corr=3), _ev("aten::empty", 12, 13), _ev("cudaLaunchKernel", 14, 15),
+        _ev("aten::add_", 11, 20, corr=3), _ev("aten::empty", 12, 13), _ev("cudaLaunchKernel", 14, 15, 77, linked=3),
         _ev("add_kernel", 16, 17, cpu=False, linked=3), _ev("python_scope", 21, 40),
         _ev("sylvie_comm_cpu::encode", 22, 30), _ev("c10d::allreduce_", 31, 39),
         _ev("aten::div_", 35, 45, thread=2), _ev("cuLaunchKernel", 36, 37, thread=2),  # a callback's, its thread
