@@ -45,8 +45,9 @@ class PowerSGDAlgorithm(LowRankAlgorithm):
             # (The owed entry stays until the Q phase's _defer_update replaces it, saving it first.)
             owed = self._pending.get(m.name)
             res, saved, mat = self._residuals[m.name], self._saved_slot(m.name), self._matrix(m)
-            kernels.lowrank_project(res, mat, q, p, subtract=False, pending=owed, saved=saved,
-                                    checked=not kernels.plain_f32(mat, res))  # the plan made the rest
+            kernels.lowrank_project(
+                res, mat, q, p, subtract=False, pending=owed, saved=saved, checked=not kernels.plain_f32(mat, res)
+            )  # the plan made the rest
         self._fill_raw(group, layout.pbuf, layout.raw_p)
 
     def _finish(self, group: Group, layout: Factors, step: int, meter: Meter, prepared: object) -> None:

@@ -163,7 +163,12 @@ def onebit_decode(
 
 
 def qbit_encode(
-    x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype = torch.float32, *,
+    x: torch.Tensor,
+    bits: int,
+    seed: int,
+    offset: int,
+    meta_dtype: torch.dtype = torch.float32,
+    *,
     checked: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed codes, scales and minimums of ``x``'s rows (``checked=False``: as :func:`lowrank_project`)."""

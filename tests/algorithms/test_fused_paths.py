@@ -105,8 +105,9 @@ def test_the_unchecked_route_is_the_cpu_kernels_route_only(monkeypatch: pytest.M
 
 
 @pytest.mark.parametrize("name", ["acpsgd", "powersgd", "qsgd"])
-def test_the_plans_unchecked_calls_give_the_bits_of_the_checked_ones(name: str,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_the_plans_unchecked_calls_give_the_bits_of_the_checked_ones(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     direct = run(name, 2, 4)
     monkeypatch.setattr(kernels, "direct", lambda *a: None)
     checked = run(name, 2, 4)
