@@ -407,7 +407,8 @@ def test_auto_moves_a_bucket_off_a_candidate_over_the_bound_to_the_next_fastest(
     """auto on topk (timed fastest) with a bound topk cannot meet: at the first check (topk needs the monitor: one
     check is enough, whatever ``patience`` says) the bucket moves to qsgd (the next fastest) at the step after the
     check (its figures are read there, off the hook's path), every rank at the same step; topk's residual travels
-    with the next gradient, so over the run every rank received what every rank sent, less what qsgd still owes at the end."""
+    with the next gradient, so over the run every rank received what every rank sent, less what qsgd still owes at
+    the end."""
     config = Config("auto", warmup_steps=0, options={"candidates": ["none", "fp16", "qsgd", "topk"]},
                     monitor={"period": 3, "max_lag": 0.3, "patience": 2})  # fmt: skip
     res = _auto_run(config, 12, "topk", save_at=12)
