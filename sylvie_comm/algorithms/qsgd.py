@@ -53,6 +53,7 @@ class _Part:
     packed_per_row: int  # bytes of one row's packed values
     meta_at: int  # fp32 elements before this tensor's scales in the meta section
     packed_at: int  # bytes before this tensor's packed values in the packed section
+    minimum_at: int = 0  # fp32 elements before this tensor's minimums in the meta section
 
     @property
     def packed_bytes(self) -> int:
@@ -61,10 +62,13 @@ class _Part:
 
 @dataclass
 class _Kind:
-    """Parts of tensors of one shape, dtype and width (``members``: their indices in the group's parts): their
-    residuals are the rows of one arena, compensated with one multi-tensor add and updated with one subtraction."""
+    """Parts of tensors of one shape, dtype and width (``members``: their indices in the group's parts), laid out
+    together in a row: their scales, then their minimums, then their packed values, each consecutive, so the kind
+    is decoded as one ``(len(members) * rows, cols)`` matrix; their residuals are the rows of one arena,
+    compensated with one multi-tensor add and updated with one subtraction."""
 
     members: list[int]
+    part: _Part | None = None  # the kind as one part: every member's rows, at the first member's places
 
 
 @dataclass
@@ -94,6 +98,8 @@ class _Wire:
     received: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
     total: list[torch.Tensor]
     kind_totals: list[torch.Tensor]  # per kind, ``(len(members), rows * cols)``: ``total``'s rows
+    kind_sends: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per kind, as ``sends``: all its members
+    kind_received: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]  # per kind, as ``received``
 
     @classmethod
     def make(cls, layout: _Row, world: int, device: torch.device) -> _Wire:
@@ -106,7 +112,7 @@ class _Wire:
             values = row[layout.meta_bytes + part.packed_at :][: part.packed_bytes]
             return (
                 metas[part.meta_at : part.meta_at + part.rows],
-                metas[part.meta_at + part.rows : part.meta_at + 2 * part.rows],
+                metas[part.minimum_at : part.minimum_at + part.rows],
                 values.view(part.rows, part.packed_per_row),
             )
 
@@ -116,11 +122,13 @@ class _Wire:
         for kind, buf in zip(layout.kinds, kind_totals, strict=True):
             for j, i in enumerate(kind.members):
                 total[i] = buf[j].view(layout.parts[i].rows, layout.parts[i].cols)
+        kinds = [k.part for k in layout.kinds if k.part is not None]
         return cls(
             device, send, gathered, rows[:, : layout.meta_bytes].view(torch.float32) if layout.meta_bytes else None,
             [views(send, part) for part in layout.parts],
             [[views(rows[r], part) for r in range(world)] for part in layout.parts],
-            total, kind_totals,
+            total, kind_totals, [views(send, k) for k in kinds], [[views(rows[r], k) for r in range(world)]
+                                                                 for k in kinds],
         )  # fmt: skip
 
     def tensors(self) -> list[torch.Tensor]:
@@ -280,21 +288,27 @@ class QSGDAlgorithm(FeedbackAlgorithm):
         return [m for m in group.compressed if m.tensor.numel()]
 
     def _build(self, group: Group) -> _Row:
-        parts, meta, packed = [], 0, 0
-        for m in self._members(group):
-            shape = m.tensor.shape
-            rows, cols = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, m.tensor.numel())
-            rows, cols = merged_rows(rows, cols, self.block)
-            bits = int(m.options.get("bits", self.bits))
-            part = _Part(rows, cols, bits, packed_cols(cols, bits), meta, packed)
-            parts.append(part)
-            meta += 2 * rows
-            packed += part.packed_bytes
-        row = 4 * meta + packed
+        """Every tensor's place in a rank's row, a kind (shape, dtype, bits) at a time, in order of first
+        appearance: the kind's scales, then its minimums, then its packed values, each consecutive."""
         members = self._members(group)
         kinds = kinds_of(members, lambda m: (m.tensor.shape, m.tensor.dtype, int(m.options.get("bits", self.bits))),
                          lambda m: _Kind([]))  # fmt: skip
-        return _Row(parts, 4 * meta, row + (-row) % 4, kinds=kinds)
+        parts: list[_Part | None] = [None] * len(members)
+        meta = packed = 0
+        for kind in kinds:
+            shape, count = members[kind.members[0]].tensor.shape, len(kind.members)
+            rows, cols = (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
+            rows, cols = merged_rows(rows, cols, self.block)
+            bits = int(members[kind.members[0]].options.get("bits", self.bits))
+            per_row = packed_cols(cols, bits)
+            kind.part = _Part(count * rows, cols, bits, per_row, meta, packed, meta + count * rows)
+            for j, i in enumerate(kind.members):
+                parts[i] = _Part(rows, cols, bits, per_row, meta + j * rows, packed + j * rows * per_row,
+                                 meta + (count + j) * rows)  # fmt: skip
+            meta += 2 * count * rows
+            packed += count * rows * per_row
+        row = 4 * meta + packed
+        return _Row([p for p in parts if p is not None], 4 * meta, row + (-row) % 4, kinds=kinds)
 
     def _step(self, group: Group, layout: _Row, step: int, meter: Meter) -> Future[None]:
         members, w = self._members(group), self.world_size
@@ -318,15 +332,21 @@ class QSGDAlgorithm(FeedbackAlgorithm):
                 batch = self._arena(self.feedback, (group.key, k), [m.name for m in ms], [m.tensor.shape for m in ms],
                                     group.device)  # fmt: skip
                 torch._foreach_add_(batch.views, [m.tensor for m in ms])
+                dsts: list[torch.Tensor] = []
+                srcs: list[torch.Tensor] = []
                 for j, i in enumerate(kind.members):
                     part, m = layout.parts[i], members[i]
                     comp = batch.tensor[j].view(part.rows, part.cols)
                     seed = self._codec(m.name, part.bits).seed
                     values, scale, minimum = kernels.qbit_encode(comp, part.bits, seed, step * m.tensor.numel(),
                                                                  checked=False)  # fmt: skip
-                    kernels.qbit_decode(values, scale, minimum, part.bits, part.cols, torch.float32, out=wire.total[i],
-                                        checked=False)  # fmt: skip
-                    self._put(wire.sends[i], values, scale, minimum)
+                    dsts.extend(wire.sends[i])
+                    srcs.extend((scale.view(-1), minimum.view(-1), values.view(wire.sends[i][2].shape)))
+                torch._foreach_copy_(dsts, srcs)
+                whole, (scales, minimums, packed) = kind.part, wire.kind_sends[k]
+                assert whole is not None
+                kernels.qbit_decode(packed, scales, minimums, whole.bits, whole.cols, torch.float32,
+                                    out=wire.kind_totals[k].view(whole.rows, whole.cols), checked=False)  # fmt: skip
                 batch.tensor.sub_(wire.kind_totals[k])
             return wire.send
 
@@ -345,12 +365,18 @@ class QSGDAlgorithm(FeedbackAlgorithm):
                 # A row with NaN or Inf on any rank has a non-finite scale or minimum.
                 bad = nonfinite(wire.metas)
                 self.guard.report(bad)
-                for m, part, received, total in zip(members, layout.parts, wire.received, wire.total, strict=True):
+                for kind, received, total in zip(layout.kinds, wire.kind_received, wire.kind_totals, strict=True):
+                    whole = kind.part
+                    assert whole is not None
                     total.zero_()
                     for scale, minimum, values in received:  # the wire's views: the plan's, as the kernel takes them
-                        total += kernels.qbit_decode(values, scale, minimum, part.bits, part.cols, torch.float32,
-                                                     checked=False)  # fmt: skip
-                    m.tensor.copy_(total.div_(w).view(m.tensor.shape))
+                        total += kernels.qbit_decode(values, scale, minimum, whole.bits, whole.cols, torch.float32,
+                                                     checked=False).view(total.shape)  # fmt: skip
+                    total.div_(w)
+                    ms = [members[i] for i in kind.members]
+                    torch._foreach_copy_(
+                        [m.tensor for m in ms], [t.view(m.tensor.shape) for t, m in zip(total, ms, strict=True)]
+                    )
                 poison((m.tensor for m in members), bad)
 
             meter.timed("decode", run)
