@@ -2,9 +2,9 @@
 
 On a GPU a bucket's backward can take well under a millisecond, and what the host spends in the hook
 (Python, kernel launches, bookkeeping) is then what is left of it. Measured on the CPU with tiny tensors,
-where the arithmetic is nothing: one process (gloo, world size 1), a model of ``layers`` 16 x 16 linear
-layers, SGD momentum 0.9, in two layouts: one bucket per parameter (``many``), and the whole model in one
-bucket (``one``). Each hook call is timed from the call to its return (not the collective's completion);
+where the arithmetic is nothing: one process (gloo, world size 1), a model of ``layers`` linear layers of
+``width`` x ``width`` (16 by default), SGD momentum 0.9, in two layouts: one bucket per parameter (``many``),
+and the whole model in one bucket (``one``). Each hook call is timed from the call to its return (not the collective's completion);
 the median over ``steps`` steps after warm-up is reported per hook and layout, next to PyTorch's
 ``fp16_compress_hook`` and ``powerSGD_hook`` in the same run. PyTorch's ``powerSGD_hook`` runs in the
 one-bucket layout only: with two or more buckets on gloo it launches its second all-reduce from a
@@ -17,8 +17,8 @@ runs one part. On ``--device cuda`` it also holds a whole training step of ResNe
 hook (:mod:`sylvie_comm.bench.step`, the ``step`` part, run in a process of its own); ``--only step`` runs that part
 on the CPU too, with tiny models and its one-process part only.
 
-Run ``python -m sylvie_comm.bench.hooks`` (``--layers``, ``--steps``; ``--out FILE.json`` writes the record and
-``FILE.md``, its tables with the ratios to the baselines of the same run). CI runs it after the tests and prints
+Run ``python -m sylvie_comm.bench.hooks`` (``--layers``, ``--width``, ``--steps``; ``--out FILE.json`` writes the
+record and ``FILE.md``, its tables with the ratios to the baselines of the same run). CI runs it after the tests and prints
 the tables: a report of ratios, not a timed test.
 """
 
@@ -53,9 +53,9 @@ PARTS = ("ddp", "fsdp", "halo", "step")
 CPU_PARTS = ("ddp", "fsdp", "halo")  # the parts run on the CPU unless --only names them: ``step`` on CUDA only
 
 
-def _model(layers: int) -> nn.Module:
+def _model(layers: int, width: int = 16) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(layers)])
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
 
 
 def _timed(hook: Callable[[Any, Any], Any], record: list[float]) -> Callable[[Any, Any], Any]:
@@ -115,8 +115,9 @@ def one_rank_group(device: torch.device) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _run(name: str, layers: int, steps: int, bucket_mb: float, device: torch.device) -> dict[str, float]:
-    model = _model(layers).to(device)
+def _run(name: str, layers: int, steps: int, bucket_mb: float, device: torch.device,
+         width: int = 16) -> dict[str, float]:  # fmt: skip
+    model = _model(layers, width).to(device)
     ids = [device.index] if device.type == "cuda" else None
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_mb)
     record: list[float] = []
@@ -128,7 +129,7 @@ def _run(name: str, layers: int, steps: int, bucket_mb: float, device: torch.dev
     buckets = 0
     gen = torch.Generator().manual_seed(0)
     for step in range(steps + 4):
-        x = torch.randn(8, 16, generator=gen).to(device)
+        x = torch.randn(8, width, generator=gen).to(device)
         record.clear()
         sync(device)
         t0 = time.perf_counter()
@@ -149,7 +150,11 @@ def _run(name: str, layers: int, steps: int, bucket_mb: float, device: torch.dev
 
 
 def measure(
-    layers: int = 32, steps: int = 20, parts: tuple[str, ...] | None = None, device: str | torch.device = "cpu"
+    layers: int = 32,
+    steps: int = 20,
+    parts: tuple[str, ...] | None = None,
+    device: str | torch.device = "cpu",
+    width: int = 16,
 ) -> dict[str, Any]:
     """Every hook, one after the other in one process (a group of one rank), then the FSDP2 and halo parts, and on
     CUDA the whole-step part (``parts`` None: those; on the CPU, :data:`CPU_PARTS`).
@@ -164,14 +169,15 @@ def measure(
         dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
     out: dict[str, Any] = {
         "benchmark": "hooks", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
-        "layers": layers, "steps": steps, "threads": torch.get_num_threads(), "layouts": {}, "device": str(dev),
+        "layers": layers, "width": width, "steps": steps, "threads": torch.get_num_threads(), "layouts": {},
+        "device": str(dev),
     }  # fmt: skip
     if dev.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(dev)
     if parts is None:
         parts = PARTS if dev.type == "cuda" else CPU_PARTS
     if "ddp" in parts:
-        out["layouts"] = _ddp(layers, steps, dev)
+        out["layouts"] = _ddp(layers, steps, dev, width)
     if "fsdp" in parts:
         out["fsdp"] = hooks_fsdp.measure((8, 32), steps, device=dev)
     if "halo" in parts:
@@ -196,14 +202,14 @@ def step_part(device: torch.device, steps: int) -> tuple[dict[str, Any], str]:
         return json.loads(out.read_text()), out.with_suffix(".md").read_text()
 
 
-def _ddp(layers: int, steps: int, device: torch.device) -> dict[str, Any]:
+def _ddp(layers: int, steps: int, device: torch.device, width: int = 16) -> dict[str, Any]:
     # PyTorch's PowerSGD hook with two or more buckets deadlocks on gloo only (module docstring).
     many = (*BASELINES, *OURS) if device.type == "cuda" else ("torch-fp16", *OURS)
     layouts = {"many": (1e-4, many), "one": (100.0, (*BASELINES, *OURS))}
     out: dict[str, Any] = {}
     with one_rank_group(device):
         for layout, (bucket_mb, names) in layouts.items():
-            rows = {name: _run(name, layers, steps, bucket_mb, device) for name in names}
+            rows = {name: _run(name, layers, steps, bucket_mb, device, width) for name in names}
             for r in rows.values():
                 r["x_torch_fp16"] = r["us_per_bucket"] / rows["torch-fp16"]["us_per_bucket"]
                 if "torch-powersgd" in rows:
@@ -215,11 +221,11 @@ def _ddp(layers: int, steps: int, device: torch.device) -> dict[str, Any]:
 def ddp_table(result: dict[str, Any]) -> list[str]:
     """The DDP part as markdown lines: µs per bucket and the ratios to PyTorch's hooks of the same run."""
     many, one = result["layouts"]["many"], result["layouts"]["one"]
-    device = result.get("device", "cpu")
+    device, w = result.get("device", "cpu"), result.get("width", 16)  # (a record of before the width was set: 16)
     where = (f"on {result.get('gpu', device)} (NCCL, world size 1)" if device.startswith("cuda")
              else "(gloo, world size 1)")  # fmt: skip
     lines = [
-        f"Host time per bucket, {result['layers']} x Linear(16, 16), median of {result['steps']} steps, one process "
+        f"Host time per bucket, {result['layers']} x Linear({w}, {w}), median of {result['steps']} steps, one process "
         f"{where}, {result['threads']} thread(s), torch {result['machine']['torch']}, {result['date']}.",
         "",
         "| hook | µs, a bucket per parameter | x torch fp16 | µs, one bucket | x torch fp16 | x torch PowerSGD |",
@@ -265,6 +271,7 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sylvie_comm.bench.hooks", description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--width", type=int, default=16, help="each layer is Linear(width, width)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--only", choices=PARTS, action="append",
                         help="run this part only (repeatable; step runs by default on cuda only)")  # fmt: skip
@@ -273,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    result = measure(args.layers, args.steps, tuple(args.only) if args.only else None, args.device)
+    result = measure(args.layers, args.steps, tuple(args.only) if args.only else None, args.device, args.width)
     print(markdown(result), end="")
     if args.out:
         out = Path(args.out)
