@@ -4,8 +4,9 @@ On a GPU a bucket's backward can take well under a millisecond, and what the hos
 (Python, kernel launches, bookkeeping) is then what is left of it. Measured on the CPU with tiny tensors,
 where the arithmetic is nothing: one process (gloo, world size 1), a model of ``layers`` linear layers of
 ``width`` x ``width`` (16 by default), SGD momentum 0.9, in two layouts: one bucket per parameter (``many``),
-and the whole model in one bucket (``one``). Each hook call is timed from the call to its return (not the collective's completion);
-the median over ``steps`` steps after warm-up is reported per hook and layout, next to PyTorch's
+and the whole model in one bucket (``one``). Each hook call is timed from the call to its return (not the
+collective's completion); the median over ``steps`` steps after warm-up is reported per hook and layout, next to
+PyTorch's
 ``fp16_compress_hook`` and ``powerSGD_hook`` in the same run. PyTorch's ``powerSGD_hook`` runs in the
 one-bucket layout only: with two or more buckets on gloo it launches its second all-reduce from a
 callback and deadlocks.
@@ -18,8 +19,8 @@ hook (:mod:`sylvie_comm.bench.step`, the ``step`` part, run in a process of its 
 on the CPU too, with tiny models and its one-process part only.
 
 Run ``python -m sylvie_comm.bench.hooks`` (``--layers``, ``--width``, ``--steps``; ``--out FILE.json`` writes the
-record and ``FILE.md``, its tables with the ratios to the baselines of the same run). CI runs it after the tests and prints
-the tables: a report of ratios, not a timed test.
+record and ``FILE.md``, its tables with the ratios to the baselines of the same run). CI runs it after the tests
+and prints the tables: a report of ratios, not a timed test.
 """
 
 from __future__ import annotations
