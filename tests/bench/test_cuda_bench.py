@@ -201,7 +201,8 @@ def test_on_a_gpu_every_op_is_measured_against_the_copy_and_the_record_named_for
 @pytest.mark.multiprocess
 def test_the_hook_host_time_bench_runs_every_hook_next_to_pytorchs(tmp_path) -> None:
     out = tmp_path / "hooks.json"
-    command = [sys.executable, "-m", "sylvie_comm.bench.hooks", "--layers", "3", "--steps", "2", "--only", "ddp"]
+    command = [sys.executable, "-m", "sylvie_comm.bench.hooks", "--layers", "3", "--width", "8", "--steps", "2",
+               "--only", "ddp"]  # fmt: skip
     proc = subprocess.run([*command, "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     import json
@@ -219,6 +220,7 @@ def test_the_hook_host_time_bench_runs_every_hook_next_to_pytorchs(tmp_path) -> 
     table = out.with_suffix(".md").read_text()
     assert all(f"| {name} |" in table for name in result["layouts"]["one"])
     assert "(gloo, world size 1)" in table and "µs a step" in table
+    assert result["width"] == 8 and "3 x Linear(8, 8)" in table
 
 
 @pytest.mark.parametrize("device", ["meta", "mps"])
