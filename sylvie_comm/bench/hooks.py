@@ -45,7 +45,7 @@ from torch import nn
 
 from sylvie_comm.algorithms import ALGORITHMS
 from sylvie_comm.bench import hooks_fsdp, hooks_halo
-from sylvie_comm.bench.kit import machine
+from sylvie_comm.bench.kit import bench_device, machine, write_record
 from sylvie_comm.bench.timing import sync
 
 # Every algorithm with an encoding of its own (``auto`` runs one of these per bucket).
@@ -161,13 +161,7 @@ def measure(
     CUDA the whole-step part (``parts`` None: those; on the CPU, :data:`CPU_PARTS`).
 
     On ``device="cuda"`` the DDP and FSDP2 parts run on the GPU over NCCL (the halo part stays on the CPU)."""
-    dev = torch.device(device)
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"bench hooks: device must be 'cpu' or 'cuda', got {str(device)!r}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"bench hooks: device {str(device)!r} asked for, but this torch sees no CUDA GPU")
-        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+    dev = bench_device("bench hooks", device)
     out: dict[str, Any] = {
         "benchmark": "hooks", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
         "layers": layers, "width": width, "steps": steps, "threads": torch.get_num_threads(), "layouts": {},
@@ -284,9 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(args.layers, args.steps, tuple(args.only) if args.only else None, args.device, args.width)
     print(markdown(result), end="")
     if args.out:
-        out = Path(args.out)
-        out.write_text(json.dumps(result, indent=2))
-        out.with_suffix(".md").write_text(markdown(result))
+        write_record(args.out, result, markdown)
     return 0
 
 

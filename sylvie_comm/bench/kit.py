@@ -9,6 +9,7 @@ compare. Kept apart from each benchmark, so that none imports another for them.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -187,3 +188,26 @@ __all__ = [
     "pyplot",
     "save_figure",
 ]
+
+
+def bench_device(what: str, device: str | torch.device) -> torch.device:
+    """``device`` as a benchmark runs on it: the CPU, or a CUDA GPU with its index; a ValueError naming ``what``
+    (``"bench hooks"``) and the value where it is neither, or CUDA where this torch sees no GPU."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{what}: device must be 'cpu' or 'cuda', got {str(device)!r}") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what}: device must be 'cpu' or 'cuda', got {str(device)!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{what}: device {str(device)!r} asked for, but this torch sees no CUDA GPU")
+        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+    return dev
+
+
+def write_record(out: str | Path, result: dict[str, Any], markdown: Callable[[dict[str, Any]], str]) -> None:
+    """``result`` as JSON at ``out`` and its tables (``markdown(result)``) beside it, as ``.md``."""
+    path = Path(out)
+    path.write_text(json.dumps(result, indent=2))
+    path.with_suffix(".md").write_text(markdown(result))

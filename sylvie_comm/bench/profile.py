@@ -30,7 +30,6 @@ import bisect
 import contextlib
 import cProfile
 import functools
-import json
 import logging
 import os
 import statistics
@@ -41,7 +40,6 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -51,7 +49,7 @@ from torch.profiler import ProfilerActivity, record_function
 
 from sylvie_comm.bench import hooks
 from sylvie_comm.bench.hooks_bucket import _Bucket, _Rebuilt
-from sylvie_comm.bench.kit import machine
+from sylvie_comm.bench.kit import bench_device, machine, write_record
 from sylvie_comm.bench.timing import _quiet_kineto, sync
 from sylvie_comm.collectives import transport
 
@@ -117,17 +115,7 @@ def check(codecs: Sequence[str] | None, layers: int, width: int, layout: str, ca
             raise ValueError(f"bench profile: {what} must be an integer >= 1, got {value!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"bench profile: layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"bench profile: device must be 'cpu' or 'cuda', got {device!r}") from exc
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"bench profile: device must be 'cpu' or 'cuda', got {str(device)!r}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"bench profile: device {str(device)!r} asked for, but this torch sees no CUDA GPU")
-        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
-    return names, dev
+    return names, bench_device("bench profile", device)
 
 
 Hook = Callable[[Any, Any], Any]
@@ -579,9 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     print(report(result), end="")
     if args.out:
-        out = Path(args.out)
-        out.write_text(json.dumps(result, indent=2))
-        out.with_suffix(".md").write_text(markdown(result))
+        write_record(args.out, result, markdown)
     return 0
 
 

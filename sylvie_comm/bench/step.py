@@ -58,7 +58,7 @@ from torch import nn
 from sylvie_comm.algorithms import ALGORITHMS
 from sylvie_comm.bench import hooks
 from sylvie_comm.bench.choices import at_least
-from sylvie_comm.bench.kit import machine
+from sylvie_comm.bench.kit import bench_device, machine
 from sylvie_comm.bench.models import MODEL_NAMES, Work, parameter_count, workload
 from sylvie_comm.bench.timing import sync
 from sylvie_comm.config import MONITOR_DEFAULTS, Config
@@ -403,16 +403,7 @@ def _check(models: tuple[str, ...], device: str | torch.device, size: str | None
     """The device (with its index) and size of a run; ValueError naming the first bad argument."""
     if not models:
         raise ValueError(f"bench step: no model asked for; expected some of {', '.join(MODEL_NAMES)}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"bench step: device must be 'cpu' or 'cuda', got {str(device)!r}") from exc
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"bench step: device must be 'cpu' or 'cuda', got {str(device)!r}")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"bench step: device {str(device)!r} asked for, but this torch sees no CUDA GPU")
-        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+    dev = bench_device("bench step", device)
     size = size or ("full" if dev.type == "cuda" else "tiny")
     for m in models:
         workload(m, size)  # the model's and the size's names
