@@ -82,14 +82,22 @@ def _ops_for(device: torch.device) -> Any:
 
 
 def direct(op: str, device: torch.device) -> Any:
-    """``op``'s C++ kernel with no per-call check or routing (``torch.ops.sylvie_comm_cpu.<op>``), for a caller that
-    vouches for every argument (made by its plan: fp32, contiguous, shaped for each other, on ``device``; what it
-    does not own, the gradient, it checks itself per call); None where the call must go through the entry point:
-    not a CPU device, no extension, the CPU routed through Triton, or ``torch.compile`` tracing / a dispatch mode
-    active (a trace records the checked op). The checks cost several times the kernel on a small tensor."""
-    if device.type != "cpu" or compiled.OPS is None or _ops_for(device) is not compiled.OPS:
+    """``op``'s kernel with no per-call check or routing, for a caller that vouches for every argument (made by its
+    plan: fp32, contiguous, shaped for each other, on ``device``; what it does not own, the gradient, it checks
+    itself per call): on the CPU the C++ kernel (``torch.ops.sylvie_comm_cpu.<op>``), where the Triton kernels serve
+    the device its host code with ``checked=False`` (the ops of :data:`~sylvie_comm.kernels.triton.UNCHECKED_OPS`);
+    None where the call must go through the entry point: the references, or ``torch.compile`` tracing / a dispatch
+    mode active (a trace records the checked op). The checks cost several times a small tensor's kernel."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return None
-    return compiled.KERNELS[op]
+    ns = _ops_for(device)
+    if ns is None:
+        return None
+    if ns is compiled.OPS:
+        return compiled.KERNELS[op]
+    if ns is torch.ops.sylvie_comm_triton and op in _triton.UNCHECKED_OPS:
+        return _triton.unchecked(op)
+    return None
 
 
 def plain_f32(t: torch.Tensor, like: torch.Tensor) -> bool:

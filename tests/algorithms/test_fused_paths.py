@@ -104,6 +104,30 @@ def test_the_unchecked_route_is_the_cpu_kernels_route_only(monkeypatch: pytest.M
     assert kernels.direct("lowrank_gram", cpu) is None
 
 
+def test_where_the_triton_kernels_serve_a_device_the_unchecked_route_is_their_host_code(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sylvie_comm.kernels import triton as kt
+
+    if not kt.load():
+        pytest.skip(f"no Triton kernels here: {kt.load_error()}")
+    monkeypatch.setattr(kernels, "_ops_for", lambda device: torch.ops.sylvie_comm_triton)
+    route = kernels.direct("qbit_encode", torch.device("cpu"))
+    from sylvie_comm.kernels.triton import qbit
+
+    assert route.func is qbit.qbit_encode and route.keywords == {"checked": False}
+    assert kernels.direct("onebit_feedback_encode", torch.device("cpu")) is None  # not a plan's unchecked op
+
+    class Watching(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    with Watching():
+        assert kernels.direct("qbit_encode", torch.device("cpu")) is None  # a mode sees the checked op
+
+
 @pytest.mark.parametrize("name", ["acpsgd", "powersgd", "qsgd"])
 def test_the_plans_unchecked_calls_give_the_bits_of_the_checked_ones(
     name: str, monkeypatch: pytest.MonkeyPatch

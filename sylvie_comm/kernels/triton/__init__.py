@@ -35,10 +35,12 @@ Rules for kernels that must agree bit for bit between the interpreter and a GPU 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
 import importlib.util
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -118,3 +120,18 @@ def load() -> bool:
 def load_error() -> str | None:
     """Why :func:`load` found the Triton kernels unusable (None: usable, or not loaded yet)."""
     return _LOAD_ERROR
+
+
+# The ops a plan may call unchecked (:func:`sylvie_comm.kernels.direct`), by the family module that holds them.
+UNCHECKED_OPS = {
+    "lowrank_project": "lowrank", "lowrank_gram": "lowrank", "lowrank_outer_into": "lowrank",
+    "qbit_encode": "qbit", "qbit_decode": "qbit", "qbit_decode_into": "qbit",
+}  # fmt: skip
+
+
+@functools.cache
+def unchecked(op: str) -> Callable[..., Any]:
+    """``op``'s host code with ``checked=False``: its launches without the argument checks, for a caller whose
+    arguments its plan made (the Triton ops' schemas take no such flag, so this calls the module's function)."""
+    module = importlib.import_module(f"{__name__}.{UNCHECKED_OPS[op]}")
+    return functools.partial(getattr(module, op), checked=False)

@@ -493,14 +493,16 @@ def lowrank_project(
     block_n: int | None = None,
     stream: bool | None = None,
     rank_block: int | None = None,
+    checked: bool = True,
 ) -> None:
     """``torch.ops.sylvie_comm_triton.lowrank_project``: :func:`sylvie_comm.kernels.ordered.lowrank_project`'s
     bits. The keywords override the host's choices, which change no bits (for tests): ``block_n`` rows per
     program; ``stream`` the rows streamed tile by tile instead of kept in registers (what rows longer than
     :data:`PROJECT_RESIDENT` take: then ``subtract`` is :func:`lowrank_outer_into` ``(residual, p, q, -1, True)``,
     a second kernel), ``rank_block`` the columns of ``p`` summed at once (at most 4 when kept in registers)."""
-    device_type = _check_device(residual, "lowrank_project", "residual")
-    checks.lowrank_project(device_type, residual, grad, q, p, subtract, pending_p, pending_q, saved)
+    if checked:  # (``checked=False``: a plan's call, its arguments made by it; see sylvie_comm.kernels.direct)
+        device_type = _check_device(residual, "lowrank_project", "residual")
+        checks.lowrank_project(device_type, residual, grad, q, p, subtract, pending_p, pending_q, saved)
     n, k = residual.shape
     _check_block(block_n, "block_n", 1024)
     _check_block(rank_block, "rank_block", 64)
@@ -569,12 +571,14 @@ def lowrank_gram(
     block_k: int | None = None,
     rank_block: int | None = None,
     unroll: int | None = None,
+    checked: bool = True,
 ) -> None:
     """``torch.ops.sylvie_comm_triton.lowrank_gram``: :func:`sylvie_comm.kernels.ordered.lowrank_gram`'s bits.
     The keywords override the host's choices, which change no bits (for tests): ``block_n`` lanes per program
     (fewer than the sum's lanes: the programs' subtrees added by a second kernel), ``block_k`` columns per program,
     ``rank_block`` columns of ``q`` per pass over the rows, ``unroll`` steps down the rows loaded together."""
-    checks.lowrank_gram(_check_device(residual, "lowrank_gram", "residual"), residual, grad, p, q, saved)
+    if checked:
+        checks.lowrank_gram(_check_device(residual, "lowrank_gram", "residual"), residual, grad, p, q, saved)
     n, k = residual.shape
     _check_block(block_n, "block_n", GRAM_LANES)
     _check_block(block_k, "block_k", 1024)
@@ -635,11 +639,13 @@ def lowrank_outer_into(
     *,
     block_n: int | None = None,
     block_k: int | None = None,
+    checked: bool = True,
 ) -> None:
     """``torch.ops.sylvie_comm_triton.lowrank_outer_into``: :func:`sylvie_comm.kernels.ordered.lowrank_outer_into`'s
     bits; ``when`` is read by the kernel, never by the host. ``block_n`` and ``block_k`` override the tile, which
     changes no bits (for tests)."""
-    checks.lowrank_outer_into(_check_device(out, "lowrank_outer_into", "out"), out, p, q, alpha, accumulate, when)
+    if checked:
+        checks.lowrank_outer_into(_check_device(out, "lowrank_outer_into", "out"), out, p, q, alpha, accumulate, when)
     n, k = out.shape
     _check_block(block_n, "block_n", 256)
     _check_block(block_k, "block_k", 1024)

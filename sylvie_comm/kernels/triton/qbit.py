@@ -620,11 +620,12 @@ def _check_encode(x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype
 
 
 def qbit_encode(
-    x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype
+    x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype, *, checked: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sylvie_comm_triton::qbit_encode``: reference.qbit_encode's bits (``seed`` and ``offset`` int64, each the
-    two's complement of a uint64)."""
-    _check_encode(x, bits, seed, offset, meta_dtype)
+    two's complement of a uint64). ``checked=False``: a plan's call (see :func:`sylvie_comm.kernels.direct`)."""
+    if checked:
+        _check_encode(x, bits, seed, offset, meta_dtype)
     x = x.contiguous()
     rows, cols = x.shape
     pcols = reference.packed_cols(cols, bits)
@@ -700,10 +701,17 @@ def _warps(elements: int) -> int:
 
 
 def qbit_decode_into(
-    packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, out: torch.Tensor
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    bits: int,
+    out: torch.Tensor,
+    *,
+    checked: bool = True,
 ) -> None:
     """``sylvie_comm_triton::qbit_decode_into``: reference.qbit_decode's values written into ``out``."""
-    checks.qbit_decode_into(_check_device(out, "qbit_decode_into", "out"), packed, scale, minimum, bits, out)
+    if checked:
+        checks.qbit_decode_into(_check_device(out, "qbit_decode_into", "out"), packed, scale, minimum, bits, out)
     _decode_into(packed, scale, minimum, bits, out)
 
 
@@ -732,10 +740,19 @@ def _decode_into(
 
 
 def qbit_decode(
-    packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, cols: int, dtype: torch.dtype
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    bits: int,
+    cols: int,
+    dtype: torch.dtype,
+    *,
+    checked: bool = True,
 ) -> torch.Tensor:
     """``sylvie_comm_triton::qbit_decode``: a new ``(rows, cols)`` tensor of ``dtype``."""
-    checks.qbit_decode(_check_device(packed, "qbit_decode", "packed"), packed, scale, minimum, bits, cols, dtype)
+    if checked:
+        checks.qbit_decode(_check_device(packed, "qbit_decode", "packed"), packed, scale, minimum, bits, cols,
+                           dtype)  # fmt: skip
     out = torch.empty((packed.shape[0], cols), dtype=dtype, device=packed.device)
     _decode_into(packed, scale, minimum, bits, out)
     return out
