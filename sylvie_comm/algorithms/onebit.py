@@ -249,7 +249,8 @@ class OneBitAlgorithm(FeedbackAlgorithm):
             else:
                 alone.append(entry)
         slots: list[_Slot] = []
-        runs, singles, at = [], [], [0, 0]
+        runs: list[_Run] = []
+        at = [0, 0]  # scales and bytes placed so far
 
         def place(i: int, m: Member, layout: RowLayout, norm: bool) -> _Slot:
             slot = _Slot(i, m.name, layout, math.ceil(layout.units / w), at[0], at[1], norm)
