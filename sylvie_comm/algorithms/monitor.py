@@ -198,7 +198,8 @@ class Monitor:
             self._judge_checks(step)
         if self._verdicts and step != self._verdicts_at:
             self._apply_verdicts()
-        due, measures = self.due(step), self.measures(step)
+        # The per-step figures are a residual's: an algorithm that keeps none (a cast) has no lag to measure.
+        due, measures = self.due(step), self.measures(step) and self.algorithm.error_feedback
         if not due and not measures:  # most steps: adaptation's decisions only, no measurement
             plain: Future[None] = run(self.rewrite(group))
             return plain
@@ -279,7 +280,7 @@ class Monitor:
         members = [Member(g.name, view(g), True) for g in comp]
         alg = self.algorithm
         before = {}
-        for m in members if self.measures(step) else ():
+        for m in members if self.measures(step) and alg.error_feedback else ():
             g = m.tensor.reshape(-1).float()
             inner = alg.residual_inner(m.name, g)
             g2 = torch.dot(g, g)
