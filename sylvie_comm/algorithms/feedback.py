@@ -39,14 +39,6 @@ class FeedbackAlgorithm(Algorithm):
         if before is None:
             self.guard.zero_on_skip(feedback.residual(key))
 
-    def _guard_residuals(self, feedback: ErrorFeedback, items: Sequence[tuple[str, torch.Tensor]]) -> list[Any]:
-        """:meth:`_guard_residual` for every ``(key, like)`` of a group at once (one lock, one multi-tensor copy):
-        per item the residual saved, or None where the step will create it (give it to :meth:`_guard_created`)."""
-        befores = [_existing(feedback, key, like) for key, like in items]
-        self.guard.save_many([((id(feedback), key), res) for (key, _), res in zip(items, befores, strict=True)
-                              if res is not None])  # fmt: skip
-        return befores
-
     def _feedback_batches(
         self, key: Hashable, members: Sequence[Member], kinds: Sequence[K],
         encode: Callable[[K, torch.Tensor], torch.Tensor],

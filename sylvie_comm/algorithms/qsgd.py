@@ -87,19 +87,18 @@ class _Wire:
     """A group's send and gathered buffers and each tensor's views into them, made once and reused every step
     (a step's buffers are free again once the integration has waited for it, before the next begins).
 
-    ``send[i]``: part ``i``'s (scales, minimums, packed values) in this rank's row; ``received[i][r]``: the same
-    in rank ``r``'s row of the gathered buffer; ``total[i]``: part ``i``'s fp32 sum over ranks."""
+    ``sends[i]``: part ``i``'s (scales, minimums, packed values) in this rank's row; per kind, the same of all its
+    parts (``kind_sends``), of every rank's row of the gathered buffer (``kind_received[k][r]``), and its fp32 sum
+    over ranks (``kind_totals``)."""
 
     device: torch.device
     send: torch.Tensor
     gathered: torch.Tensor
     metas: torch.Tensor | None  # every rank's fp32 section, ``(w, meta_bytes / 4)``: the non-finite check reads it
     sends: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    received: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
-    total: list[torch.Tensor]
-    kind_totals: list[torch.Tensor]  # per kind, ``(len(members), rows * cols)``: ``total``'s rows
+    kind_totals: list[torch.Tensor]  # per kind, ``(len(members), rows * cols)``: a row per part
     kind_sends: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per kind, as ``sends``: all its members
-    kind_received: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]  # per kind, as ``received``
+    kind_received: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]  # per kind, every rank's row
 
     @classmethod
     def make(cls, layout: _Row, world: int, device: torch.device) -> _Wire:
@@ -118,17 +117,11 @@ class _Wire:
 
         kind_totals = [torch.zeros(len(k.members), layout.parts[k.members[0]].rows * layout.parts[k.members[0]].cols,
                                    device=device) for k in layout.kinds]  # fmt: skip
-        total: list[torch.Tensor] = [torch.empty(0)] * len(layout.parts)
-        for kind, buf in zip(layout.kinds, kind_totals, strict=True):
-            for j, i in enumerate(kind.members):
-                total[i] = buf[j].view(layout.parts[i].rows, layout.parts[i].cols)
         kinds = [k.part for k in layout.kinds if k.part is not None]
         return cls(
             device, send, gathered, rows[:, : layout.meta_bytes].view(torch.float32) if layout.meta_bytes else None,
             [views(send, part) for part in layout.parts],
-            [[views(rows[r], part) for r in range(world)] for part in layout.parts],
-            total, kind_totals, [views(send, k) for k in kinds], [[views(rows[r], k) for r in range(world)]
-                                                                 for k in kinds],
+            kind_totals, [views(send, k) for k in kinds], [[views(rows[r], k) for r in range(world)] for k in kinds],
         )  # fmt: skip
 
     def tensors(self) -> list[torch.Tensor]:
