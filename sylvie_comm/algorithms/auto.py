@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 
+from sylvie_comm.algorithms.auto_trial import Copies, Trial, check_trial
 from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, Segment, then
 from sylvie_comm.codecs import lowrank
 from sylvie_comm.collectives import Meter, Transport
@@ -119,11 +121,30 @@ class AutoAlgorithm(Algorithm):
         self._ran: dict[str, str] = {}  # tensor name -> the candidate that last averaged it
         self._totals: dict[int, dict[str, float]] = {}  # group key -> candidate -> agreed probe seconds
         self._rejected: dict[int, list[str]] = {}  # group key -> candidates the monitor found over its bound
+        # The trials (auto_trial): on once the monitor hands over its bound (judge_with); off for a bare algorithm.
+        self._bound: tuple[float, int, int] | None = None  # (max_lag, trial steps, measured steps)
+        self._trials: dict[int, Trial] = {}  # group key -> its trial, while one runs
+        self._judged: dict[int, dict[str, float]] = {}  # group key -> candidate -> its trial's largest mean lag
+        self._owed: dict[str, str] = {}  # tensor name -> the carrier whose residual goes with its next gradient
+        self._copies = Copies()
+        self._shadows: dict[str, set[str]] = {}  # tensor name -> candidates holding a trial's residual of it
+        self._lock = threading.Lock()
 
     def unmonitored(self) -> None:
         """No monitor watches this run (``period: 0``): leave out the candidates that need one (a collective's
         worth of agreement is not needed: every rank has the same config)."""
         self.names = tuple(n for n in self.names if not self.candidates[n].needs_monitor)
+
+    def judge_with(self, max_lag: float, steps: int, window: int) -> None:
+        """The monitor watches this run: a candidate that needs it is judged on ``steps`` steps beside a carrier
+        (its lag on the last ``window``, against ``max_lag``) before it averages the model's gradients
+        (:mod:`sylvie_comm.algorithms.auto_trial`)."""
+        self._bound = (float(max_lag), int(steps), min(int(window), int(steps)))
+
+    def _shadowed(self, name: str) -> bool:
+        """Whether ``name`` runs on a copy while another candidate carries the gradients (it needs the monitor,
+        and the monitor watches)."""
+        return self._bound is not None and self.candidates[name].needs_monitor
 
     def compresses_dtype(self, dtype: torch.dtype) -> bool:
         """Every candidate must take the gradients it may be chosen for."""
@@ -136,7 +157,14 @@ class AutoAlgorithm(Algorithm):
         chosen = self._choice.get(group.key)
         probes = self.options["probe_steps"] * len(self.names)
         if chosen is None and step >= probes:
-            chosen = self._decide(group.key)
+            chosen = self._decide(group.key, step)
+            self._drop([n for n in self.names if self._shadowed(n)], group)  # the probe's copies owe nothing
+        trial = self._trials.get(group.key)
+        if trial is not None and trial.done(step):
+            chosen = self._conclude(group.key, trial, group, step)
+            trial = None
+        if trial is not None:
+            return self._beside(trial, group, step, meter)
         if chosen is not None:
             return self._run(chosen, group, step, meter)
         name = self.names[step % len(self.names)]
@@ -145,9 +173,17 @@ class AutoAlgorithm(Algorithm):
         def record(_: Future[Any]) -> None:
             self._timings.setdefault(group.key, {}).setdefault(name, []).append(time.perf_counter() - t0)
 
-        return then(self._run(name, group, step, meter), record)
+        if not self._shadowed(name):
+            return then(self._run(name, group, step, meter), record)
+        # Timed on a copy, alone on the link (the hook waits for it: the probe's few steps only); plain averaging
+        # carries the real gradients.
+        shadow = self._run(name, self._copies.of(group), step, meter, shadow=True)
+        shadow.wait()
+        record(shadow)
+        return self._run("none", group, step, meter)
 
-    def _run(self, name: str, group: Group, step: int, meter: Meter) -> Future[None]:
+    def _run(self, name: str, group: Group, step: int, meter: Meter, shadow: bool = False) -> Future[None]:
+        """``name`` on ``group``; ``shadow``: a copy, its result discarded (the model's gradients ran elsewhere)."""
         alg = self.candidates[name]
         cached = self._plans.get((name, group.key))
         if cached is None or cached[0] != group.signature:
@@ -163,13 +199,20 @@ class AutoAlgorithm(Algorithm):
                 plan.append((compress, opts))
             cached = self._plans[(name, group.key)] = (group.signature, plan)
         members = [Member(m.name, m.tensor, c, o) for m, (c, o) in zip(group.members, cached[1], strict=True)]
-        for m in members:
-            self._ran[m.name] = name
+        if not shadow:
+            for m in members:
+                carrier = self._owed.pop(m.name, None)
+                owed = None if carrier is None or carrier == name else self.candidates[carrier].forget(m.name)
+                if owed is not None:  # what the trial's carrier still owed goes with this gradient
+                    m.tensor.add_(owed.to(m.tensor.dtype).view(m.tensor.shape))
+                self._ran[m.name] = name
         return alg(Group(group.key, members, group.flat), step, meter)
 
-    def _decide(self, key: int) -> str:
+    def _decide(self, key: int, step: int) -> str:
         """Agree on the group's choice: one object all-gather of every rank's timings (a collective, in group
-        order; host numbers, so it runs the same on gloo and NCCL), added up in rank order on every rank."""
+        order; host numbers, so it runs the same on gloo and NCCL), added up in rank order on every rank. Where
+        the fastest needs the monitor and the monitor watches, the fastest candidate that needs none carries the
+        gradients while the faster ones are judged beside it (a :class:`Trial`)."""
         mine = self._timings.get(key, {})
         best = [min(mine.get(n, [math.inf])) for n in self.names]
         if any(math.isinf(b) for b in best):
@@ -178,11 +221,101 @@ class AutoAlgorithm(Algorithm):
         total = [math.fsum(rank[i] for rank in everyone) for i in range(len(self.names))]
         self._totals[key] = dict(zip(self.names, total, strict=True))
         choice = pick(self.names, total)
+        if self._shadowed(choice):
+            order = sorted(self.names, key=lambda n: (self._totals[key][n], self.names.index(n)))
+            carrier = next(n for n in order if not self._shadowed(n))  # none needs no monitor: always one
+            pending = order[: order.index(carrier)]
+            assert self._bound is not None
+            self._trials[key] = Trial(carrier, pending, step, self._bound[1], self._bound[2])
+            choice = carrier
         self._choice[key] = choice
         if self.transport.rank == 0:
             means = zip(self.names, total, strict=True)
             per = ", ".join(f"{n} {s / self.world_size * 1e3:.2f} ms" for n, s in means)
-            LOG.info("sylvie_comm auto: group %d uses %s (mean over ranks of the fastest probe: %s)", key, choice, per)
+            trial = self._trials.get(key)
+            judged = "" if trial is None else f"; judging {', '.join(trial.pending)} beside it first"
+            LOG.info("sylvie_comm auto: group %d uses %s (mean over ranks of the fastest probe: %s)%s", key, choice,
+                     per, judged)  # fmt: skip
+        return choice
+
+    def _drop(self, names: list[str], group: Group) -> None:
+        """Drop the residuals ``names`` built on copies of ``group`` (nothing they hold is owed to the model)."""
+        for n in names:
+            for m in group.members:
+                self.candidates[n].forget(m.name)
+
+    def _beside(self, trial: Trial, group: Group, step: int, meter: Meter) -> Future[None]:
+        """A trial step: the carrier averages ``group``; each pending candidate runs on a copy of it, and on the
+        trial's last ``window`` steps its residual's lag per tensor is taken (settled with the step)."""
+        measure = trial.measures(step)
+        g2 = {m.name: torch.dot(v, v) for m in group.members if m.compress and m.tensor.numel()
+              for v in [m.tensor.detach().reshape(-1).float()]} if measure else {}  # fmt: skip
+        futs = []
+        for c in trial.pending:
+            for m in group.members:
+                self._shadows.setdefault(m.name, set()).add(c)
+            fut = self._run(c, self._copies.of(group, c), step, meter, shadow=True)
+            futs.append(then(fut, self._taker(trial, c, g2)) if measure else fut)
+        futs.append(self._run(trial.carrier, group, step, meter))
+        return then(futs, lambda _: None)
+
+    def _taker(self, trial: Trial, candidate: str, g2: Mapping[str, torch.Tensor]) -> Any:
+        """A callback for ``candidate``'s step on its copy: :meth:`_take`."""
+        return lambda _: self._take(trial, candidate, g2)
+
+    def _take(self, trial: Trial, candidate: str, g2: Mapping[str, torch.Tensor]) -> None:
+        """``candidate``'s lag per tensor this step (device scalars), added to the trial when the step settles
+        (not where it was skipped)."""
+        alg = self.candidates[candidate]
+        figures = []
+        for name, g in g2.items():
+            inner = alg.residual_inner(name, None)
+            if inner is not None:
+                lag = inner[0].clamp_min(0).sqrt() / g.sqrt()
+                figures.append((name, lag, torch.isfinite(lag)))
+
+        def add(bad: torch.Tensor | None) -> None:
+            with self._lock:
+                for name, lag, ok in figures:
+                    trial.add(candidate, name, lag, ok if bad is None else ok & ~bad)
+
+        self.guard.on_settle(add)
+
+    def _conclude(self, key: int, trial: Trial, group: Group, step: int) -> str:
+        """The trial's verdict, agreed across ranks (one object all-gather of the figures, in group order): the
+        fastest pending candidate whose every tensor's mean lag is within the bound, else the carrier."""
+        assert self._bound is not None
+        self.guard.settle_before(step)  # the trial's last step's figures are in
+        with self._lock:
+            names = sorted({n for per in trial.sums.values() for n in per})
+            mine = trial.figures(names)
+        everyone = self.transport.all_gather_object([names, mine])
+        if any(r[0] != names for r in everyone):
+            raise RuntimeError(f"auto: the ranks measured different tensors in group {key}'s trial "
+                               f"({[r[0] for r in everyone]})")  # fmt: skip
+        worst = {}
+        for i, c in enumerate(trial.pending):
+            lags = []
+            for j in range(len(names)):
+                total, count = (math.fsum(r[1][i][j][k] for r in everyone) for k in (0, 1))
+                if count > 0:
+                    lags.append(total / count)
+            worst[c] = max(lags, default=0.0)
+        self._judged[key] = worst
+        passed = [c for c in trial.pending if worst[c] <= self._bound[0]]
+        choice = passed[0] if passed else trial.carrier
+        self._rejected.setdefault(key, []).extend(c for c in trial.pending if c not in passed)
+        self._drop(trial.pending, group)
+        for m in group.members:
+            self._shadows.pop(m.name, None)
+            if choice != trial.carrier:
+                self._owed[m.name] = trial.carrier
+        self._choice[key] = choice
+        del self._trials[key]
+        if self.transport.rank == 0:
+            figs = ", ".join(f"{c} {worst[c]:.3g}" for c in trial.pending)
+            LOG.info("sylvie_comm auto: group %d uses %s (largest mean lag on the trial: %s; bound %.3g)", key,
+                     choice, figs, self._bound[0])  # fmt: skip
         return choice
 
     # ------------------------------------------------------------------ the monitor's view: the candidate that ran
@@ -196,7 +329,11 @@ class AutoAlgorithm(Algorithm):
         return None if alg is None else alg.residual_inner(name, other)
 
     def forget(self, name: str) -> torch.Tensor | None:
-        owed = [r for alg in self.candidates.values() if (r := alg.forget(name)) is not None]
+        """Every candidate's residual of ``name`` dropped; what the model is owed returned (a trial's copies owe it
+        nothing)."""
+        shadows = self._shadows.get(name, set())
+        owed = [r for n, alg in self.candidates.items() if (r := alg.forget(name)) is not None and n not in shadows]
+        self._owed.pop(name, None)
         return None if not owed else torch.stack([r.reshape(-1) for r in owed]).sum(0)
 
     def relayout(self) -> None:
@@ -216,9 +353,12 @@ class AutoAlgorithm(Algorithm):
         return self._ran.get(name, "")
 
     def settles_after(self) -> int:
-        """The probe: ``probe_steps`` steps of each candidate. A check in it would judge candidates that are not
-        the choice; the first check comes ``first`` steps into the choice instead."""
-        return int(self.options["probe_steps"]) * len(self.names)
+        """The probe (``probe_steps`` steps of each candidate) and, where a candidate is judged before it averages,
+        the trial's steps. A check in either would judge candidates that are not the choice; the first check comes
+        ``first`` steps into the choice instead."""
+        probe = int(self.options["probe_steps"]) * len(self.names)
+        judged = self._bound is not None and any(self._shadowed(n) for n in self.names)
+        return probe + (self._bound[1] if judged and self._bound is not None else 0)
 
     def patience(self, key: int, default: int) -> int:
         """One check over the bound moves a group off a candidate that needs the monitor: each further step on a
@@ -262,17 +402,22 @@ class AutoAlgorithm(Algorithm):
     def report(self) -> dict[str, Any]:
         """What ``stats()`` adds: the choice per group and, per group, each candidate's fastest probe (s)."""
         probes = {k: {n: min(v) for n, v in t.items()} for k, t in self._timings.items()}
-        return {**super().report(), "auto": {"choices": self.choices(), "probe_seconds": probes}}
+        judged = {k: dict(v) for k, v in self._judged.items()}
+        return {**super().report(), "auto": {"choices": self.choices(), "probe_seconds": probes, "judged": judged}}
 
     def persistent_tensors(self) -> list[torch.Tensor]:
         return [t for alg in self.candidates.values() for t in alg.persistent_tensors()]
 
     def state_dict(self) -> dict[str, Any]:
+        self.guard.settle()  # the last step's trial figures are added when it settles
         return {
             "auto": {"choices": dict(self._choice),
                      "timings": {k: {n: list(v) for n, v in t.items()} for k, t in self._timings.items()},
                      "totals": {k: dict(t) for k, t in self._totals.items()},
-                     "rejected": {k: list(v) for k, v in self._rejected.items()}},
+                     "rejected": {k: list(v) for k, v in self._rejected.items()},
+                     "trials": {k: t.state() for k, t in self._trials.items()},
+                     "judged": {k: dict(v) for k, v in self._judged.items()},
+                     "owed": dict(self._owed)},
             "candidates": {n: alg.state_dict() for n, alg in self.candidates.items()},
         }  # fmt: skip
 
@@ -289,10 +434,23 @@ class AutoAlgorithm(Algorithm):
             keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(f"auto: expected a state with 'auto' and 'candidates', got {keys}")
         meta, cands = state["auto"], state["candidates"]
-        # 'totals' and 'rejected' (the monitor's demotions) are absent from checkpoints of earlier releases.
+        # 'totals' and 'rejected' (the monitor's demotions), the trials' fields too, are absent from checkpoints of
+        # earlier releases.
         if not isinstance(meta, Mapping) or not {"choices", "timings"} <= set(meta) <= _META:
             raise ValueError("auto: checkpoint field 'auto' must hold 'choices' and 'timings' (and 'totals', "
-                             "'rejected')")  # fmt: skip
+                             "'rejected', 'trials', 'judged', 'owed')")  # fmt: skip
+        for key, trial in dict(meta.get("trials", {})).items():
+            if not _int_like(key):
+                raise ValueError(f"auto: checkpoint trial key {key!r} is not a group key")
+            check_trial(key, trial, set(self.candidates))
+        for key, per in dict(meta.get("judged", {})).items():
+            ok = _int_like(key) and isinstance(per, Mapping) and set(per) <= set(self.candidates)
+            if not ok or not all(_seconds(x) for x in per.values()):
+                raise ValueError(f"auto: checkpoint judged lags of group {key!r} must map candidates to numbers >= 0")
+        owed = meta.get("owed", {})
+        if not isinstance(owed, Mapping) or not all(isinstance(n, str) and c in self.candidates
+                                                    for n, c in owed.items()):  # fmt: skip
+            raise ValueError(f"auto: checkpoint 'owed' must map tensor names to this run's candidates, got {owed!r}")
         for key, names in dict(meta.get("rejected", {})).items():
             if not _int_like(key) or not isinstance(names, (list, tuple)) or not set(names) <= set(self.candidates):
                 raise ValueError(f"auto: checkpoint's rejected candidates of group {key!r} must be a list of this "
@@ -346,6 +504,9 @@ class AutoAlgorithm(Algorithm):
                          for k, t in state["auto"]["timings"].items()}  # fmt: skip
         self._totals = {int(k): {n: float(x) for n, x in t.items()} for k, t in state["auto"].get("totals", {}).items()}
         self._rejected = {int(k): [str(n) for n in v] for k, v in state["auto"].get("rejected", {}).items()}
+        self._trials = {int(k): Trial.from_state(t) for k, t in state["auto"].get("trials", {}).items()}
+        self._judged = {int(k): {n: float(x) for n, x in v.items()} for k, v in state["auto"].get("judged", {}).items()}
+        self._owed = {str(n): str(c) for n, c in state["auto"].get("owed", {}).items()}
 
     def close(self) -> None:
         for alg in self.candidates.values():
@@ -356,7 +517,7 @@ class AutoAlgorithm(Algorithm):
         super().close()
 
 
-_META = {"choices", "timings", "totals", "rejected"}
+_META = {"choices", "timings", "totals", "rejected", "trials", "judged", "owed"}
 
 
 def _int_like(key: Any) -> bool:

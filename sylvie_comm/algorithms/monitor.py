@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from sylvie_comm.algorithms.auto_trial import Judged
 from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, Segment, ShardLayout, then
 from sylvie_comm.algorithms.shard_rows import residual_shape
 from sylvie_comm.collectives import Meter, Transport
@@ -116,6 +117,8 @@ class Monitor:
         # harm is largest, and the steady state costs what ``period`` says.
         # (Counted from the step the algorithm's choice settles: after auto's probe.)
         self.first: int = min(s["first"], self.period) if self.period else 0
+        if isinstance(algorithm, Judged) and self.period:  # auto: its candidates judged on this bound first
+            algorithm.judge_with(self.max_lag, self.first, min(s["window"], self.first))
         self._ramp: list[int] = [algorithm.settles_after() + self.first] if self.period else []
         gap = self.first
         while self.period and gap < self.period:

@@ -524,19 +524,20 @@ def test_the_first_checks_come_early_then_every_period() -> None:
     assert small[1] == [0, 2, *range(5, 80, 3)]
 
 
-def test_auto_checks_count_from_the_end_of_its_probe() -> None:
-    """auto probes 5 candidates for 2 steps each: a check in the probe would judge candidates that are not the
-    choice, so the first comes 10 steps into the choice (step 20), then at the doubling gaps (40, 80, 130)."""
+def test_auto_checks_count_from_the_end_of_its_probe_and_trial() -> None:
+    """auto probes 5 candidates for 2 steps each, then judges those that need the monitor for ``first`` (10) steps
+    beside a carrier: a check in either would judge candidates that are not the choice, so the first comes 10 steps
+    into the choice (step 30), then at the doubling gaps (50, 90, 140)."""
 
     def body(tr: Any) -> list[int]:
         session = Session("t", Config("auto"), tr)
         mon = session.policy.monitor
-        assert mon is not None and session.algorithm.settles_after() == 10
-        due = [s for s in range(140) if mon.due(s)]
+        assert mon is not None and session.algorithm.settles_after() == 20
+        due = [s for s in range(150) if mon.due(s)]
         session.close()
         return due
 
-    assert run_local(1, body)[0] == [20, 40, 80, 130]
+    assert run_local(1, body)[0] == [30, 50, 90, 140]
 
 
 @pytest.mark.parametrize("codec", ["acpsgd", "powersgd", "topk", "qsgd"])
