@@ -53,9 +53,12 @@ class AutoAlgorithm(Algorithm):
         candidates: algorithm names to choose among (default ``none, fp16, qsgd, acpsgd, onebit``); ``none`` is
             added when missing. Those that lost accuracy at their defaults on the real workloads of ``sylvie-comm
             bench quality`` (``needs_monitor``: acpsgd, powersgd, onebit, sign, topk) are taken only with the
-            compression monitor on (:mod:`sylvie_comm.algorithms.monitor`, the default): a bucket whose measured
-            error stays over the monitor's bound moves to its next-fastest candidate (:meth:`demote`), ``none``
-            last of all. With the monitor off (``period: 0``) they are left out.
+            compression monitor on (:mod:`sylvie_comm.algorithms.monitor`, the default), and never average the
+            model's gradients before they are judged: they run on copies in the probe, then beside the fastest
+            candidate that needs no monitor until their lag is judged against the monitor's bound
+            (:mod:`sylvie_comm.algorithms.auto_trial`). A bucket whose measured error stays over the bound later
+            moves to its next-fastest candidate (:meth:`demote`), ``none`` last of all. With the monitor off
+            (``period: 0``) they are left out.
         probe_steps: steps each candidate runs per group before the choice (default 2; the minimum of
             its timings counts).
         rank: the low-rank candidates' rank (default ``"auto"``: from each matrix's shape).
