@@ -185,3 +185,27 @@ def test_a_checkpoint_trial_that_does_not_fit_is_refused() -> None:
     assert "steps must be a non-negative integer" in got[1] or "steps must be" in got[1]
     assert "sums must map pending candidates" in got[2]
     assert "must hold" in got[3]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_copy_is_the_groups_gradients_in_storage_of_its_own(fused: bool) -> None:
+    """A bucket's copy holds its values, as views of one buffer where the bucket has one; writing it leaves the
+    bucket alone, and the next step's copy reuses the buffer."""
+    from sylvie_comm.algorithms.auto_trial import Copies
+
+    flat = torch.arange(10, dtype=torch.float32)
+    members = [Member("a", flat[:6].view(2, 3)), Member("b", flat[6:], False)]
+    group = Group(3, members, flat if fused else None)
+    copies = Copies()
+    copy = copies.of(group, "x")
+    assert [m.name for m in copy.members] == ["a", "b"] and [m.compress for m in copy.members] == [True, False]
+    assert all(torch.equal(c.tensor, m.tensor) for c, m in zip(copy.members, members, strict=True))
+    assert (copy.flat is not None) == fused
+    if fused:
+        assert copy.members[0].tensor.data_ptr() == copy.flat.data_ptr()  # type: ignore[union-attr]
+    copy.members[0].tensor.fill_(-1)
+    assert torch.equal(flat, torch.arange(10, dtype=torch.float32))
+    again = copies.of(group, "x")
+    assert again.members[0].tensor.data_ptr() == copy.members[0].tensor.data_ptr()
+    assert torch.equal(again.members[0].tensor, flat[:6].view(2, 3))
+    assert copies.of(group, "y").members[0].tensor.data_ptr() != copy.members[0].tensor.data_ptr()
