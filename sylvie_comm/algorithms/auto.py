@@ -178,11 +178,9 @@ class AutoAlgorithm(Algorithm):
 
         if not self._shadowed(name):
             return then(self._run(name, group, step, meter), record)
-        # Timed on a copy, alone on the link (the hook waits for it: the probe's few steps only); plain averaging
-        # carries the real gradients.
-        shadow = self._run(name, self._copies.of(group), step, meter, shadow=True)
-        shadow.wait()
-        record(shadow)
+        # Timed on a copy as the others are (from the call to its completion), alone on the link (the hook waits
+        # for it: the probe's few steps only); plain averaging carries the real gradients.
+        then(self._run(name, self._copies.of(group), step, meter, shadow=True), record).wait()
         return self._run("none", group, step, meter)
 
     def _run(self, name: str, group: Group, step: int, meter: Meter, shadow: bool = False) -> Future[None]:
