@@ -52,8 +52,14 @@ CODECS: dict[str, tuple[str, dict[str, Any]]] = {
     "qsgd2": ("qsgd", {"bits": 2}),
     "qsgd2-noef": ("qsgd", {"bits": 2, "error_feedback": False}),
     "qsgd2-block": ("qsgd", {"bits": 2, "block": 2048}),
+    "qsgd2-row": ("qsgd", {"bits": 2, "block": 1}),
+    "qsgd": ("qsgd", {}),
     "topk": ("topk", {"ratio": 0.01}),
     "acpsgd": ("acpsgd", {}),
+    "sparseloco": ("sparseloco", {}),
+    "sparseloco-sr": ("sparseloco", {"rounding": "stochastic"}),
+    "sparseloco-d3": ("sparseloco", {"density": 0.03}),
+    "sparseloco-ef1": ("sparseloco", {"decay": 1.0}),
 }
 DEFAULT_RUNS = "ddp,none:16,qsgd2:16,qsgd2-noef:16,qsgd4:16"
 OUTER = (0.7, 0.9)  # the outer Nesterov SGD's lr and momentum unless a run names its own
