@@ -8,8 +8,8 @@ DDP does); ``<codec>:<H>`` is DiLoCo with that codec on the outer step every ``H
 0.7, momentum 0.9; ``<codec>:<H>:<lr>:<momentum>`` sets them); ``-noef`` in a codec's name turns its error feedback
 off; ``qsgd2-block`` shares one scale and minimum among at least 2,048 values (qsgd's ``block``), which DiLoCo
 takes by default for qsgd (``qsgd``: DiLoCo's qsgd defaults, 2-bit, ``block=2048``; the other qsgd runs name a
-scale and minimum per row); ``sparseloco`` is SparseLoCo's outer step (``-sr``: stochastic rounding, ``-d3``: density 3%,
-``-ef1``: error feedback without decay). The validation
+scale and minimum per row); ``sparseloco`` is SparseLoCo's outer step (``-sr``: stochastic rounding, ``-d3``:
+density 3%, ``-ef1``: error feedback without decay). The validation
 loss is rank 0's model on 8 fixed batches no replica trains on, after the last step (``steps`` a multiple of every
 ``H``, so it is taken right after an outer step), and along the way every ``eval_every`` steps where that is also
 the end of an outer step (the curve).

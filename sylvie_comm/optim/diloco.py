@@ -124,9 +124,10 @@ def _unscale(opt: torch.optim.Optimizer, grad_scale: torch.Tensor) -> None:
 
 def diloco_config(what: str, codec: str | None, config: Config | None, options: Mapping[str, Any]) -> Config:
     """The outer step's configuration: ``config``, or ``codec`` (default ``none``) with ``options``, over DiLoCo's
-    defaults for that codec (:data:`OUTER_DEFAULTS`: qsgd 2-bit, ``block=2048``); without a config no fp32 warm-up (``warmup_steps=0``) and no compression monitor (its per-step figures and thresholds are
-    a gradient's), unless the options set them. ``auto`` (the codec, or the warm-up) is refused: both decide step
-    by step, and outer steps are few and far between."""
+    defaults for that codec (:data:`OUTER_DEFAULTS`: qsgd 2-bit, ``block=2048``); without a config no fp32 warm-up
+    (``warmup_steps=0``) and no compression monitor (its per-step figures and thresholds are a gradient's), unless
+    the options set them. ``auto`` (the codec, or the warm-up) is refused: both decide step by step, and outer
+    steps are few and far between."""
     if config is None:
         options = {"warmup_steps": 0, "monitor": {"period": 0}, **options}
     cfg = merge_config(what, codec, config, options, default="none")
