@@ -9,7 +9,7 @@ DDP does); ``<codec>:<H>`` is DiLoCo with that codec on the outer step every ``H
 off; ``qsgd2-block`` shares one scale and minimum among at least 2,048 values (qsgd's ``block``), which DiLoCo
 takes by default for qsgd (``qsgd``: DiLoCo's qsgd defaults, 2-bit, ``block=2048``; the other qsgd runs name a
 scale and minimum per row); ``sparseloco`` is SparseLoCo's outer step (``-sr``: stochastic rounding, ``-d3``:
-density 3%, ``-ef1``: error feedback without decay). The validation
+density 3%, ``-d12``: density 1/8, ``-ef1``: error feedback without decay). The validation
 loss is rank 0's model on 8 fixed batches no replica trains on, after the last step (``steps`` a multiple of every
 ``H``, so it is taken right after an outer step), and along the way every ``eval_every`` steps where that is also
 the end of an outer step (the curve).
@@ -62,6 +62,7 @@ CODECS: dict[str, tuple[str, dict[str, Any]]] = {
     "sparseloco": ("sparseloco", {}),
     "sparseloco-sr": ("sparseloco", {"rounding": "stochastic"}),
     "sparseloco-d3": ("sparseloco", {"density": 0.03}),
+    "sparseloco-d12": ("sparseloco", {"density": 0.125}),
     "sparseloco-ef1": ("sparseloco", {"decay": 1.0}),
 }
 DEFAULT_RUNS = "ddp,none:16,qsgd2:16,qsgd2-noef:16,qsgd4:16"
