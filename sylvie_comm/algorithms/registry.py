@@ -21,6 +21,7 @@ from sylvie_comm.algorithms.onebit import OneBitAlgorithm
 from sylvie_comm.algorithms.powersgd import PowerSGDAlgorithm
 from sylvie_comm.algorithms.qsgd import QSGDAlgorithm
 from sylvie_comm.algorithms.sign import SignAlgorithm
+from sylvie_comm.algorithms.sparseloco import SparseLoCoAlgorithm
 from sylvie_comm.algorithms.topk import TopKAlgorithm
 from sylvie_comm.registry import unknown
 
@@ -36,6 +37,7 @@ ALGORITHMS: dict[str, type[Algorithm]] = {
         ACPSGDAlgorithm,
         PowerSGDAlgorithm,
         QSGDAlgorithm,
+        SparseLoCoAlgorithm,
         AutoAlgorithm,
     )
 }

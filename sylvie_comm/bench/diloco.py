@@ -6,7 +6,10 @@ same collectives and bytes as a process group, no network), AdamW inner steps (l
 weight decay 0.1), each replica on batches of its own. ``ddp`` averages the gradients in fp32 every step (what
 DDP does); ``<codec>:<H>`` is DiLoCo with that codec on the outer step every ``H`` inner steps (Nesterov SGD, lr
 0.7, momentum 0.9; ``<codec>:<H>:<lr>:<momentum>`` sets them); ``-noef`` in a codec's name turns its error feedback
-off; ``qsgd2-block`` shares one scale and minimum among at least 2,048 values (qsgd's ``block``). The validation
+off; ``qsgd2-block`` shares one scale and minimum among at least 2,048 values (qsgd's ``block``), which DiLoCo
+takes by default for qsgd (``qsgd``: DiLoCo's qsgd defaults, 2-bit, ``block=2048``; the other qsgd runs name a
+scale and minimum per row); ``sparseloco`` is SparseLoCo's outer step (``-sr``: stochastic rounding, ``-d3``:
+density 3%, ``-d12``: density 1/8, ``-ef1``: error feedback without decay). The validation
 loss is rank 0's model on 8 fixed batches no replica trains on, after the last step (``steps`` a multiple of every
 ``H``, so it is taken right after an outer step), and along the way every ``eval_every`` steps where that is also
 the end of an outer step (the curve).
@@ -42,18 +45,25 @@ from sylvie_comm.collectives import wire_bytes
 from sylvie_comm.collectives.local import run_local
 from sylvie_comm.optim.diloco import DiLoCo
 
-# name -> (codec, options); ``-noef``: error feedback off
+# name -> (codec, options); ``-noef``: error feedback off. The qsgd runs but ``qsgd`` and ``qsgd2-block`` name a
+# scale per row (``block: 1``), what they measured before DiLoCo took ``block=2048`` by default for qsgd.
 CODECS: dict[str, tuple[str, dict[str, Any]]] = {
     "none": ("none", {}),
     "fp16": ("fp16", {}),
-    "qsgd8-noef": ("qsgd", {"bits": 8, "error_feedback": False}),
-    "qsgd4": ("qsgd", {"bits": 4}),
-    "qsgd4-noef": ("qsgd", {"bits": 4, "error_feedback": False}),
-    "qsgd2": ("qsgd", {"bits": 2}),
-    "qsgd2-noef": ("qsgd", {"bits": 2, "error_feedback": False}),
+    "qsgd8-noef": ("qsgd", {"bits": 8, "error_feedback": False, "block": 1}),
+    "qsgd4": ("qsgd", {"bits": 4, "block": 1}),
+    "qsgd4-noef": ("qsgd", {"bits": 4, "error_feedback": False, "block": 1}),
+    "qsgd2": ("qsgd", {"bits": 2, "block": 1}),
+    "qsgd2-noef": ("qsgd", {"bits": 2, "error_feedback": False, "block": 1}),
     "qsgd2-block": ("qsgd", {"bits": 2, "block": 2048}),
+    "qsgd": ("qsgd", {}),
     "topk": ("topk", {"ratio": 0.01}),
     "acpsgd": ("acpsgd", {}),
+    "sparseloco": ("sparseloco", {}),
+    "sparseloco-sr": ("sparseloco", {"rounding": "stochastic"}),
+    "sparseloco-d3": ("sparseloco", {"density": 0.03}),
+    "sparseloco-d12": ("sparseloco", {"density": 0.125}),
+    "sparseloco-ef1": ("sparseloco", {"decay": 1.0}),
 }
 DEFAULT_RUNS = "ddp,none:16,qsgd2:16,qsgd2-noef:16,qsgd4:16"
 OUTER = (0.7, 0.9)  # the outer Nesterov SGD's lr and momentum unless a run names its own

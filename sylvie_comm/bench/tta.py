@@ -92,6 +92,7 @@ DILOCO: dict[str, tuple[str, dict[str, Any]]] = {
     "diloco_qsgd4": ("qsgd", {"bits": 4}),
     "diloco_qsgd2": ("qsgd", {"bits": 2}),
     "diloco_qsgd2_noef": ("qsgd", {"bits": 2, "error_feedback": False}),
+    "diloco_sparseloco": ("sparseloco", {}),  # chunked top-k 1/64, 2-bit values, decaying error feedback
 }
 
 
