@@ -85,13 +85,14 @@ MIN_COMM_FACTOR = 2.0  # plain DDP's step over the no-comm bound: at least this,
 POWERSGD_START_FRACTION = 0.1  # powerSGD_hook's docstring: start_powerSGD_iter at 10 % of the training steps
 DILOCO_EVERY = 16  # the DiLoCo methods' sync_every unless run(sync_every=) says otherwise
 DILOCO_OUTER_LR = 0.7  # their outer Nesterov SGD's learning rate (momentum 0.9) unless run(outer_lr=) says otherwise
-# DiLoCo across the workers (sylvie_comm.diloco, no DDP): the outer step's codec and options. Run when named.
+# DiLoCo across the workers (sylvie_comm.diloco, no DDP): the outer step's codec and options. Run when named. The
+# qsgd methods keep a scale per row (block 1), what their records measured before DiLoCo took block 2048 for qsgd.
 DILOCO: dict[str, tuple[str, dict[str, Any]]] = {
     "diloco": ("none", {}),
-    "diloco_qsgd8_noef": ("qsgd", {"bits": 8, "error_feedback": False}),
-    "diloco_qsgd4": ("qsgd", {"bits": 4}),
-    "diloco_qsgd2": ("qsgd", {"bits": 2}),
-    "diloco_qsgd2_noef": ("qsgd", {"bits": 2, "error_feedback": False}),
+    "diloco_qsgd8_noef": ("qsgd", {"bits": 8, "error_feedback": False, "block": 1}),
+    "diloco_qsgd4": ("qsgd", {"bits": 4, "block": 1}),
+    "diloco_qsgd2": ("qsgd", {"bits": 2, "block": 1}),
+    "diloco_qsgd2_noef": ("qsgd", {"bits": 2, "error_feedback": False, "block": 1}),
     "diloco_sparseloco": ("sparseloco", {}),  # chunked top-k 1/64, 2-bit values, decaying error feedback
 }
 

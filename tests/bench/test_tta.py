@@ -399,8 +399,8 @@ def test_a_method_runs_on_one_rank_from_the_seed():
 def test_diloco_methods_run_when_named():
     assert not set(tta.DILOCO) & (set(tta.default_methods("sgd")) | set(tta.default_methods("adamw")))
     assert tta.check_methods(["diloco_qsgd2", "diloco"], "sgd") == ["plain", "diloco_qsgd2", "diloco"]
-    assert "DiLoCo(sync_every=32, codec='qsgd', bits=2)" in tta.label("diloco_qsgd2", 600, 32)
-    assert "bits=8, error_feedback=False" in tta.label("diloco_qsgd8_noef", 600)
+    assert "DiLoCo(sync_every=32, codec='qsgd', bits=2, block=1)" in tta.label("diloco_qsgd2", 600, 32)
+    assert "bits=8, error_feedback=False, block=1" in tta.label("diloco_qsgd8_noef", 600)
     assert "(lr 0.35, momentum 0.9)" in tta.label("diloco", 600, 16, 0.35)
 
 
