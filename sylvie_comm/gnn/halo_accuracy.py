@@ -33,17 +33,17 @@ from sylvie_comm.gnn.train import TrainConfig, Trainer
 # The demo's model and optimizer (sylvie_comm.demo.gnn_full_graph's defaults).
 DEMO_MODEL: dict[str, Any] = {"model": "sage", "hidden": 64, "layers": 2, "dropout": 0.5, "lr": 0.01,
                               "backend": "torch"}  # fmt: skip
-_Q1 = {"forward": "q1", "backward": "q1"}
+_Q1 = {"forward": "q1", "backward": "q1", "halo_smoothing": 0.0}
 # name -> TrainConfig fields over the demo's model: the halo precision, staleness and error feedback.
 SETTINGS: dict[str, dict[str, Any]] = {
     "fp32": {},
     "fp32-s1": {"staleness": 1},
     "q1-sync": dict(_Q1),
     "sylvie": {**_Q1, "staleness": 1},
-    "q1fwd-s1": {"forward": "q1", "staleness": 1},
+    "q1fwd-s1": {"forward": "q1", "staleness": 1, "halo_smoothing": 0.0},
     "q1bwd-s1": {"backward": "q1", "staleness": 1},
     "q1-ef-s1": {**_Q1, "staleness": 1, "error_feedback": True},
-    "q2-s1": {"forward": "q2", "backward": "q2", "staleness": 1},
+    "q2-s1": {"forward": "q2", "backward": "q2", "staleness": 1, "halo_smoothing": 0.0},
     "q1-sm5-s1": {**_Q1, "staleness": 1, "halo_smoothing": 0.5},
     "q1-ef-sm5-s1": {**_Q1, "staleness": 1, "error_feedback": True, "halo_smoothing": 0.5},
     "q1-ef-sm8-s1": {**_Q1, "staleness": 1, "error_feedback": True, "halo_smoothing": 0.8},
@@ -98,13 +98,13 @@ def demo_args(name: str) -> list[str]:
 
 
 def demo_setting(name: str, nodes: int, world: int, method: str, epochs: int, seed: int,
-                 parts: str) -> dict[str, Any]:  # fmt: skip
+                 parts: str, layers: int = 2) -> dict[str, Any]:  # fmt: skip
     """Setting ``name`` run by the demo itself (``torchrun -m sylvie_comm.demo.gnn_full_graph``): rank 0's
     test accuracy at the training's halo precision and with exact halo rows, and its halo bytes per epoch."""
     from sylvie_comm.demo.launch import torchrun
 
     cmd = [*demo_args(name), "--nodes", str(nodes), "--epochs", str(epochs), "--partition", method,
-           "--seed", str(seed), "--parts-dir", parts]  # fmt: skip
+           "--seed", str(seed), "--parts-dir", parts, "--layers", str(layers)]  # fmt: skip
     r = torchrun("sylvie_comm.demo.gnn_full_graph", world, cmd)
     return {"test_acc": r["test_acc_train_halos"], "test_acc_exact_halo": r["test_acc"],
             "halo_bytes_per_epoch": r["halo_bytes_per_epoch"], "demo_args": cmd}  # fmt: skip
@@ -120,7 +120,7 @@ def _echo(line: str) -> None:
 
 
 def run(settings: Sequence[str], seeds: Sequence[int], epochs: int = 100, nodes: int = 4000, world: int = 4,
-        method: str = "bfs", launcher: str = "local", parts: str = "",
+        method: str = "bfs", launcher: str = "local", parts: str = "", layers: int = 2,
         echo: Callable[[str], None] = _echo) -> dict[str, Any]:  # fmt: skip
     """Every setting on every seed (the graph, partition and weights of seed ``s`` shared by all settings).
 
@@ -131,6 +131,9 @@ def run(settings: Sequence[str], seeds: Sequence[int], epochs: int = 100, nodes:
     if launcher not in ("local", "torchrun"):
         raise ValueError(f"halo_accuracy: launcher must be 'local' or 'torchrun', got {launcher!r}")
     names = check_settings(settings)
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 2:
+        raise ValueError(f"halo_accuracy: layers must be an integer >= 2 (the first exchanges nothing), got {layers!r}")
+    model = {**DEMO_MODEL, "layers": layers}
     if not seeds:
         raise ValueError("halo_accuracy: expected at least one seed")
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
@@ -139,9 +142,9 @@ def run(settings: Sequence[str], seeds: Sequence[int], epochs: int = 100, nodes:
         for name in names:
             t0 = time.perf_counter()
             if graph is None:
-                r = demo_setting(name, nodes, world, method, epochs, seed, f"{parts}/seed{seed}")
+                r = demo_setting(name, nodes, world, method, epochs, seed, f"{parts}/seed{seed}", layers)
             else:
-                config = TrainConfig(**{**DEMO_MODEL, **SETTINGS[name], "seed": seed})
+                config = TrainConfig(**{**model, **SETTINGS[name], "seed": seed})
                 r = train_setting(config, graph, world, method, epochs, seed)
             echo(f"seed {seed} {name:<10} test {r['test_acc']:.2f}% (exact halos {r['test_acc_exact_halo']:.2f}%)"
                  f"  {time.perf_counter() - t0:.0f} s")  # fmt: skip
@@ -162,7 +165,7 @@ def run(settings: Sequence[str], seeds: Sequence[int], epochs: int = 100, nodes:
             "bytes_ratio_vs_first": statistics.fmean(b["halo_bytes_per_epoch"] for b in base)
             / max(statistics.fmean(r["halo_bytes_per_epoch"] for r in rs), 1e-9),
         }
-    return {"graph": {"dataset": "csbm", "nodes": nodes, "features": 64}, "model": DEMO_MODEL, "world": world,
+    return {"graph": {"dataset": "csbm", "nodes": nodes, "features": 64}, "model": model, "world": world,
             "partition": method, "epochs": epochs, "launcher": launcher, "seeds": list(seeds), "settings": summary,
             "runs": runs}  # fmt: skip
 
@@ -188,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=100)
     p.add_argument("--nodes", type=int, default=4000)
     p.add_argument("--world", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2, help="GraphSAGE layers (the first exchanges nothing)")
     p.add_argument("--partition", default="bfs")
     p.add_argument(
         "--launcher",
@@ -200,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     with tempfile.TemporaryDirectory(prefix="sylvie-comm-parts-") as parts:
         rec = run(args.settings.split(","), seeds, args.epochs, args.nodes, args.world, args.partition,
-                  args.launcher, parts)  # fmt: skip
+                  args.launcher, parts, args.layers)  # fmt: skip
     rec["command"] = "python -m sylvie_comm.gnn.halo_accuracy " + " ".join(sys.argv[1:] if argv is None else argv)
     print(table(rec))
     if args.json_out:
