@@ -58,9 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bits-bwd", default="32", help="halo gradients: same choices")
     p.add_argument("--meta-dtype", default="fp32", choices=["fp32", "bf16"], help="q-bit scale and minimum")
     p.add_argument("--error-feedback", action="store_true", help="range-bounded error feedback on q-bit halos")
-    p.add_argument("--halo-smoothing", type=float, default=None,
+    p.add_argument("--halo-smoothing", type=float, default=0.0,
                    help="m in [0, 1): training uses the running average a = m a + (1 - m) received of the halo "
-                   "feature rows (0: none; default: 0.5 for q-bit features, else 0)")  # fmt: skip
+                   "feature rows (0, the default: none)")  # fmt: skip
     p.add_argument("--eval-halos", default="fp32", type=eval_precision,
                    help="halo precision of the final evaluation: fp32 (default: exact rows, the model's own "
                    "accuracy) or 'train' (the training's forward precision)")  # fmt: skip
@@ -214,6 +214,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         # Epoch 0 is always synchronous: the mean starts at epoch 1.
         "epoch_seconds": sum(h["seconds"] for h in history[1:]) / max(epochs - 1, 1),
         "halo_bytes_per_epoch": sum(h["halo_bytes"] for h in history) / max(epochs, 1),
+        # Every halo byte rank 0 sent, the final evaluation's exchanges included.
+        "halo_bytes_total": sum(stats.get("bytes_sent", {}).values()),
         "grad_bytes_per_epoch": sum(h["grad_bytes"] for h in history) / max(epochs, 1),
         "peak_rss_mb": stats["peak_rss_mb"],
         "max_observed_staleness": stats.get("max_observed_staleness", 0),

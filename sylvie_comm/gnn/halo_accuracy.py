@@ -45,6 +45,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "q1-ef-s1": {**_Q1, "staleness": 1, "error_feedback": True},
     "q2-s1": {"forward": "q2", "backward": "q2", "staleness": 1, "halo_smoothing": 0.0},
     "q1-sm5-s1": {**_Q1, "staleness": 1, "halo_smoothing": 0.5},
+    "q2fwd-s1": {"forward": "q2", "backward": "q1", "staleness": 1, "halo_smoothing": 0.0},
     "q1-ef-sm5-s1": {**_Q1, "staleness": 1, "error_feedback": True, "halo_smoothing": 0.5},
     "q1-ef-sm8-s1": {**_Q1, "staleness": 1, "error_feedback": True, "halo_smoothing": 0.8},
 }

@@ -58,12 +58,6 @@ from sylvie_comm.integrations.average import GradientAverage
 # other layout's, with more a sum can differ from the one-bucket layout's in the last bits.
 GRAD_BUCKET_MB = 0.25
 
-# The receiver's running average of q-bit halo features by default (TrainConfig.halo_smoothing None): it averages
-# out the noise of stochastic rounding. On the demo's graph (1-bit halos both ways, staleness 1, test accuracy with
-# exact halo rows, means over seeds) the gap to fp32 goes from 0.14-0.38 points without it to 0.02-0.25 with it;
-# see "Accuracy of low-bit halos" in docs/gnn/layers.md. Exact (fp32) or cast (bf16/fp16) rows gain nothing from an
-# average that lags, so they keep 0.
-SMOOTHING_QBIT = 0.5
 
 # torch's default generator is one per process: in-process ranks (threads) seed it and draw their initial weights
 # one at a time, or one rank's draws would continue from another's seed and the ranks would start apart.
@@ -85,8 +79,9 @@ class TrainConfig:
     meta_dtype: str = "fp32"  # scale/min of q-bit rows: fp32 | bf16
     error_feedback: bool = False
     # the running average a = m a + (1 - m) received of the halo feature rows training uses (HaloExchanger's
-    # smoothing, on the receiver: no bytes); 0: none; None: SMOOTHING_QBIT for q-bit forward halos, else 0
-    halo_smoothing: float | None = None
+    # smoothing, on the receiver: no bytes); 0: none. Off by default: on the demo's 2-layer model it narrows the
+    # 1-bit gap a little, on a 3-layer one it widens it (docs/gnn/layers.md, "Accuracy of low-bit halos")
+    halo_smoothing: float = 0.0
     staleness: int = 0  # 0: synchronous
     sync_every: int = 0  # every K-th epoch synchronous (0: only epoch 0)
     backend: str = "auto"  # layers: auto | dgl | torch
@@ -97,15 +92,11 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (its dense parts; halo exchanges stay eager): same losses
 
     def validated(self) -> TrainConfig:
-        """The configuration with its precisions by name and ``halo_smoothing`` resolved to a number."""
-        forward = parse_precision(self.forward)
+        """The configuration with its precisions by name (and ``halo_smoothing`` checked)."""
         m = self.halo_smoothing
-        if m is None:
-            m = SMOOTHING_QBIT if forward.startswith("q") else 0.0
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
-            raise ValueError(f"gnn: halo_smoothing must be a number in [0, 1) (0: none) or None (the default: "
-                             f"{SMOOTHING_QBIT} for q-bit forward halos, else 0), got {m!r}")  # fmt: skip
-        return dataclasses.replace(self, forward=forward, backward=parse_precision(self.backward),
+            raise ValueError(f"gnn: halo_smoothing must be a number in [0, 1) (0: none), got {m!r}")
+        return dataclasses.replace(self, forward=parse_precision(self.forward), backward=parse_precision(self.backward),
                                    halo_smoothing=float(m))  # fmt: skip
 
 
@@ -271,7 +262,7 @@ class Trainer:
             self.halo_transport = self.transport.fork()
             exchanger = HaloExchanger(part, self.halo_transport, cfg.forward, cfg.backward, cfg.meta_dtype,
                                       cfg.error_feedback, cfg.seed, self.device,
-                                      smoothing=cfg.halo_smoothing or 0.0)  # fmt: skip
+                                      smoothing=cfg.halo_smoothing)  # fmt: skip
             self.pipeline = HaloPipeline(exchanger, cfg.staleness, cfg.sync_every)
         self.graph = LocalGraph(part, self.pipeline, self.device)
         labels = part.ndata["label"]
