@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from sylvie_comm.demo.launch import rank_and_size, run_worker
 from sylvie_comm.gnn import data as gdata
+from sylvie_comm.gnn.halo import parse_precision
 from sylvie_comm.gnn.models import LAYERS
 from sylvie_comm.gnn.partition import METHODS, shared_partition
 from sylvie_comm.gnn.train import TrainConfig, Trainer, horovod_transport
@@ -57,6 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bits-bwd", default="32", help="halo gradients: same choices")
     p.add_argument("--meta-dtype", default="fp32", choices=["fp32", "bf16"], help="q-bit scale and minimum")
     p.add_argument("--error-feedback", action="store_true", help="range-bounded error feedback on q-bit halos")
+    p.add_argument("--halo-smoothing", type=float, default=0.0,
+                   help="m in [0, 1): training uses the running average a = m a + (1 - m) received of the halo "
+                   "feature rows (0, the default: none)")  # fmt: skip
+    p.add_argument("--eval-halos", default="fp32", type=eval_precision,
+                   help="halo precision of the final evaluation: fp32 (default: exact rows, the model's own "
+                   "accuracy) or 'train' (the training's forward precision)")  # fmt: skip
     p.add_argument("--staleness", type=int, default=0, help="0: synchronous; S: halos up to S epochs old")
     p.add_argument("--sync-every", type=int, default=0, help="every K-th epoch synchronous (0: only the first)")
     p.add_argument("--partition", default="bfs", choices=list(METHODS),
@@ -71,6 +78,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json-out", default=None, help="rank 0 writes its results here")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
+
+
+def eval_precision(value: str) -> str:
+    """A ``--eval-halos`` value: ``train``, or a halo precision (a name or a number of bits) as its name; a bad one
+    is refused while the arguments are parsed, not after the training (the message lists the valid ones)."""
+    if value == "train":
+        return value
+    try:
+        return parse_precision(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, or 'train' (the training's forward precision)") from exc
 
 
 def precision(bits: str) -> str:
@@ -148,6 +166,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     """Partition, then train on the initialized ranks (Horovod's under horovodrun, else the default process
     group); return this rank's results."""
     rank, world = rank_and_size()
+    eval_halos = None if args.eval_halos == "train" else args.eval_halos
     transport = horovod_transport()  # None under torchrun: the trainer uses the process group
 
     folder = parts_folder(args, world)
@@ -163,7 +182,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     config = TrainConfig(
         model=args.model, hidden=args.hidden, layers=args.layers, dropout=args.dropout, lr=args.lr,
         forward=precision(args.bits_fwd), backward=precision(args.bits_bwd), meta_dtype=args.meta_dtype,
-        error_feedback=args.error_feedback, staleness=args.staleness, sync_every=args.sync_every,
+        error_feedback=args.error_feedback, halo_smoothing=args.halo_smoothing, staleness=args.staleness,
+        sync_every=args.sync_every,
         backend=args.backend, grad_hook=args.grad_hook, seed=args.seed, compile=args.compile,
     )  # fmt: skip
     trainer = Trainer(part, config, transport=transport)
@@ -176,13 +196,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             history.append(h)
             bar.set_postfix(loss=f"{h['loss']:.3f}", train=f"{h['train_acc']:.1f}", s=f"{h['seconds']:.2f}",
                             halo_kB=f"{h['halo_bytes'] / 1e3:.0f}", refresh=False)  # fmt: skip
-        final = trainer.evaluate()
+        final = trainer.evaluate(eval_halos)
+        # Beside it, the accuracy with halo rows at the training's forward precision (what the rounding adds).
+        at_train = final if eval_halos in (None, config.forward) else trainer.evaluate(None)
         stats = trainer.stats()
     finally:
         trainer.close()
     epochs = len(history)
     return {
         "config": label,
+        "eval_halos": eval_halos or config.forward,
         "dataset": args.dataset,
         "partition": args.partition,
         "world_size": world,
@@ -191,17 +214,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         # Epoch 0 is always synchronous: the mean starts at epoch 1.
         "epoch_seconds": sum(h["seconds"] for h in history[1:]) / max(epochs - 1, 1),
         "halo_bytes_per_epoch": sum(h["halo_bytes"] for h in history) / max(epochs, 1),
+        # Every halo byte rank 0 sent, the final evaluation's exchanges included.
+        "halo_bytes_total": sum(stats.get("bytes_sent", {}).values()),
         "grad_bytes_per_epoch": sum(h["grad_bytes"] for h in history) / max(epochs, 1),
         "peak_rss_mb": stats["peak_rss_mb"],
         "max_observed_staleness": stats.get("max_observed_staleness", 0),
         **{k: final[k] for k in ("train_acc", "val_acc", "test_acc")},
+        "test_acc_train_halos": at_train["test_acc"],
     }
 
 
 def report(result: dict[str, Any]) -> str:
     """Rank 0's closing line."""
     return (
-        f"{result['config']}: test accuracy {result['test_acc']:.2f}% (val {result['val_acc']:.2f}%) after "
+        f"{result['config']}: test accuracy {result['test_acc']:.2f}% (val {result['val_acc']:.2f}%; evaluated "
+        f"with {result['eval_halos']} halo rows) after "
         f"{result['epochs']} epochs on {result['world_size']} ranks ({result['partition']} partition); "
         f"{result['epoch_seconds']:.3f} s/epoch; rank 0 "
         f"sent {result['halo_bytes_per_epoch'] / 1e6:.3f} MB of halos and "

@@ -127,6 +127,11 @@ class HaloExchanger:
         meta_dtype: ``fp32`` or ``bf16`` for the per-row scale and minimum of q-bit rows.
         error_feedback: keep the quantization error of each sent row and add it next time.
         seed: noise seed of the stochastic rounding (offset by rank, layer and direction).
+        smoothing: ``m`` in ``[0, 1)``: the halo feature rows a training pass uses are the running average
+            ``a = m a + (1 - m) decoded`` of the rows received so far (Sylvie's and PipeGCN's feature correction,
+            on the receiver, no bytes added): it averages out the noise of stochastic rounding, which error
+            feedback turns into differences of successive errors, at the cost of a lag of ``m / (1 - m)``
+            epochs. Evaluation passes use the rows received; 0 (the default) averages nothing.
         monitor_every: every this many exchanges of one layer and direction, the rows sent are decoded here
             and compared with what they encode (no communication: a peer decodes the same bits), see
             :meth:`errors`; 0 measures nothing.
@@ -145,7 +150,13 @@ class HaloExchanger:
         seed: int = 0,
         device: torch.device | str | None = None,
         monitor_every: int = 10,
+        smoothing: float = 0.0,
     ) -> None:
+        if isinstance(smoothing, bool) or not isinstance(smoothing, (int, float)) or not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"halo: smoothing must be a number in [0, 1) (0: none), got {smoothing!r}")
+        self.smoothing = float(smoothing)
+        # layer key -> the running average of the halo rows received in training passes (see _smooth)
+        self._smoothed: dict[str, torch.Tensor] = {}
         if isinstance(monitor_every, bool) or not isinstance(monitor_every, int) or monitor_every < 0:
             raise ValueError(
                 f"halo: monitor_every must be an integer >= 0 (0: no error measured), got {monitor_every!r}"
@@ -317,10 +328,27 @@ class HaloExchanger:
         send = fmt.pack(encoded, self.send_counts, self.pick, self.picks)
         self._count("forward", send.shape[0] - self.send_counts[self.part.rank], fmt)
 
+        smooth = feedback and precision is None and self.smoothing > 0.0
+
         def job() -> torch.Tensor:
-            return self._receive_and_decode(plan, send, self.halo_counts, self.send_counts, out)
+            if not smooth:
+                return self._receive_and_decode(plan, send, self.halo_counts, self.send_counts, out)
+            return self._smooth(key, self._receive_and_decode(plan, send, self.halo_counts, self.send_counts, out))
 
         return job
+
+    def _smooth(self, key: str, rows: torch.Tensor) -> torch.Tensor:
+        """Fold ``rows`` (decoded, fp32) into ``key``'s running average and write the average into ``rows``.
+
+        Runs inside the job, so the exchanges of one layer update the average in the order they were made (the
+        pipeline runs them in submission order); ``rows`` is this exchange's own tensor, the average is kept
+        apart, so an older exchange still queued keeps its rows."""
+        avg = self._smoothed.get(key)
+        if avg is None or avg.shape != rows.shape:
+            avg = self._smoothed[key] = rows.detach().clone()
+        else:
+            avg.mul_(self.smoothing).add_(rows, alpha=1.0 - self.smoothing)
+        return rows.copy_(avg)
 
     def gradients_job(self, grad_halo: torch.Tensor, key: str) -> Callable[[], torch.Tensor]:
         """Encode halo-row gradients now; the job returns the rows peers sent back for our boundary rows
@@ -344,7 +372,8 @@ class HaloExchanger:
         return {"world_size": self.transport.world_size, "forward": self.forward_precision,
                 "backward": self.backward_precision, "meta_dtype": self.meta_dtype,
                 "error_feedback": self.error_feedback, "seed": self.seed,
-                "partition": partition_signature(self.part)}  # fmt: skip
+                "partition": partition_signature(self.part),
+                **({"smoothing": self.smoothing} if self.smoothing else {})}  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """Error-feedback residuals, the noise offset of every q-bit codec (by direction, layer key and
@@ -353,8 +382,10 @@ class HaloExchanger:
                   for (d, f, k), fmt in self._formats.items() if fmt.stateful]  # fmt: skip
         errors = {k: [0.0 if v[0] is None or v[0].device.type == "meta" else float(v[0]), v[1], v[2]]
                   for k, v in self._errors.items()}  # fmt: skip
+        smoothed = {k: v.detach().clone() for k, v in self._smoothed.items()}
         return {"settings": self.settings(), "feedback": self.feedback.state_dict(), "codecs": codecs,
-                "bytes_sent": dict(self.bytes_sent), "errors": errors}  # fmt: skip
+                "bytes_sent": dict(self.bytes_sent), "errors": errors,
+                **({"smoothed": smoothed} if self.smoothing else {})}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; a checkpoint of other settings or another partition raises
@@ -362,7 +393,17 @@ class HaloExchanger:
         what = "halo: HaloExchanger.load_state_dict"
         keys = {"settings", "feedback", "codecs", "bytes_sent"}
         # 'errors' (the measured error's sums and counts): absent from checkpoints written before it was kept.
-        state = check_state(what, state, keys | ({"errors"} & set(state) if isinstance(state, Mapping) else set()))
+        # 'smoothed' (the running averages): only in checkpoints of an exchanger that smooths.
+        optional = {"errors"} | ({"smoothed"} if self.smoothing else set())
+        state = check_state(what, state, keys | (optional & set(state) if isinstance(state, Mapping) else set()))
+        smoothed = state.get("smoothed", {})
+        rows = self.part.n_halo
+        if not isinstance(smoothed, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.dim() == 2
+            and v.shape[0] == rows for k, v in smoothed.items()
+        ):  # fmt: skip
+            raise ValueError(f"{what}: 'smoothed' must map layer keys to ({rows}, F) float32 tensors (this "
+                             "partition's halo rows)")  # fmt: skip
         errors = state.get("errors", {})
         ok = isinstance(errors, Mapping) and all(
             isinstance(v, (list, tuple)) and len(v) == 3 and isinstance(v[0], float) and math.isfinite(v[0])
@@ -400,3 +441,4 @@ class HaloExchanger:
             self.accounting[direction].add(-1, bytes_sent=int(sent))
         self._errors = {str(k): [torch.tensor(v[0], device=self.device) if v[1] else None, v[1], v[2]]
                         for k, v in errors.items()}  # fmt: skip
+        self._smoothed = {k: v.detach().to(self.device, copy=True) for k, v in smoothed.items()}

@@ -45,6 +45,7 @@ import torch
 from sylvie_comm.collectives import SerialExecutor
 from sylvie_comm.gnn.halo_checks import check_state, cuda_aware
 from sylvie_comm.gnn.halo_exchanger import HaloExchanger
+from sylvie_comm.gnn.halo_rows import parse_precision
 
 # Queue names: "f<layer>" holds feature exchanges, "g<layer>" gradient exchanges.
 _QUEUE_KINDS = {"f": "features", "g": "gradients"}
@@ -100,6 +101,7 @@ class HaloPipeline:
         self._queues: dict[str, collections.deque[_Pending]] = collections.defaultdict(collections.deque)
         self._observed: collections.Counter[int] = collections.Counter()
         self._evaluating = False
+        self._eval_precision: str | None = None  # the halo precision of evaluation passes (None: the forward one)
         # Seconds the caller waited for exchanges (exposed communication), and seconds the communication
         # thread spent in exchanges (exposed or hidden under compute); see timings().
         self._wait_s = 0.0
@@ -172,13 +174,19 @@ class HaloPipeline:
         return pending
 
     @contextlib.contextmanager
-    def evaluating(self) -> Iterator[None]:
-        """Exchanges inside run synchronously, outside the pipeline and without error feedback."""
-        self._evaluating = True
+    def evaluating(self, precision: str | None = None) -> Iterator[None]:
+        """Exchanges inside run synchronously, outside the pipeline and without error feedback.
+
+        ``precision``: the halo precision of these exchanges (e.g. ``fp32``: the model judged on exact halo
+        rows, as a single-process evaluation of the full graph would); None: the forward precision of training.
+        """
+        if precision is not None:
+            precision = parse_precision(precision)
+        self._evaluating, self._eval_precision = True, precision
         try:
             yield
         finally:
-            self._evaluating = False
+            self._evaluating, self._eval_precision = False, None
 
     def exchange_once(self, inner: torch.Tensor, precision: str = "fp32") -> torch.Tensor:
         """One synchronous exchange outside the pipeline (e.g. the raw input features, once)."""
@@ -199,7 +207,8 @@ class HaloPipeline:
         """
         if self._evaluating:
             inline_out = out if self.staleness == 0 else None
-            job = self.exchanger.features_job(inner.detach(), str(layer), feedback=False, out=inline_out)
+            job = self.exchanger.features_job(inner.detach(), str(layer), feedback=False, out=inline_out,
+                                              precision=self._eval_precision)  # fmt: skip
             return self._into(self._now(job), out)
         if self.staleness == 0:  # every epoch synchronous: nothing is queued, the rows go where they are read
             self._started()

@@ -58,6 +58,7 @@ from sylvie_comm.integrations.average import GradientAverage
 # other layout's, with more a sum can differ from the one-bucket layout's in the last bits.
 GRAD_BUCKET_MB = 0.25
 
+
 # torch's default generator is one per process: in-process ranks (threads) seed it and draw their initial weights
 # one at a time, or one rank's draws would continue from another's seed and the ranks would start apart.
 _SEEDED_INIT = threading.Lock()
@@ -77,6 +78,10 @@ class TrainConfig:
     backward: str = "fp32"  # halo gradients, same choices
     meta_dtype: str = "fp32"  # scale/min of q-bit rows: fp32 | bf16
     error_feedback: bool = False
+    # the running average a = m a + (1 - m) received of the halo feature rows training uses (HaloExchanger's
+    # smoothing, on the receiver: no bytes); 0: none. Off by default: on the demo's 2-layer model it narrows the
+    # 1-bit gap a little, on a 3-layer one it widens it (docs/gnn/layers.md, "Accuracy of low-bit halos")
+    halo_smoothing: float = 0.0
     staleness: int = 0  # 0: synchronous
     sync_every: int = 0  # every K-th epoch synchronous (0: only epoch 0)
     backend: str = "auto"  # layers: auto | dgl | torch
@@ -87,7 +92,12 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (its dense parts; halo exchanges stay eager): same losses
 
     def validated(self) -> TrainConfig:
-        return dataclasses.replace(self, forward=parse_precision(self.forward), backward=parse_precision(self.backward))
+        """The configuration with its precisions by name (and ``halo_smoothing`` checked)."""
+        m = self.halo_smoothing
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0.0 <= m < 1.0:
+            raise ValueError(f"gnn: halo_smoothing must be a number in [0, 1) (0: none), got {m!r}")
+        return dataclasses.replace(self, forward=parse_precision(self.forward), backward=parse_precision(self.backward),
+                                   halo_smoothing=float(m))  # fmt: skip
 
 
 def peak_rss_mb() -> float:
@@ -251,7 +261,8 @@ class Trainer:
             # The halo exchange runs on a thread of its own under staleness: a transport of its own too.
             self.halo_transport = self.transport.fork()
             exchanger = HaloExchanger(part, self.halo_transport, cfg.forward, cfg.backward, cfg.meta_dtype,
-                                      cfg.error_feedback, cfg.seed, self.device)  # fmt: skip
+                                      cfg.error_feedback, cfg.seed, self.device,
+                                      smoothing=cfg.halo_smoothing)  # fmt: skip
             self.pipeline = HaloPipeline(exchanger, cfg.staleness, cfg.sync_every)
         self.graph = LocalGraph(part, self.pipeline, self.device)
         labels = part.ndata["label"]
@@ -433,17 +444,25 @@ class Trainer:
         return out
 
     @contextlib.contextmanager
-    def _synchronous(self) -> Iterator[None]:
+    def _synchronous(self, precision: str | None = None) -> Iterator[None]:
         if self.pipeline is None:
             yield
             return
-        with self.pipeline.evaluating():
+        with self.pipeline.evaluating(precision):
             yield
 
-    def evaluate(self) -> dict[str, float]:
-        """Accuracies with fresh (synchronous, uncompensated) halo data and dropout off."""
+    def evaluate(self, halo_precision: str | None = "fp32") -> dict[str, float]:
+        """Accuracies with fresh (synchronous, uncompensated) halo data and dropout off.
+
+        ``halo_precision``: the precision of the evaluation's halo rows. ``fp32`` (the default): exact rows, so
+        the accuracy is the trained model's own, what it computes on the whole graph in one process (as Sylvie
+        and PipeGCN judge it: rank 0 evaluates on the full graph), whatever the training's halo precision; the
+        one exchange per layer is counted in the halo bytes like any other. None: the training's forward
+        precision (1-bit rows add their rounding noise to the predictions: on the demo's graph about half a
+        point of test accuracy, see "Accuracy of low-bit halos" in docs/gnn/layers.md).
+        """
         self.model.eval()
-        with torch.no_grad(), self._synchronous():
+        with torch.no_grad(), self._synchronous(halo_precision):
             logits = self.model(self.graph, self.x, self.first_aggregate)
             m = self.train_idx
             loss = F.cross_entropy(self._checked(logits)[m], self.y[m], reduction="sum") / self.train_count
@@ -451,8 +470,10 @@ class Trainer:
 
     def settings(self) -> dict[str, Any]:
         """What a checkpoint of this trainer is only valid for: configuration, world size, partition."""
-        return {"world_size": self.world, "config": dataclasses.asdict(self.config),
-                "partition": partition_signature(self.part)}  # fmt: skip
+        config = dataclasses.asdict(self.config)
+        if not config["halo_smoothing"]:  # a field added later: at its default, checkpoints written before it load
+            del config["halo_smoothing"]
+        return {"world_size": self.world, "config": config, "partition": partition_signature(self.part)}
 
     def state_dict(self) -> dict[str, Any]:
         """A snapshot of everything this rank needs to continue training exactly (call it between epochs).

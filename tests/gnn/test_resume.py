@@ -31,6 +31,8 @@ RUNS: dict[str, tuple[dict[str, Any], int]] = {
     "s0-ef": ({**BASE, "error_feedback": True}, 3),
     "s1-dropout": ({**BASE, "staleness": 1, "dropout": 0.5}, 3),
     "s1-ef": ({**BASE, "staleness": 1, "error_feedback": True}, 4),
+    # The running average of the halo rows (the receiver's smoothing) across the checkpoint.
+    "s1-ef-smoothed": ({**BASE, "staleness": 1, "error_feedback": True, "halo_smoothing": 0.5}, 4),
     "s1-ef-acpsgd": ({**BASE, "staleness": 1, "error_feedback": True, "grad_hook": "acpsgd"}, 4),
     # Checkpoint after epoch 4: epoch 5 uses epoch 3's halos (the last synchronous one), epoch 6 is synchronous.
     "s2-sync3-q2-bf16": ({**BASE, **Q2, "staleness": 2, "sync_every": 3, "error_feedback": True}, 5),
