@@ -26,8 +26,8 @@ reads the same numbers and takes the same decisions. A tensor is **over the boun
 ``lag`` exceeds ``max_lag`` (algorithms with error feedback) or, without error feedback, its exact
 relative error exceeds ``max_error``. ``max_lag`` left unset (None) is the bound calibrated for what the
 integration averages (:data:`~sylvie_comm.config.LAG_BOUNDS`: a gradient's residual and a momentum's are not
-released alike, so the same figure does not mean the same harm). Over the bound at ``patience`` checks in a row, it is reported
-once (a warning naming the tensor, the figure and the bound), and with ``adapt`` on it is adapted:
+released alike, so the same figure does not mean the same harm). Over the bound at ``patience`` checks in a row,
+it is reported once (a warning naming the tensor, the figure and the bound), and with ``adapt`` on it is adapted:
 
 * a safer setting of the same algorithm where it has one (:meth:`Algorithm.adapt`: a low-rank matrix's
   rank doubles, qsgd's bits go 2 -> 4 -> 8, top-k's ratio doubles), within ``budget`` times the bytes of

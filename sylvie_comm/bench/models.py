@@ -206,5 +206,5 @@ def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["GPT2", "MODEL_NAMES", "SIZES", "BasicBlock", "Bottleneck", "ResNet", "SmallResNet", "Work", "gpt2", "parameter_count", "resnet50",
-           "workload"]  # fmt: skip
+__all__ = ["GPT2", "MODEL_NAMES", "SIZES", "BasicBlock", "Bottleneck", "ResNet", "SmallResNet", "Work", "gpt2",
+           "parameter_count", "resnet50", "workload"]  # fmt: skip

@@ -353,7 +353,7 @@ def train(
             loss = train_step(wl, ddp, opt, base_lr, step, x, y, observe)
             checks.after_step(step)
             if step + 1 == wl.steps // 2 and (state is not None or copt is not None):
-                half = (state or copt).stats()  # type: ignore[union-attr]  # the second half: past any warm-up
+                half = (state or copt).stats()  # the second half: past any warm-up
             losses.append(loss.item())
             if (step + 1) % wl.eval_every == 0 or step + 1 == wl.steps:
                 window = losses[-wl.eval_every :]
@@ -362,7 +362,7 @@ def train(
         if diag is not None:
             out["diagnosis"] = diag.report()
         if state is not None or copt is not None:
-            stats = (state or copt).stats()  # type: ignore[union-attr]
+            stats = (state or copt).stats()
             out["compression_ratio"] = stats["compression_ratio"]
             out["monitor_checks"] = checks.taken
             for key in ("monitor", "auto"):  # the monitor's figures and decisions, auto's choices and probe times
