@@ -37,21 +37,32 @@ FIELDS = ("codec", "warmup_steps", "min_compression_rate", "seed", "warmup", "to
 # The compression-error monitor's settings (sylvie_comm.algorithms.monitor): an exact check every ``period``
 # compressed steps (0: no monitor) on ``sample`` tensors per group, the per-step figures over the ``window`` steps
 # before each check; a tensor is over its bound where the
-# residual exceeds ``max_lag`` gradients (error feedback) or, without error feedback, the exact relative error
-# exceeds ``max_error``, at ``patience`` checks in a row; ``adapt`` lets that change its settings within
-# ``budget`` times the starting bytes, or send it raw.
+# residual exceeds ``max_lag`` times what was averaged (error feedback; None: the bound of :data:`LAG_BOUNDS` for
+# what the integration averages) or, without error feedback, the exact relative error exceeds ``max_error``, at
+# ``patience`` checks in a row; ``adapt`` lets that change its settings within ``budget`` times the starting
+# bytes, or send it raw.
 MONITOR_DEFAULTS: dict[str, Any] = {
     "period": 50,
     "first": 10,
     "window": 5,
     "sample": 1,
-    "max_lag": 0.5,
+    "max_lag": None,
     "max_error": 1.0,
     "patience": 2,
     "adapt": False,
     "budget": 2.0,
     "share": 0.02,
 }
+
+# The monitor's default bound on ``lag`` (``max_lag`` null), by what the integration averages, calibrated against the
+# accuracy each path lost to plain DDP (docs/guide/monitor.md, "Why the bounds are what they are";
+# benchmarks/monitor-calibration-2026-12-07.md):
+# * ``gradient`` (the DDP hooks, Horovod, FSDP2, the GNN trainer's average): the residual in steps' worth of gradient;
+# * ``momentum`` (CompressedSGD and CompressedAdamW): the residual against the momentum. A momentum changes little
+#   from step to step, so what a codec drops is sent at the next steps: its residual stays near the codec's own
+#   relative error (0.7-1.1 under one-bit, on models it did not hurt), where a gradient's residual near that size
+#   is owed gradients that momentum turns late; a momentum residual that grows past 1.5 is one that piles up.
+LAG_BOUNDS: dict[str, float] = {"gradient": 0.5, "momentum": 1.5}
 
 # Bounds on a YAML config (Config.from_yaml). A real one is a few hundred bytes and a few dozen nodes;
 # thousands of per-layer rules fit in both. Aliases count as copies: a "billion laughs" document of a
@@ -94,9 +105,12 @@ def check_monitor(monitor: Any) -> dict[str, Any]:
             raise ValueError(f"config: monitor {key} must be an integer >= {low}, got {v!r}")
     for key, rule in (("max_lag", "> 0"), ("max_error", "> 0"), ("budget", ">= 1"), ("share", "> 0")):
         v = out[key]
+        if key == "max_lag" and v is None:  # the bound of what is averaged (LAG_BOUNDS)
+            continue
         number = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
         if not number or not (v >= 1 if key == "budget" else v > 0):
-            raise ValueError(f"config: monitor {key} must be a finite number {rule}, got {v!r}")
+            also = " (or null: the bound of what the integration averages)" if key == "max_lag" else ""
+            raise ValueError(f"config: monitor {key} must be a finite number {rule}{also}, got {v!r}")
         out[key] = float(v)
     if not isinstance(out["adapt"], bool):
         raise ValueError(f"config: monitor adapt must be true or false, got {out['adapt']!r}")

@@ -24,8 +24,10 @@ replica all-reduce, the compressed optimizers, the GNN trainer's gradient averag
 At each check the ranks average every tensor's figures with one small all-reduce, so every rank
 reads the same numbers and takes the same decisions. A tensor is **over the bound** where its mean
 ``lag`` exceeds ``max_lag`` (algorithms with error feedback) or, without error feedback, its exact
-relative error exceeds ``max_error``. Over the bound at ``patience`` checks in a row, it is reported
-once (a warning naming the tensor, the figure and the bound), and with ``adapt`` on it is adapted:
+relative error exceeds ``max_error``. ``max_lag`` left unset (None) is the bound calibrated for what the
+integration averages (:data:`~sylvie_comm.config.LAG_BOUNDS`: a gradient's residual and a momentum's are not
+released alike, so the same figure does not mean the same harm). Over the bound at ``patience`` checks in a row,
+it is reported once (a warning naming the tensor, the figure and the bound), and with ``adapt`` on it is adapted:
 
 * a safer setting of the same algorithm where it has one (:meth:`Algorithm.adapt`: a low-rank matrix's
   rank doubles, qsgd's bits go 2 -> 4 -> 8, top-k's ratio doubles), within ``budget`` times the bytes of
@@ -60,7 +62,7 @@ from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, Segmen
 from sylvie_comm.algorithms.shard_rows import residual_shape
 from sylvie_comm.collectives import Meter, Transport
 from sylvie_comm.collectives.accounting import wire_bytes
-from sylvie_comm.config import MONITOR_DEFAULTS
+from sylvie_comm.config import LAG_BOUNDS, MONITOR_DEFAULTS
 
 LOG = logging.getLogger("sylvie_comm")
 _RELAX = 0.25  # a tensor this far under its bound gives back what adaptation added
@@ -95,15 +97,21 @@ class Monitor:
         settings: :data:`~sylvie_comm.config.MONITOR_DEFAULTS`' keys, checked by the config.
         transport: the algorithm's: the exact checks and the ranks' figures go on it, in the algorithm's order.
         min_compression_rate: a setting that would shrink a tensor less than this is not taken (raw instead).
+        averages: what the integration averages, a key of :data:`~sylvie_comm.config.LAG_BOUNDS` (``gradient``:
+            the hooks; ``momentum``: the compressed optimizers): its bound on ``lag`` where ``max_lag`` is None.
     """
 
     def __init__(self, algorithm: Algorithm, settings: Mapping[str, Any], transport: Transport,
-                 min_compression_rate: float = 2.0) -> None:  # fmt: skip
+                 min_compression_rate: float = 2.0, averages: str = "gradient") -> None:  # fmt: skip
         self.algorithm = algorithm
         s = {**MONITOR_DEFAULTS, **settings}
         self.period: int = s["period"]
         self.sample: int = s["sample"]
-        self.max_lag: float = float(s["max_lag"])
+        if averages not in LAG_BOUNDS:
+            raise ValueError(f"monitor: averages must be one of {', '.join(LAG_BOUNDS)}, got {averages!r}")
+        self.averages = averages
+        # The bound on ``lag``: the user's ``max_lag``, else the one calibrated for what is averaged.
+        self.max_lag: float = LAG_BOUNDS[averages] if s["max_lag"] is None else float(s["max_lag"])
         self.max_error: float = float(s["max_error"])
         self.patience: int = s["patience"]
         self.adapt: bool = s["adapt"]
@@ -532,7 +540,7 @@ class Monitor:
         where adaptation may make it lighter (well under the bound as long)."""
         lag, exact = fresh["lag"], fresh["exact_error"]
         if lag is not None:
-            figure, bound, what = lag, self.max_lag, "lag (residual / gradient)"
+            figure, bound, what = lag, self.max_lag, f"lag (residual / {self.averages})"
         elif exact is not None and not t.feedback:
             figure, bound, what = exact, self.max_error, "exact relative error"
         else:

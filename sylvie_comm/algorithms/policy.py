@@ -38,9 +38,10 @@ class Policy:
     Args:
         algorithm: the algorithm the compressed steps run.
         config: ``warmup_steps``, ``min_compression_rate`` and the per-name ``rules``.
+        averages: what the integration averages (``gradient`` or ``momentum``): the monitor's default bound.
     """
 
-    def __init__(self, algorithm: Algorithm, config: Config) -> None:
+    def __init__(self, algorithm: Algorithm, config: Config, averages: str = "gradient") -> None:
         self.algorithm = algorithm
         self.config = config
         for i, rule in enumerate(config.rules):
@@ -52,7 +53,8 @@ class Policy:
         # The compression-error monitor (a fork of the transport too), unless off or nothing is compressed.
         self.monitor: Monitor | None = None
         if config.monitor["period"] > 0 and not algorithm.sends_raw:
-            self.monitor = Monitor(algorithm, config.monitor, algorithm.transport, config.min_compression_rate)
+            self.monitor = Monitor(algorithm, config.monitor, algorithm.transport, config.min_compression_rate,
+                                   averages)  # fmt: skip
         else:
             algorithm.unmonitored()
 

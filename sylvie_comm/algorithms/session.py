@@ -79,11 +79,15 @@ class Session:
             all-reduce a framework performs outside).
         rank: the run's, where it differs from the transport's (likewise).
         objects: the object all-gather the ranks agree through, where the transport cannot (default: it).
+        averages: what the integration averages, ``gradient`` (default) or ``momentum`` (the compressed
+            optimizers): the compression monitor's bound where the config leaves ``max_lag`` unset
+            (:data:`~sylvie_comm.config.LAG_BOUNDS`).
     """
 
     def __init__(
         self, what: str, config: Config, transport: Transport, *, kind: str = "codec",
         world_size: int | None = None, rank: int | None = None, objects: ObjectGather | None = None,
+        averages: str = "gradient",
     ) -> None:  # fmt: skip
         cls = algorithm_class(config.codec, kind)
         self.what = what
@@ -92,7 +96,7 @@ class Session:
         self.algorithm = cls(transport, config.options, seed=config.seed)
         self.name = self.algorithm.name
         self.options = self.algorithm.options
-        self.policy = Policy(self.algorithm, config)
+        self.policy = Policy(self.algorithm, config, averages)
         self.world_size = transport.world_size if world_size is None else world_size
         self.rank = transport.rank if rank is None else rank
         self.objects: ObjectGather = objects if objects is not None else transport

@@ -4,6 +4,8 @@
   builds it (stride on the 3 x 3 convolution, "v1.5"): a 7 x 7 stem and max-pool, four stages of bottleneck blocks
   (3, 4, 6, 3) of widths 64, 128, 256, 512 (x 4 out), average pool, a linear classifier: 25,557,032 parameters at
   1,000 classes, torchvision's count. ``width`` and ``blocks`` scale it down for quick checks.
+* :class:`SmallResNet`: a BatchNorm ResNet of three basic blocks for 28 x 28 images (the quality benchmark's
+  ``resnet`` workload, :mod:`sylvie_comm.bench.quality`).
 * :func:`gpt2`: a decoder of GPT-2 small's sizes (Radford et al. 2019): 12 pre-norm layers of width 768, 12 heads,
   feed-forward 3,072 with GELU, a vocabulary of 50,257, 1,024 learned positions, the output projection tied to
   the token embedding: 124,439,808 parameters, GPT-2 small's count. It is
@@ -74,6 +76,39 @@ class ResNet(nn.Module):
         self.stem = nn.Sequential(*_conv_bn(3, width, 7, 2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1))
         self.stages = nn.Sequential(*stages)
         self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stages(self.stem(x))
+        out: torch.Tensor = self.fc(torch.flatten(F.adaptive_avg_pool2d(h, 1), 1))
+        return out
+
+
+class BasicBlock(nn.Module):
+    """Two 3 x 3 convolutions with BatchNorm (the first at ``stride``), plus the input (projected by a 1 x 1
+    convolution and BatchNorm where the shape changes): ResNet-18's block."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*_conv_bn(cin, cout, 3, stride), nn.ReLU(inplace=True), *_conv_bn(cout, cout, 3))
+        self.skip = nn.Sequential(*_conv_bn(cin, cout, 1, stride)) if stride != 1 or cin != cout else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.body(x) + self.skip(x))
+
+
+class SmallResNet(nn.Module):
+    """A small BatchNorm ResNet for 28 x 28 grey images: a 3 x 3 stem of ``width`` channels with BatchNorm, one
+    :class:`BasicBlock` per stage at widths ``width``, ``2 width``, ``4 width`` (the later two at stride 2), average
+    pool, a linear classifier. At ``width`` 16: 29 parameter tensors, 77,754 parameters."""
+
+    def __init__(self, width: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        if width < 1 or classes < 1:
+            raise ValueError(f"SmallResNet: width and classes must be >= 1, got width {width}, classes {classes}")
+        self.stem = nn.Sequential(*_conv_bn(1, width, 3), nn.ReLU(inplace=True))
+        self.stages = nn.Sequential(BasicBlock(width, width, 1), BasicBlock(width, 2 * width, 2),
+                                    BasicBlock(2 * width, 4 * width, 2))  # fmt: skip
+        self.fc = nn.Linear(4 * width, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.stages(self.stem(x))
@@ -171,5 +206,5 @@ def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["GPT2", "MODEL_NAMES", "SIZES", "Bottleneck", "ResNet", "Work", "gpt2", "parameter_count", "resnet50",
-           "workload"]  # fmt: skip
+__all__ = ["GPT2", "MODEL_NAMES", "SIZES", "BasicBlock", "Bottleneck", "ResNet", "SmallResNet", "Work", "gpt2",
+           "parameter_count", "resnet50", "workload"]  # fmt: skip

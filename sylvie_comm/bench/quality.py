@@ -5,6 +5,10 @@ Two workloads on the data sets of :mod:`sylvie_comm.bench.datasets` (``scripts/d
 * ``cnn``: a small CNN (conv 32 3x3, max-pool, conv 64 3x3, max-pool, linear 1600-128, linear 128-10;
   225k parameters) on Fashion-MNIST (or MNIST), batch 64 per rank; test accuracy on the 10,000 test images.
   Optimizers: SGD lr 0.05 momentum 0.9, and AdamW lr 1e-3 weight decay 0.01.
+* ``resnet``: a small BatchNorm ResNet (:class:`~sylvie_comm.bench.models.SmallResNet`: a 3x3 stem and three basic
+  blocks of widths 8, 16, 32; 29 tensors, 20k parameters) on Fashion-MNIST, batch 64 per rank, SGD lr 0.05
+  Nesterov momentum 0.9, 500 steps; test accuracy (BatchNorm in eval mode) on the 10,000 test images. Held out
+  from the monitor's first calibration (the bound of ``docs/guide/monitor.md`` was chosen on ``cnn``).
 * ``lm``: a byte-level transformer language model (4 pre-LayerNorm blocks, width 128, 4 heads, context 128,
   tied embeddings; 842k parameters) on the Python documentation's sources, batch 16 x 128 bytes per rank,
   AdamW(lr 1e-3, betas (0.9, 0.95), weight decay 0.1), 20 warm-up steps then cosine decay, gradient clipping
@@ -18,6 +22,7 @@ DDP, bytes against fp32 over the whole run and over its second half) and writes 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -35,6 +40,7 @@ from torch import nn
 
 from sylvie_comm.bench import datasets
 from sylvie_comm.bench.choices import parse_spec
+from sylvie_comm.bench.models import SmallResNet
 from sylvie_comm.bench.quality_diagnosis import KINDS, Diagnosis
 
 PLAIN = "plain"  # plain DDP: no hook registered
@@ -132,18 +138,23 @@ class Workload:
 
 
 SGD: dict[str, Any] = {"lr": 0.05, "momentum": 0.9}
+NESTEROV: dict[str, Any] = {**SGD, "nesterov": True}  # the resnet workload's
 OPTIMIZERS: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
     "sgd": lambda m: torch.optim.SGD(m.parameters(), **SGD),
+    "nesterov": lambda m: torch.optim.SGD(m.parameters(), **NESTEROV),
     "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01),
 }
 
 
 def cnn_workload(rank: int, world: int, optimizer: str = "sgd", steps: int = 600, images: str = "fashion-mnist",
-                 batch: int = 64, eval_size: int | None = None) -> Workload:  # fmt: skip
-    """The CNN workload for ``rank``: each rank draws its own batches from the whole training set.
+                 batch: int = 64, eval_size: int | None = None, model: str = "cnn") -> Workload:  # fmt: skip
+    """The CNN workload for ``rank`` (``model`` ``resnet``: :class:`~sylvie_comm.bench.models.SmallResNet`'s):
+    each rank draws its own batches from the whole training set.
 
     ``eval_size``: test on that many test images, evenly spaced over the test set (which is sorted by class);
     default: all of them."""
+    if model not in IMAGE_MODELS:
+        raise ValueError(f"cnn: model must be one of {', '.join(IMAGE_MODELS)}, got {model!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"cnn: optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     train, test = datasets.load_images(images, "train"), datasets.load_images(images, "test")
@@ -161,19 +172,25 @@ def cnn_workload(rank: int, world: int, optimizer: str = "sgd", steps: int = 600
         idx = torch.randint(0, len(ytr), (batch,), generator=gen)
         return xtr[idx], ytr[idx]
 
-    def evaluate(model: nn.Module) -> float:
+    def evaluate(net: nn.Module) -> float:
+        training = net.training
+        net.eval()  # BatchNorm's running statistics (a model without it computes the same either way)
         with torch.no_grad():
             hits = sum(
-                int((model(xte[i : i + 1000]).argmax(1) == yte[i : i + 1000]).sum()) for i in range(0, len(yte), 1000)
+                int((net(xte[i : i + 1000]).argmax(1) == yte[i : i + 1000]).sum()) for i in range(0, len(yte), 1000)
             )
+        net.train(training)
         return 100.0 * hits / len(yte)
 
     adamw = {"lr": 1e-3, "weight_decay": 0.01} if optimizer == "adamw" else None
-    sgd = dict(SGD) if optimizer == "sgd" else None
-    return Workload(f"cnn/{images}/{optimizer}", steps, SmallCNN, OPTIMIZERS[optimizer], draw, F.cross_entropy,
-                    evaluate, "test accuracy %", True, adamw=adamw, sgd=sgd)  # fmt: skip
+    sgd = {"sgd": SGD, "nesterov": NESTEROV}.get(optimizer)
+    return Workload(f"{model}/{images}/{optimizer}", steps, IMAGE_MODELS[model], OPTIMIZERS[optimizer], draw,
+                    F.cross_entropy, evaluate, "test accuracy %", True, adamw=adamw,
+                    sgd=None if sgd is None else dict(sgd))  # fmt: skip
 
 
+RESNET_WIDTH = 8  # SmallResNet's first stage: 8, 16, 32 channels (20k parameters; a step costs ~0.1 s on one core)
+IMAGE_MODELS: dict[str, Callable[[], nn.Module]] = {"cnn": SmallCNN, "resnet": lambda: SmallResNet(RESNET_WIDTH)}
 LM_CONTEXT = 128
 LM_VAL_WINDOWS = 256
 
@@ -217,9 +234,12 @@ def lm_workload(rank: int, world: int, steps: int = 300, batch: int = 16, warmup
 def make_workload(name: str, rank: int, world: int, **kw: Any) -> Workload:
     if name == "cnn":
         return cnn_workload(rank, world, **kw)
+    if name == "resnet":  # the test set (10,000 images) at the middle and the end only: it costs ~100 steps
+        wl = cnn_workload(rank, world, **{"optimizer": "nesterov", "steps": 500, **kw, "model": "resnet"})
+        return dataclasses.replace(wl, eval_every=max(1, wl.steps // 2))
     if name == "lm":
         return lm_workload(rank, world, **kw)
-    raise ValueError(f"unknown workload {name!r}; expected cnn or lm")
+    raise ValueError(f"unknown workload {name!r}; expected cnn, resnet or lm")
 
 
 # ---------------------------------------------------------------------------------------------- one run
@@ -245,6 +265,58 @@ def train_step(
     return loss
 
 
+def _attach(wl: Workload, variant: Variant, ddp: nn.Module) -> tuple[Any, Any]:
+    """``variant`` on ``ddp``: the hook's state (None for plain DDP and the compressed optimizers) and the compressed
+    optimizer (None but for ``cadamw`` and ``csgd``)."""
+    import sylvie_comm.ddp
+
+    if variant.hook == COMPRESSED_ADAMW:
+        if wl.adamw is None:
+            raise ValueError(f"quality: {variant.label} needs an AdamW workload, {wl.name} trains with SGD")
+        return None, sylvie_comm.ddp.compressed_adamw(ddp, **wl.adamw, total_steps=wl.steps, **variant.options)
+    if variant.hook == COMPRESSED_SGD:
+        if wl.sgd is None:
+            raise ValueError(f"quality: {variant.label} needs an SGD workload, {wl.name} trains with AdamW")
+        return None, sylvie_comm.ddp.compressed_sgd(ddp, **wl.sgd, total_steps=wl.steps, **variant.options)
+    if variant.hook == PLAIN:
+        return None, None
+    options = dict(variant.options)
+    raw = options.pop("raw", None)  # raw=conv*+fc1.*: those parameters travel uncompressed
+    if raw is None:
+        return sylvie_comm.ddp.register(ddp, variant.hook, **options), None
+    from sylvie_comm.config import FIELDS, UNCOMPRESSED, Config, Rule
+
+    fields = {k: options.pop(k) for k in FIELDS if k != "codec" and k in options}
+    rules = tuple(Rule(p, UNCOMPRESSED) for p in str(raw).split("+"))
+    return sylvie_comm.ddp.register(ddp, config=Config(variant.hook, options, rules=rules, **fields)), None
+
+
+class Checks:
+    """The monitor's figures at each of its checks (``taken``: ``[step, {tensor: {lag, error, exact_error,
+    exact_cos, over}}]``), read a step after the check, when the run's own next step has judged it (reading them
+    earlier would judge it sooner than the run does)."""
+
+    FIGURES = ("lag", "error", "exact_error", "exact_cos", "over")
+
+    def __init__(self, holder: Any) -> None:
+        policy = getattr(holder, "policy", None)
+        self.monitor = None if policy is None else policy.monitor
+        self.seen = 0
+        self.due: int | None = None
+        self.taken: list[list[Any]] = []
+
+    def after_step(self, step: int) -> None:
+        mon = self.monitor
+        if mon is None:
+            return
+        if self.due is not None:
+            tensors = mon.report()["tensors"]
+            self.taken.append([self.due, {n: {k: t.get(k) for k in self.FIGURES} for n, t in tensors.items()}])
+            self.due = None
+        if mon.checks != self.seen:
+            self.seen, self.due = mon.checks, step
+
+
 def train(
     wl: Workload, variant: Variant, rank: int, world: int, seed: int = 0, diagnose: bool = False
 ) -> dict[str, Any]:
@@ -254,34 +326,12 @@ def train(
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import sylvie_comm.ddp
-
     torch.manual_seed(seed)
     model = wl.make_model()
     ddp = DDP(model)
-    state = None
-    copt = None
-    if variant.hook == COMPRESSED_ADAMW:
-        if wl.adamw is None:
-            raise ValueError(f"quality: {variant.label} needs an AdamW workload, {wl.name} trains with SGD")
-        copt = sylvie_comm.ddp.compressed_adamw(ddp, **wl.adamw, total_steps=wl.steps, **variant.options)
-    elif variant.hook == COMPRESSED_SGD:
-        if wl.sgd is None:
-            raise ValueError(f"quality: {variant.label} needs an SGD workload, {wl.name} trains with AdamW")
-        copt = sylvie_comm.ddp.compressed_sgd(ddp, **wl.sgd, total_steps=wl.steps, **variant.options)
-    elif variant.hook != PLAIN:
-        options = dict(variant.options)
-        raw = options.pop("raw", None)  # raw=conv*+fc1.*: those parameters travel uncompressed
-        if raw is None:
-            state = sylvie_comm.ddp.register(ddp, variant.hook, **options)
-        else:
-            from sylvie_comm.config import FIELDS, UNCOMPRESSED, Config, Rule
-
-            fields = {k: options.pop(k) for k in FIELDS if k != "codec" and k in options}
-            rules = tuple(Rule(p, UNCOMPRESSED) for p in str(raw).split("+"))
-            config = Config(variant.hook, options, rules=rules, **fields)
-            state = sylvie_comm.ddp.register(ddp, config=config)
+    state, copt = _attach(wl, variant, ddp)
     opt = copt if copt is not None else wl.make_optimizer(model)
+    checks = Checks(state or copt)
     diag = Diagnosis(model, variant.hook, variant.options, opt) if diagnose else None
     betas = opt.param_groups[0].get("betas")
     beta2 = betas[1] if betas is not None else None
@@ -301,8 +351,9 @@ def train(
                     wl.loss(ddp(x), y).backward()  # type: ignore[no-untyped-call]
                 observe = functools.partial(diag.observe, diag.true_gradients(), beta2)
             loss = train_step(wl, ddp, opt, base_lr, step, x, y, observe)
+            checks.after_step(step)
             if step + 1 == wl.steps // 2 and (state is not None or copt is not None):
-                half = (state or copt).stats()  # type: ignore[union-attr]  # the second half: past any warm-up
+                half = (state or copt).stats()  # the second half: past any warm-up
             losses.append(loss.item())
             if (step + 1) % wl.eval_every == 0 or step + 1 == wl.steps:
                 window = losses[-wl.eval_every :]
@@ -311,8 +362,9 @@ def train(
         if diag is not None:
             out["diagnosis"] = diag.report()
         if state is not None or copt is not None:
-            stats = (state or copt).stats()  # type: ignore[union-attr]
+            stats = (state or copt).stats()
             out["compression_ratio"] = stats["compression_ratio"]
+            out["monitor_checks"] = checks.taken
             for key in ("monitor", "auto"):  # the monitor's figures and decisions, auto's choices and probe times
                 if key in stats:
                     out[key] = stats[key]
@@ -414,16 +466,17 @@ def summary(res: dict[str, Any]) -> dict[str, dict[str, float]]:
             "compression_ratio_last": sum(r["compression_ratio_last"] for r in runs) / len(runs),
         }
     if PLAIN in rows:
+        accuracy = res["workload"] != "lm"
         base = rows[PLAIN]["metric"]
         for row in rows.values():
             diff = row["metric"] - base
-            row["gap"] = diff if res["workload"] == "cnn" else 100.0 * diff / base  # points, or % of the loss
+            row["gap"] = diff if accuracy else 100.0 * diff / base  # points, or % of the loss
     return rows
 
 
 def format_table(res: dict[str, Any]) -> str:
     rows = summary(res)
-    cnn = res["workload"] == "cnn"
+    cnn = res["workload"] != "lm"  # accuracy, in points
     head = (
         "| variant | "
         + ("test accuracy %" if cnn else "val loss")
@@ -468,7 +521,7 @@ def plot(res: dict[str, Any], path: str) -> None:
         ax[0].plot(steps, [c[1] for c in curve], label=label)
         ax[1].plot(steps, [c[2] for c in curve], label=label)
     ax[0].set_title("training loss")
-    ax[1].set_title(res["workload"] + ": " + ("test accuracy %" if res["workload"] == "cnn" else "validation loss"))
+    ax[1].set_title(res["workload"] + ": " + ("validation loss" if res["workload"] == "lm" else "test accuracy %"))
     for a in ax:
         a.set_xlabel("step")
     ax[1].legend(fontsize=7)
@@ -479,6 +532,7 @@ def plot(res: dict[str, Any], path: str) -> None:
 
 DEFAULT_VARIANTS = {
     "cnn": [PLAIN, "acpsgd", "powersgd", "onebit", "topk", "sign", "qsgd"],
+    "resnet": [PLAIN, "acpsgd", "onebit", "topk", "sign", "qsgd", COMPRESSED_SGD],
     "lm": [PLAIN, "fp16", "qsgd", "powersgd", "sign", "acpsgd", "onebit", "topk", "acpsgd:rank=8", "powersgd:rank=8"],
 }
 
@@ -488,9 +542,10 @@ def main(argv: list[str] | None = None) -> None:
     import json
 
     ap = argparse.ArgumentParser(prog="sylvie-comm bench quality")
-    ap.add_argument("--workload", choices=("cnn", "lm"), default="cnn")
-    ap.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="sgd", help="cnn only")
-    ap.add_argument("--images", choices=datasets.IMAGE_SETS, default="fashion-mnist", help="cnn only")
+    ap.add_argument("--workload", choices=("cnn", "resnet", "lm"), default="cnn")
+    ap.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default=None,
+                    help="cnn (default sgd) and resnet (default nesterov) only")  # fmt: skip
+    ap.add_argument("--images", choices=datasets.IMAGE_SETS, default="fashion-mnist", help="cnn and resnet only")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument(
@@ -504,8 +559,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.steps is not None and args.steps < 1:
         ap.error(f"--steps must be an integer >= 1, got {args.steps}")
     kw: dict[str, Any] = {}
-    if args.workload == "cnn":
-        kw.update(optimizer=args.optimizer, images=args.images)
+    if args.workload != "lm":
+        kw.update(optimizer=args.optimizer or {"cnn": "sgd", "resnet": "nesterov"}[args.workload], images=args.images)
     if args.steps is not None:
         kw["steps"] = args.steps
     specs = variants(args.variants or DEFAULT_VARIANTS[args.workload])

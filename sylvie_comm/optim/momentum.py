@@ -166,6 +166,8 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
         warmup_fraction: see ``total_steps``.
         seed: agreed by every rank (qsgd's noise).
         rules: per-parameter-name rules (:class:`~sylvie_comm.config.Rule`), as for the hooks.
+        monitor: the compression monitor's settings, as for the hooks (None: the defaults); an unset ``max_lag``
+            is the bound calibrated for a momentum (:data:`~sylvie_comm.config.LAG_BOUNDS`).
         close_transport: :meth:`close` closes ``transport`` too (the adapters that create it set it).
         options: the codec's options (``chunk_size``, ``scale``, ``ratio``, ``bits``).
     """
@@ -190,6 +192,7 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
         self, params: Iterable[Any], hyperparameters: Callable[[], dict[str, Any]], *, transport: Transport,
         codec: str, warmup: int | None, total_steps: int | None, warmup_fraction: float, seed: int,
         rules: Iterable[Any], close_transport: bool, options: Mapping[str, Any],
+        monitor: Mapping[str, Any] | None = None,
     ) -> None:  # fmt: skip
         what = self.what
         if not isinstance(transport, Transport):
@@ -216,7 +219,7 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
                 {"warmup": "fixed"} if "warmup" in {f.name for f in dataclasses.fields(Config)} else {}
             )
             return Config(codec=codec, options=dict(options), warmup_steps=steps, seed=seed, rules=tuple(rules),
-                          **fixed)  # fmt: skip
+                          monitor=dict(monitor or {}), **fixed)  # fmt: skip
 
         def describe(session: Session) -> dict[str, Any]:
             shapes = ";".join(f"{n}:{tuple(p.shape)}" for n, p in self._named)
@@ -225,7 +228,7 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
                                   "parameter_digest": f"{zlib.crc32(shapes.encode()):08x}"}}  # fmt: skip
 
         self.session = Session.agreed(
-            what, transport, build, describe=describe, close_transport=False,
+            what, transport, build, describe=describe, close_transport=False, averages="momentum",
             prepare=lambda session: session.policy.check_parameters(self._named, what),
         )  # fmt: skip
         self.policy = self.session.policy

@@ -115,6 +115,8 @@ class CompressedSGD(MomentumOptimizer):
         seed: agreed by every rank (qsgd's noise).
         rules: per-parameter-name rules (:class:`~sylvie_comm.config.Rule`: send a momentum raw, or
             other options), as for the hooks.
+        monitor: the compression monitor's settings (:data:`~sylvie_comm.config.MONITOR_DEFAULTS`' keys; default:
+            the defaults, with the bound on ``lag`` calibrated for a momentum, ``LAG_BOUNDS["momentum"]``).
         close_transport: :meth:`close` closes ``transport`` too (the adapters that create it set it).
         **options: the codec's options (``chunk_size``, ``scale``, ``ratio``, ``bits``).
 
@@ -151,6 +153,7 @@ class CompressedSGD(MomentumOptimizer):
         warmup_fraction: float = SGD_WARMUP_FRACTION,
         seed: int = 0,
         rules: Iterable[Any] = (),
+        monitor: Mapping[str, Any] | None = None,
         close_transport: bool = False,
         **options: Any,
     ) -> None:
@@ -161,7 +164,8 @@ class CompressedSGD(MomentumOptimizer):
 
         super().__init__(
             params, hyperparameters, transport=transport, codec=codec, warmup=warmup, total_steps=total_steps,
-            warmup_fraction=warmup_fraction, seed=seed, rules=rules, close_transport=close_transport, options=options,
+            warmup_fraction=warmup_fraction, seed=seed, rules=rules, monitor=monitor, close_transport=close_transport,
+            options=options,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ SGD's part

@@ -46,6 +46,44 @@ def test_models_have_the_documented_sizes_and_kinds() -> None:
     }
 
 
+def test_the_resnet_workload_is_a_batchnorm_resnet_of_29_tensors() -> None:
+    """The ``resnet`` workload's model: a stem and three basic blocks with BatchNorm (the monitor's held-out
+    workload: 29 tensors, as the ResNet its bound was first found wrong on)."""
+    net = quality.IMAGE_MODELS["resnet"]()
+    assert len(list(net.parameters())) == 29 and sum(p.numel() for p in net.parameters()) == 19810
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in net.modules()) == 9
+    assert net(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+    with pytest.raises(ValueError, match="model must be one of cnn, resnet, got 'vgg'"):
+        quality.cnn_workload(0, 1, model="vgg")
+    row = {"compression_ratio": 1.0, "compression_ratio_last": 1.0}
+    res = {"workload": "resnet", "results": {"plain": {0: {"metric": 90.0, **row}}, "x": {0: {"metric": 89.2, **row}}}}
+    assert quality.summary(res)["x"]["gap"] == pytest.approx(-0.8)  # points, as the CNN's
+
+
+def test_checks_read_each_check_a_step_after_it() -> None:
+    """The monitor's figures at each check, read after the next step (when the run itself has judged them)."""
+
+    class Mon:
+        checks = 0
+
+        def report(self) -> dict[str, Any]:
+            return {"tensors": {"w": {"lag": 0.1 * self.checks, "error": 0.2, "exact_error": None, "setting": {},
+                                      "over": 0}}}  # fmt: skip
+
+    class Holder:
+        class policy:  # the holder's attribute
+            monitor = Mon()
+
+    checks = quality.Checks(Holder())
+    for step in range(6):
+        if step in (1, 4):
+            Holder.policy.monitor.checks += 1
+        checks.after_step(step)
+    assert [c[0] for c in checks.taken] == [1, 4]
+    assert checks.taken[0][1]["w"] == {"lag": 0.1, "error": 0.2, "exact_error": None, "exact_cos": None, "over": 0}
+    assert quality.Checks(object()).monitor is None  # plain DDP: nothing to read
+
+
 def test_one_shot_removed_matches_each_codec() -> None:
     g = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
     # Full rank keeps everything; rank 4 of a random matrix keeps little.
