@@ -41,7 +41,13 @@ def check_checkpoint(
     theirs = {"warmup": "fixed", "total_steps": None, **state["config"]}
     if "monitor" not in theirs:
         theirs["monitor"] = Config().to_dict()["monitor"]
-    diff = differences(config.to_dict(), theirs)
+    mine_config = config.to_dict()
+    # Written before the bound was per path: their default max_lag, 0.5, read as today's default (None: the bound
+    # calibrated for the path, 0.5 for a gradient as before).
+    old = theirs["monitor"]
+    if isinstance(old, Mapping) and old.get("max_lag") == 0.5 and mine_config["monitor"].get("max_lag") is None:
+        theirs["monitor"] = {**old, "max_lag": None}
+    diff = differences(mine_config, theirs)
     if diff:
         field, mine, theirs = diff[0]
         raise ValueError(f"{what}: checkpoint config differs: '{field}' is {theirs!r}, this run has {mine!r}")

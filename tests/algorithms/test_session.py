@@ -80,12 +80,18 @@ def test_one_checkpoint_format_round_trips_and_refuses_what_does_not_fit() -> No
         _grads(model, 3, tr.rank)
         again.average()
         out["bitwise"] = all(torch.equal(a, p.grad) for a, p in zip(straight, model.parameters(), strict=True))
+        # Written before the bound was per path: the old default max_lag (0.5) is today's default; another is not.
+        older = GradientAverage(model, tr.fork(), "qsgd", bits=4, warmup_steps=1)
+        older.load_state_dict({**state, "config": {**state["config"], "monitor": {
+            **state["config"]["monitor"], "max_lag": 0.5}}})  # fmt: skip
+        older.close()
         errors = {}
         for key, bad in {
             "codec": {**state, "codec": "onebit"},
             "rank": {**state, "rank": 1 - tr.rank},
             "world": {**state, "world_size": 3},
             "config": {**state, "config": {**state["config"], "warmup_steps": 5}},
+            "bound": {**state, "config": {**state["config"], "monitor": {**state["config"]["monitor"], "max_lag": 0.3}}},
             "foreign": {**state, "params": {**state["params"], "nope": state["params"]["0.weight"]}},
         }.items():
             try:
@@ -107,6 +113,7 @@ def test_one_checkpoint_format_round_trips_and_refuses_what_does_not_fit() -> No
         assert f"written by rank {1 - rank} and is loaded on rank {rank}" in e["rank"]
         assert "written with world size 3, this run has 2" in e["world"]
         assert "checkpoint config differs: 'warmup_steps' is 5, this run has 1" in e["config"]
+        assert "checkpoint config differs: 'monitor.max_lag' is 0.3, this run has None" in e["bound"]
         assert "'nope', which is not a compressed parameter of this model" in e["foreign"]
 
 

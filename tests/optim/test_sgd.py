@@ -233,8 +233,8 @@ def test_a_checkpoint_whose_buffers_do_not_fit_is_refused_on_every_rank() -> Non
 
 # ---------------------------------------------------------------- resume across a check of the compression monitor
 
-# The monitor watches the average of the momenta at the library's defaults (MONITOR_DEFAULTS: the compressed optimizers
-# take no monitor settings). name -> (changes to the defaults, steps, the step the checkpoint is taken before), at a
+# The monitor watches the average of the momenta at the library's defaults (MONITOR_DEFAULTS, the bound calibrated for
+# a momentum) unless the optimizer's monitor= settings change them. name -> (changes to the defaults, steps, the step the checkpoint is taken before), at a
 # warm-up of 3 steps. "defaults": the first check at compressed step 10 (step 13), its figures taken on steps 8-13,
 # across the checkpoint (before step 11). "adapting": checks every 5 compressed steps (steps 8 and 13), patience 1 and
 # a bound every lag exceeds, the checkpoint right after the first (before step 9): its decisions (top-k's ratio,
