@@ -234,12 +234,12 @@ def test_a_checkpoint_whose_buffers_do_not_fit_is_refused_on_every_rank() -> Non
 # ---------------------------------------------------------------- resume across a check of the compression monitor
 
 # The monitor watches the average of the momenta at the library's defaults (MONITOR_DEFAULTS, the bound calibrated for
-# a momentum) unless the optimizer's monitor= settings change them. name -> (changes to the defaults, steps, the step the checkpoint is taken before), at a
-# warm-up of 3 steps. "defaults": the first check at compressed step 10 (step 13), its figures taken on steps 8-13,
-# across the checkpoint (before step 11). "adapting": checks every 5 compressed steps (steps 8 and 13), patience 1 and
-# a bound every lag exceeds, the checkpoint right after the first (before step 9): its decisions (top-k's ratio,
-# qsgd's bits; raw for one-bit and sign, which have no safer level) apply at the resumed run's first step, and the
-# second check falls after the resume (where a tensor still compresses).
+# a momentum) unless the optimizer's monitor= settings change them. name -> (changes to the defaults, steps, the step
+# the checkpoint is taken before), at a warm-up of 3 steps. "defaults": the first check at compressed step 10 (step
+# 13), its figures taken on steps 8-13, across the checkpoint (before step 11). "adapting": checks every 5 compressed
+# steps (steps 8 and 13), patience 1 and a bound every lag exceeds, the checkpoint right after the first (before step
+# 9): its decisions (top-k's ratio, qsgd's bits; raw for one-bit and sign, which have no safer level) apply at the
+# resumed run's first step, and the second check falls after the resume (where a tensor still compresses).
 MONITOR_RESUMES: dict[str, tuple[dict[str, Any], int, int]] = {
     "defaults": ({}, 16, 11),
     "adapting": ({"first": 5, "period": 5, "adapt": True, "max_lag": 0.05, "patience": 1}, 16, 9),
