@@ -91,8 +91,10 @@ def test_one_checkpoint_format_round_trips_and_refuses_what_does_not_fit() -> No
             "rank": {**state, "rank": 1 - tr.rank},
             "world": {**state, "world_size": 3},
             "config": {**state, "config": {**state["config"], "warmup_steps": 5}},
-            "bound": {**state, "config": {**state["config"],
-                                          "monitor": {**state["config"]["monitor"], "max_lag": 0.3}}},  # fmt: skip
+            "bound": {
+                **state,
+                "config": {**state["config"], "monitor": {**state["config"]["monitor"], "max_lag": 0.3}},
+            },
             "foreign": {**state, "params": {**state["params"], "nope": state["params"]["0.weight"]}},
         }.items():
             try:
