@@ -20,8 +20,9 @@ for Efficient and Accurate Deep Learning", MLSys 2024):
   are counted first). Bytes are counted in units of a :data:`RESOLUTION`-th of the budget, each level's rounded
   up, so the budget is never exceeded; ties go to the cheaper level of the earlier tensor, so the ranks decide
   the same.
-* **over the run**: the budget per step is what keeps the bytes since the first compressed step (the monitor's
-  own included) at the target over the next checks: steps sent above it (before the first check, at the
+* **over the run**: the budget per step is what brings the bytes since the first step (the monitor's own and,
+  under ``target_ratio``, the warm-up's fp32 steps included) back to the target over the next
+  :data:`REPAY_CHECKS` periods: steps sent above it (the warm-up, the steps before the first check at the
   starting settings) are paid back, and steps below it leave room.
 
 A tensor goes raw only where the budget allows it. The figures, the curve the DP chose from (the least error
@@ -44,6 +45,7 @@ from sylvie_comm.algorithms.lowrank import LowRankAlgorithm
 from sylvie_comm.codecs import CODECS, codec_options
 from sylvie_comm.codecs import lowrank as lr
 
+REPAY_CHECKS = 4  # bytes over or under the target are evened out over this many periods (or to the next check)
 RESOLUTION = 2048  # the DP's byte units per step: a 2048th of the budget (each level's bytes rounded up)
 SMOOTH = 0.5  # the weight of the new check's figures against those before (an exponential average)
 DOWN_LEVELS = 6  # levels below the starting setting at most (a ratio halves without end)
@@ -252,15 +254,17 @@ class Budget:
                                                             for f, o in zip(fresh, old, strict=True)]  # fmt: skip
             self.due = True
 
-    def allowance(self, step: int, horizon: int, now: float, plain: float, fixed: float, overhead: float) -> float:
+    def allowance(self, step: int, horizon: int, now: float, plain: float, fixed: float, overhead: float,
+                  warm: int = 0) -> float:  # fmt: skip
         """Bytes per step the compressible tensors may send over the next ``horizon`` steps: what keeps the run at
         the target, counting the steps to ``step`` at ``now`` bytes per step (fp32: ``plain``), less the raw
-        tensors' ``fixed`` bytes, ``overhead`` (the monitor's own bytes so far) counted as sent."""
+        tensors' ``fixed`` bytes, ``overhead`` (the monitor's own bytes so far) counted as sent. Under
+        ``target_ratio``, the ``warm`` steps of the warm-up before the first compressed step count as fp32 sent."""
         self.sent += (step - self.at) * now
         self.plain += (step - self.at) * plain
         self.at = step
         if self.target_ratio is not None:
-            allowed = (self.plain + horizon * plain) / self.target_ratio
+            allowed = (self.plain + (warm + horizon) * plain) / self.target_ratio - warm * plain
         else:
             allowed = (step + horizon) * float(self.target_bytes or 0.0)
         return (allowed - self.sent - overhead) / horizon - fixed

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, Segment, ShardLayout, then
-from sylvie_comm.algorithms.budget import Budget, level_bytes
+from sylvie_comm.algorithms.budget import REPAY_CHECKS, Budget, level_bytes
 from sylvie_comm.algorithms.shard_rows import residual_shape
 from sylvie_comm.collectives import Meter, Transport
 from sylvie_comm.collectives.accounting import wire_bytes
@@ -204,7 +204,7 @@ class Monitor:
         if self._verdicts and step != self._verdicts_at:
             self._apply_verdicts()
         if self.plan is not None:
-            self._budget_step(step)
+            self._budget_step(step, meter.step - step)
         if self._flush:
             self._take_owed()
         # The per-step figures are a residual's: an algorithm that keeps none (a cast) has no lag to measure.
@@ -272,7 +272,7 @@ class Monitor:
         if self._verdicts and step != self._verdicts_at:
             self._apply_verdicts()
         if self.plan is not None:
-            self._budget_step(step)
+            self._budget_step(step, meter.step - step)
         if self._flush:
             self._take_owed()
         w = self.algorithm.world_size
@@ -654,9 +654,10 @@ class Monitor:
             self.bytes += wire_bytes("all_reduce", 4 * errors.numel(), self.algorithm.world_size)
         self.plan.launched(step, [m.name for m in members], errors, self._collective(errors))
 
-    def _budget_step(self, step: int) -> None:
+    def _budget_step(self, step: int, warm: int) -> None:
         """Read the budget's figures of the last check (if not read yet) and, once they are in, choose every
-        tensor's setting within the bytes the budget leaves per step until the next checks (budget.py)."""
+        tensor's setting within the bytes the budget leaves per step until the next checks (budget.py); ``warm``:
+        the warm-up's steps before compressed step 0 (the session's step less ``step``)."""
         plan = self.plan
         assert plan is not None
         plan.fold(step, self.algorithm.world_size)
@@ -670,8 +671,9 @@ class Monitor:
         plain = fixed + sum(4.0 * math.prod(shape) for shape, _ in known.values())
         w = self.algorithm.world_size
         per_byte = wire_bytes("all_reduce", 1 << 20, w) / (1 << 20)  # the monitor's bytes are counted on the wire
-        horizon = max(self.next_check(step) - step, step, 1)
-        budget = plan.allowance(step, horizon, now, plain, fixed, self.bytes / per_byte if per_byte else 0.0)
+        horizon = max(self.next_check(step) - step, REPAY_CHECKS * self.period, 1)
+        overhead = self.bytes / per_byte if per_byte else 0.0
+        budget = plan.allowance(step, horizon, now, plain, fixed, overhead, max(warm, 0))
         for n, want in sorted(plan.allocate(known, budget).items()):
             t = self._tensors[n]
             before: Any = RAW if n in self.raw else {**t.base, **self.overrides.get(n, {})}
