@@ -42,6 +42,7 @@ import torch
 from sylvie_comm.algorithms.base import Algorithm, Future, Member
 from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
 from sylvie_comm.algorithms.lowrank import LowRankAlgorithm
+from sylvie_comm.algorithms.qsgd import QSGDAlgorithm, merged_rows
 from sylvie_comm.codecs import CODECS, codec_options
 from sylvie_comm.codecs import lowrank as lr
 
@@ -133,12 +134,16 @@ def ladder(alg: Algorithm, shape: tuple[int, ...], base: Mapping[str, Any], min_
 def level_bytes(alg: Algorithm, shape: tuple[int, ...], options: Mapping[str, Any] | None) -> float:
     """Bytes per step a tensor of ``shape`` sends at ``options`` (None: raw, fp32): a low-rank algorithm's from
     its compression rate, uncapped (``bytes_per_element`` caps it at 32x, which would make every rank below
-    it cost the same), the others' from ``bytes_per_element``."""
+    it cost the same), qsgd's with its rows' scales and minimums, the others' from ``bytes_per_element``."""
     numel = math.prod(shape)
     if options is None:
         return 4.0 * numel
     if isinstance(alg, LowRankAlgorithm):
         return 4.0 * numel / alg.compression_rate(shape, options)
+    if isinstance(alg, QSGDAlgorithm):  # the rows' fp32 scale and minimum too (1/8 of a 4-bit row of 128)
+        rows, cols = (shape[0], numel // shape[0]) if len(shape) >= 2 else (1, numel)
+        rows, cols = merged_rows(rows, cols, int({**alg.options, **options}["block"]))
+        return rows * (math.ceil(cols * int({**alg.options, **options}["bits"]) / 8) + 8.0)
     return numel * alg.bytes_per_element(shape, options)
 
 
