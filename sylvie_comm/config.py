@@ -52,6 +52,8 @@ MONITOR_DEFAULTS: dict[str, Any] = {
     "adapt": False,
     "budget": 2.0,
     "share": 0.02,
+    "target_ratio": None,  # a byte budget: this many times fewer bytes than fp32 (budget.py); None: no budget
+    "target_bytes": None,  # or: bytes per compressed step (payload, all tensors); None: no budget
 }
 
 # The monitor's default bound on ``lag`` (``max_lag`` null), by what the integration averages, calibrated against the
@@ -114,6 +116,15 @@ def check_monitor(monitor: Any) -> dict[str, Any]:
         out[key] = float(v)
     if not isinstance(out["adapt"], bool):
         raise ValueError(f"config: monitor adapt must be true or false, got {out['adapt']!r}")
+    for key, floor in (("target_ratio", 1.0), ("target_bytes", 0.0)):
+        v = out[key]
+        number = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+        if v is not None and (not number or v <= floor):
+            raise ValueError(f"config: monitor {key} must be a finite number > {floor:g} or null, got {v!r}")
+        out[key] = None if v is None else float(v)
+    if out["target_ratio"] is not None and out["target_bytes"] is not None:
+        raise ValueError("config: monitor takes target_ratio or target_bytes, not both (got "
+                         f"{out['target_ratio']!r} and {out['target_bytes']!r})")  # fmt: skip
     return out
 
 

@@ -51,7 +51,7 @@ import logging
 import math
 import threading
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,7 @@ import torch
 
 from sylvie_comm.algorithms.auto_trial import Judged
 from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, Segment, ShardLayout, then
+from sylvie_comm.algorithms.budget import REPAY_CHECKS, Budget, level_bytes
 from sylvie_comm.algorithms.shard_rows import residual_shape
 from sylvie_comm.collectives import Meter, Transport
 from sylvie_comm.collectives.accounting import wire_bytes
@@ -142,7 +143,8 @@ class Monitor:
         self._cursor: dict[int, int] = {}
         self.overrides: dict[str, dict[str, Any]] = {}  # name -> options adaptation set
         self.raw: set[str] = set()  # names adaptation sends raw
-        self._flush: set[str] = set()  # names gone raw whose residual still has to be sent
+        self._flush: set[str] = set()  # names gone raw whose residual still has to be taken (_take_owed)
+        self._owed: dict[str, torch.Tensor] = {}  # name gone raw -> what its residual owed (sent with its gradient)
         self._carry: set[str] = set()  # names whose residual is sent with their next gradient (auto moved them)
         self._rewritten: dict[Any, ShardLayout] = {}  # per layout key, the last layout its decisions made
         self.checks = 0  # check steps (a step's groups are one check)
@@ -158,6 +160,11 @@ class Monitor:
         self.events: list[str] = []
         self._loaded: dict[str, Mapping[str, Any]] = {}  # figures of a checkpoint, for tensors not yet seen
         self._lock = threading.Lock()
+        # A byte budget (target_ratio or target_bytes): every tensor's setting chosen at the checks from its
+        # measured error per byte, in place of the bound's escalation (budget.py).
+        self.plan: Budget | None = None
+        if s.get("target_ratio") is not None or s.get("target_bytes") is not None:
+            self.plan = Budget(algorithm, s.get("target_ratio"), s.get("target_bytes"), min_compression_rate)
 
     # ------------------------------------------------------------------ per step
 
@@ -190,11 +197,9 @@ class Monitor:
                 if owed is not None:
                     m.tensor.add_(owed.to(m.tensor.dtype).view(m.tensor.shape))
             if m.compress and m.name in self.raw:
-                if m.name in self._flush:
-                    self._flush.discard(m.name)
-                    owed = self.algorithm.forget(m.name)
-                    if owed is not None:
-                        m.tensor.add_(owed.to(m.tensor.dtype).view(m.tensor.shape))
+                owed = self._owed.pop(m.name, None)
+                if owed is not None:
+                    m.tensor.add_(owed.to(m.tensor.device, m.tensor.dtype).view(m.tensor.shape))
                 members.append(Member(m.name, m.tensor, False, m.options))
             elif m.compress and m.name in self.overrides:
                 members.append(Member(m.name, m.tensor, True, {**m.options, **self.overrides[m.name]}))
@@ -209,6 +214,10 @@ class Monitor:
             self._judge_checks(step)
         if self._verdicts and step != self._verdicts_at:
             self._apply_verdicts()
+        if self.plan is not None:
+            self._budget_step(step, meter.step - step)
+        if self._flush:
+            self._take_owed()
         # The per-step figures are a residual's: an algorithm that keeps none (a cast) has no lag to measure.
         due, measures = self.due(step), self.measures(step) and self.algorithm.error_feedback
         if not due and not measures:  # most steps: adaptation's decisions only, no measurement
@@ -221,8 +230,13 @@ class Monitor:
                 if loaded is not None:
                     self._restore(t, loaded, m.tensor.device)
         if due:
-            seen = [m for m in self.rewrite(group).members if m.compress and m.tensor.numel()]
-            self._decide(group.key, seen, meter, step)
+            rewritten = self.rewrite(group).members
+            seen = [m for m in rewritten if m.compress and m.tensor.numel()]
+            if self.plan is not None:  # the tensors the policy sends raw count against the budget first
+                self.plan.fixed.update({m.name: 4 * m.tensor.numel() for m in group.members if not m.compress})
+            self._decide(
+                group.key, seen, meter, step, [m for m in rewritten if m.name in self.raw and m.tensor.numel()]
+            )
         group = self.rewrite(group)
         comp = [m for m in group.members if m.compress and m.tensor.numel()]
         alg = self.algorithm
@@ -268,6 +282,10 @@ class Monitor:
             self._judge_checks(step)
         if self._verdicts and step != self._verdicts_at:
             self._apply_verdicts()
+        if self.plan is not None:
+            self._budget_step(step, meter.step - step)
+        if self._flush:
+            self._take_owed()
         w = self.algorithm.world_size
         shard = out.numel()
         rows = flat.reshape(w, shard)
@@ -284,8 +302,11 @@ class Monitor:
         key = zlib.crc32(layout.key.encode())
         if self.due(step):
             # The figures are per tensor: what the decision reads does not depend on the rewritten layout.
-            self._decide(key, [Member(g.name, view(g), True) for g in self._rewrite_shards(layout, view).segments
-                               if g.compress and g.numel], meter, step)  # fmt: skip
+            segs = self._rewrite_shards(layout, view).segments
+            if self.plan is not None:
+                self.plan.fixed.update({g.name: 4 * w * g.numel for g in layout.segments if not g.compress})
+            self._decide(key, [Member(g.name, view(g), True) for g in segs if g.compress and g.numel], meter, step,
+                         [Member(g.name, view(g), True) for g in segs if g.name in self.raw and g.numel])  # fmt: skip
         layout = self._rewrite_shards(layout, view)
         comp = [g for g in layout.segments if g.compress and g.numel]
         members = [Member(g.name, view(g), True) for g in comp]
@@ -334,12 +355,13 @@ class Monitor:
             return layout
         segments = []
         for seg in layout.segments:
-            if seg.compress and (seg.name in self._carry or seg.name in self._flush):
-                self._carry.discard(seg.name)
-                self._flush.discard(seg.name)
-                owed = self.algorithm.forget(seg.name)
+            if seg.compress and (seg.name in self._carry or seg.name in self._owed):
+                owed = self._owed.pop(seg.name, None)
+                if seg.name in self._carry:
+                    self._carry.discard(seg.name)
+                    owed = self.algorithm.forget(seg.name)
                 if owed is not None:
-                    view(seg).add_(owed.to(view(seg).dtype).view(view(seg).shape))
+                    view(seg).add_(owed.to(view(seg).device, view(seg).dtype).view(view(seg).shape))
             if seg.compress and seg.name in self.raw:
                 seg = dataclasses.replace(seg, compress=False)
             elif seg.compress and seg.name in self.overrides:
@@ -431,13 +453,18 @@ class Monitor:
 
     # ------------------------------------------------------------------ checks and decisions
 
-    def _decide(self, key: int, comp: list[Member], meter: Meter, step: int) -> None:
+    def _decide(self, key: int, comp: list[Member], meter: Meter, step: int, raw: Sequence[Member] = ()) -> None:
         """Launch the average of every tensor's figures across the ranks (one small all-reduce); they are read, and
-        warned and adapted on, at the next step (:meth:`_judge_checks`)."""
-        if not comp:
+        warned and adapted on, at the next step (:meth:`_judge_checks`). With a byte budget, the errors of every
+        level of ``comp``'s and of the ``raw`` tensors' too (a second all-reduce)."""
+        if not comp and (self.plan is None or not raw):
             return
         # The last step's figures are added once it is decided; a later group of this step leaves it alone.
         self.algorithm.guard.settle_before(step)
+        if self.plan is not None:
+            self._measure_levels([*comp, *raw], meter, step)
+        if not comp:
+            return
         self._count_check(step)
         names = [m.name for m in comp]
         device = comp[0].tensor.device
@@ -584,6 +611,8 @@ class Monitor:
         return now, base
 
     def _escalate(self, name: str, t: _Tensor, figure: float, bound: float) -> None:
+        if self.plan is not None:  # within a byte budget, the budget's allocation decides (_budget_step)
+            return
         current = {**t.base, **self.overrides.get(name, {})}
         t.failed.add(_key(current))
         safer = self.algorithm.adapt(t.shape, current, up=True)
@@ -607,12 +636,73 @@ class Monitor:
             self.overrides[name] = merged
 
     def _relax(self, name: str, t: _Tensor) -> None:
+        if self.plan is not None:
+            return
         current = {**t.base, **self.overrides.get(name, {})}
         lighter = self.algorithm.adapt(t.shape, current, up=False, floor=t.base)
         if lighter is None or _key({**current, **lighter}) in t.failed:
             return
         self._set(name, t, lighter)
         self._event(f"'{name}' well under its bound: {_diff(current, lighter)}")
+
+    def _take_owed(self) -> None:
+        """Take what the residuals of the tensors gone raw still owe (sent with their next gradient, by
+        :meth:`rewrite`), at the step's first group: ``forget`` settles the algorithm's last step, and a group of
+        this step in flight would make that step look failed and its state be put back."""
+        for n in sorted(self._flush):
+            owed = self.algorithm.forget(n)
+            if owed is not None:
+                self._owed[n] = owed
+        self._flush.clear()
+
+    def _measure_levels(self, members: list[Member], meter: Meter, step: int) -> None:
+        """Launch the all-reduce of ``members``' errors at every level of their ladders (the budget's figures)."""
+        assert self.plan is not None
+        bases = {m.name: self._tensors[m.name].base for m in members}
+        errors = self.plan.measure(members, bases, step)
+        if self._channel is not None:
+            meter.collective("all_reduce", errors)
+            self.bytes += wire_bytes("all_reduce", 4 * errors.numel(), self.algorithm.world_size)
+        self.plan.launched(step, [m.name for m in members], errors, self._collective(errors))
+
+    def _budget_step(self, step: int, warm: int) -> None:
+        """Read the budget's figures of the last check (if not read yet) and, once they are in, choose every
+        tensor's setting within the bytes the budget leaves per step until the next checks (budget.py); ``warm``:
+        the warm-up's steps before compressed step 0 (the session's step less ``step``)."""
+        plan = self.plan
+        assert plan is not None
+        plan.fold(step, self.algorithm.world_size)
+        if not plan.due:
+            return
+        known = {n: (t.shape, t.base) for n, t in self._tensors.items()}
+        fixed = float(sum(plan.fixed.values()))
+        alg = self.algorithm
+        now = fixed + sum(level_bytes(alg, shape, None if n in self.raw else {**base, **self.overrides.get(n, {})})
+                          for n, (shape, base) in known.items())  # fmt: skip
+        plain = fixed + sum(4.0 * math.prod(shape) for shape, _ in known.values())
+        w = self.algorithm.world_size
+        per_byte = wire_bytes("all_reduce", 1 << 20, w) / (1 << 20)  # the monitor's bytes are counted on the wire
+        horizon = max(self.next_check(step) - step, REPAY_CHECKS * self.period, 1)
+        overhead = self.bytes / per_byte if per_byte else 0.0
+        budget = plan.allowance(step, horizon, now, plain, fixed, overhead, max(warm, 0))
+        for n, want in sorted(plan.allocate(known, budget).items()):
+            t = self._tensors[n]
+            before: Any = RAW if n in self.raw else {**t.base, **self.overrides.get(n, {})}
+            if want == RAW:
+                if n not in self.raw:
+                    self.raw.add(n)
+                    self._flush.add(n)
+                    self.overrides.pop(n, None)
+                    self._event(f"'{n}' budget {budget:.4g} B/step: raw")
+                continue
+            assert isinstance(want, dict)
+            if before == RAW or any(before.get(k) != v for k, v in want.items()):
+                self.raw.discard(n)
+                self._flush.discard(n)
+                self._set(n, t, want)
+                change = "raw -> " + ", ".join(f"{k} {v!r}" for k, v in want.items()) if before == RAW else (
+                    _diff(before, want))  # fmt: skip
+                self._event(f"'{n}' budget {budget:.4g} B/step: {change}")
 
     def _event(self, text: str) -> None:
         self.events.append(text)
@@ -631,13 +721,19 @@ class Monitor:
         for n, t in self._tensors.items():
             setting: Any = RAW if n in self.raw else self.overrides.get(n, {})
             tensors[n] = {**t.last, "setting": setting, "over": t.over}
-        return {"period": self.period, "checks": self.checks, "bytes": self.bytes, "tensors": tensors,
-                "adapted": list(self.events)}  # fmt: skip
+        out = {"period": self.period, "checks": self.checks, "bytes": self.bytes, "tensors": tensors,
+               "adapted": list(self.events)}  # fmt: skip
+        if self.plan is not None:
+            self.plan.fold(None, self.algorithm.world_size)
+            out["budget"] = self.plan.report()
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Decisions, counters and the figures since the last check (floats), so a resume decides the same."""
         self.algorithm.guard.settle()
         self._judge_checks()
+        if self.plan is not None:
+            self.plan.fold(None, self.algorithm.world_size)
         with self._lock:
             per = {}
             for n, t in self._tensors.items():
@@ -649,10 +745,12 @@ class Monitor:
                     "last": dict(t.last),  # the figures the report shows (a tensor not measured since keeps them)
                 }  # fmt: skip
         return {
+            **({"budget": self.plan.state_dict()} if self.plan is not None else {}),
             "tensors": per,
             "overrides": {n: dict(o) for n, o in self.overrides.items()},
             "raw": sorted(self.raw),
             "flush": sorted(self._flush),
+            **({"owed": {n: t.detach().cpu().clone() for n, t in sorted(self._owed.items())}} if self._owed else {}),
             "carry": sorted(self._carry),
             "cursor": {int(k): int(v) for k, v in self._cursor.items()},
             "checks": self.checks,
@@ -668,8 +766,9 @@ class Monitor:
         if not isinstance(state, Mapping):
             raise ValueError(f"monitor state must be a mapping, got {type(state).__name__}")
         keys = {"tensors", "overrides", "raw", "flush", "carry", "cursor", "checks", "bytes", "events"}
-        if set(state) - {"verdicts"} != keys:  # (a checkpoint of an older release has no verdicts)
-            raise ValueError(f"monitor state has {sorted(state)}; expected {sorted(keys | {'verdicts'})}")
+        if set(state) - {"verdicts", "budget", "owed"} != keys:  # (an older release's has no verdicts)
+            raise ValueError(f"monitor state has {sorted(state)}; expected {sorted(keys | {'verdicts'})} (and "
+                             "'budget' with a byte budget)")  # fmt: skip
         for v in state.get("verdicts", ()):
             ok = isinstance(v, (list, tuple)) and len(v) == 4 and isinstance(v[0], str) and v[1] in ("up", "down")
             if not ok or not all(_finite(x) for x in v[2:]):
@@ -703,11 +802,20 @@ class Monitor:
             self.overrides = {str(n): dict(o) for n, o in state["overrides"].items()}
             self.raw = set(state["raw"])
             self._flush = set(state["flush"])
+            owed = state.get("owed", {})
+            if not isinstance(owed, Mapping) or not all(isinstance(t, torch.Tensor) for t in owed.values()):
+                raise ValueError("monitor state: 'owed' must map names to tensors")
+            self._owed = {str(n): t.to(device) if device is not None else t.clone() for n, t in owed.items()}
             self._carry = set(state["carry"])
             self._cursor = {int(k): int(v) for k, v in state["cursor"].items()}
             self.checks, self.bytes, self.events = int(state["checks"]), int(state["bytes"]), list(state["events"])
             self._verdicts = [(str(n), str(k), float(f), float(b)) for n, k, f, b in state.get("verdicts", ())]
             self._verdicts_at = None
+            if "budget" in state and self.plan is None:
+                raise ValueError("monitor state holds a byte budget's, but this run's monitor has no target_ratio "
+                                 "or target_bytes")  # fmt: skip
+            if self.plan is not None and "budget" in state:
+                self.plan.load_state_dict(state["budget"])
             self._loaded = {}
             for n, s in state["tensors"].items():
                 t = self._tensors.get(n)
