@@ -128,7 +128,11 @@ class AutoAlgorithm(Algorithm):
         self._bound: tuple[float, int, int] | None = None  # (max_lag, trial steps, measured steps)
         self._trials: dict[int, Trial] = {}  # group key -> its trial, while one runs
         self._judged: dict[int, dict[str, float]] = {}  # group key -> candidate -> its trial's largest mean lag
-        self._owed: dict[str, str] = {}  # tensor name -> the carrier whose residual goes with its next gradient
+        self._owed: dict[str, torch.Tensor] = {}  # tensor name -> what the trial's carrier owed: sent with it next
+        # (candidate, tensor names) whose residuals built on copies are dropped at the next step's first group:
+        # forget() settles the step, which a group of the step in flight must not see
+        self._drops: list[tuple[str, list[str]]] = []
+        self._at: int | None = None  # the step whose first group was seen
         self._copies = Copies()
         self._shadows: dict[str, set[str]] = {}  # tensor name -> candidates holding a trial's residual of it
         self._lock = threading.Lock()
@@ -157,15 +161,14 @@ class AutoAlgorithm(Algorithm):
 
     def __call__(self, group: Group, step: int, meter: Meter | None = None) -> Future[None]:
         meter = meter if meter is not None else Meter(self.world_size)
+        if step != self._at:
+            self._at = step
+            self._first_group(step)
         chosen = self._choice.get(group.key)
         probes = self.options["probe_steps"] * len(self.names)
         if chosen is None and step >= probes:
             chosen = self._decide(group.key, step)
-            self._drop([n for n in self.names if self._shadowed(n)], group)  # the probe's copies owe nothing
         trial = self._trials.get(group.key)
-        if trial is not None and trial.done(step):
-            chosen = self._conclude(group.key, trial, group, step)
-            trial = None
         if trial is not None:
             return self._beside(trial, group, step, meter)
         if chosen is not None:
@@ -181,6 +184,7 @@ class AutoAlgorithm(Algorithm):
         # Timed on a copy as the others are (from the call to its completion), alone on the link (the hook waits
         # for it: the probe's few steps only); plain averaging carries the real gradients.
         then(self._run(name, self._copies.of(group), step, meter, shadow=True), record).wait()
+        self._drops.append((name, [m.name for m in group.members]))  # the copy's residual owes the model nothing
         return self._run("none", group, step, meter)
 
     def _run(self, name: str, group: Group, step: int, meter: Meter, shadow: bool = False) -> Future[None]:
@@ -202,10 +206,9 @@ class AutoAlgorithm(Algorithm):
         members = [Member(m.name, m.tensor, c, o) for m, (c, o) in zip(group.members, cached[1], strict=True)]
         if not shadow:
             for m in members:
-                carrier = self._owed.pop(m.name, None)
-                owed = None if carrier is None or carrier == name else self.candidates[carrier].forget(m.name)
+                owed = self._owed.pop(m.name, None)
                 if owed is not None:  # what the trial's carrier still owed goes with this gradient
-                    m.tensor.add_(owed.to(m.tensor.dtype).view(m.tensor.shape))
+                    m.tensor.add_(owed.to(m.tensor.device, m.tensor.dtype).view(m.tensor.shape))
                 self._ran[m.name] = name
         return alg(Group(group.key, members, group.flat), step, meter)
 
@@ -239,11 +242,23 @@ class AutoAlgorithm(Algorithm):
                      per, judged)  # fmt: skip
         return choice
 
-    def _drop(self, names: list[str], group: Group) -> None:
-        """Drop the residuals ``names`` built on copies of ``group`` (nothing they hold is owed to the model)."""
-        for n in names:
-            for m in group.members:
-                self.candidates[n].forget(m.name)
+    def _first_group(self, step: int) -> None:
+        """At a step's first group, before anything of the step runs: the trials that are done are decided (in group
+        order, every rank the same), and what copies built is dropped (``forget`` settles the last step, so it may
+        run only here, where no group of this step is in flight)."""
+        self.guard.settle_before(step)  # the last step's trial figures are in
+        for key in sorted(self._trials):
+            trial = self._trials[key]
+            if trial.done(step):
+                self._conclude(key, trial)
+        self._flush_drops()
+
+    def _flush_drops(self) -> None:
+        drops, self._drops = self._drops, []
+        for candidate, names in drops:
+            for n in names:
+                self.candidates[candidate].forget(n)
+                self._shadows.get(n, set()).discard(candidate)
 
     def _beside(self, trial: Trial, group: Group, step: int, meter: Meter) -> Future[None]:
         """A trial step: the carrier averages ``group``; each pending candidate runs on a copy of it, and on the
@@ -252,6 +267,7 @@ class AutoAlgorithm(Algorithm):
         g2 = {m.name: torch.dot(v, v) for m in group.members if m.compress and m.tensor.numel()
               for v in [m.tensor.detach().reshape(-1).float()]} if measure else {}  # fmt: skip
         futs = []
+        trial.names = [m.name for m in group.members]
         for c in trial.pending:
             for m in group.members:
                 self._shadows.setdefault(m.name, set()).add(c)
@@ -282,11 +298,12 @@ class AutoAlgorithm(Algorithm):
 
         self.guard.on_settle(add)
 
-    def _conclude(self, key: int, trial: Trial, group: Group, step: int) -> str:
+    def _conclude(self, key: int, trial: Trial) -> str:
         """The trial's verdict, agreed across ranks (one object all-gather of the figures, in group order): the
-        fastest pending candidate whose every tensor's mean lag is within the bound, else the carrier."""
+        fastest pending candidate whose every tensor's mean lag is within the bound, else the carrier. What the
+        pending candidates built on copies is dropped; where the choice changes, what the carrier owes is taken,
+        to go with each tensor's next gradient."""
         assert self._bound is not None
-        self.guard.settle_before(step)  # the trial's last step's figures are in
         with self._lock:
             names = sorted({n for per in trial.sums.values() for n in per})
             mine = trial.figures(names)
@@ -306,11 +323,12 @@ class AutoAlgorithm(Algorithm):
         passed = [c for c in trial.pending if worst[c] <= self._bound[0]]
         choice = passed[0] if passed else trial.carrier
         self._rejected.setdefault(key, []).extend(c for c in trial.pending if c not in passed)
-        self._drop(trial.pending, group)
-        for m in group.members:
-            self._shadows.pop(m.name, None)
-            if choice != trial.carrier:
-                self._owed[m.name] = trial.carrier
+        self._drops += [(c, list(trial.names)) for c in trial.pending]
+        if choice != trial.carrier:
+            for n in trial.names:
+                owed = self.candidates[trial.carrier].forget(n)
+                if owed is not None:
+                    self._owed[n] = owed
         self._choice[key] = choice
         del self._trials[key]
         if self.transport.rank == 0:
@@ -334,7 +352,9 @@ class AutoAlgorithm(Algorithm):
         nothing)."""
         shadows = self._shadows.get(name, set())
         owed = [r for n, alg in self.candidates.items() if (r := alg.forget(name)) is not None and n not in shadows]
-        self._owed.pop(name, None)
+        taken = self._owed.pop(name, None)
+        if taken is not None:
+            owed.append(taken)
         return None if not owed else torch.stack([r.reshape(-1) for r in owed]).sum(0)
 
     def relayout(self) -> None:
@@ -411,6 +431,7 @@ class AutoAlgorithm(Algorithm):
 
     def state_dict(self) -> dict[str, Any]:
         self.guard.settle()  # the last step's trial figures are added when it settles
+        self._flush_drops()  # between steps: what copies built owes nothing (dropped as the next step would)
         return {
             "auto": {"choices": dict(self._choice),
                      "timings": {k: {n: list(v) for n, v in t.items()} for k, t in self._timings.items()},
@@ -418,7 +439,7 @@ class AutoAlgorithm(Algorithm):
                      "rejected": {k: list(v) for k, v in self._rejected.items()},
                      "trials": {k: t.state() for k, t in self._trials.items()},
                      "judged": {k: dict(v) for k, v in self._judged.items()},
-                     "owed": dict(self._owed)},
+                     "owed": {n: t.detach().cpu().clone() for n, t in sorted(self._owed.items())}},
             "candidates": {n: alg.state_dict() for n, alg in self.candidates.items()},
         }  # fmt: skip
 
@@ -449,9 +470,14 @@ class AutoAlgorithm(Algorithm):
             if not ok or not all(_seconds(x) for x in per.values()):
                 raise ValueError(f"auto: checkpoint judged lags of group {key!r} must map candidates to numbers >= 0")
         owed = meta.get("owed", {})
-        if not isinstance(owed, Mapping) or not all(isinstance(n, str) and c in self.candidates
-                                                    for n, c in owed.items()):  # fmt: skip
-            raise ValueError(f"auto: checkpoint 'owed' must map tensor names to this run's candidates, got {owed!r}")
+        if not isinstance(owed, Mapping) or not all(isinstance(n, str) and isinstance(t, torch.Tensor)
+                                                    and t.dtype == torch.float32 for n, t in owed.items()):  # fmt: skip
+            raise ValueError("auto: checkpoint 'owed' must map tensor names to float32 tensors (what the trial's "
+                             f"carrier owed), got {owed!r}")  # fmt: skip
+        for n, t in owed.items():
+            if tensors is not None and n in tensors and t.numel() != math.prod(tensors[n][0]):
+                raise ValueError(f"auto: checkpoint 'owed' of '{n}' has {t.numel()} elements, the tensor "
+                                 f"{math.prod(tensors[n][0])}")  # fmt: skip
         for key, names in dict(meta.get("rejected", {})).items():
             if not _int_like(key) or not isinstance(names, (list, tuple)) or not set(names) <= set(self.candidates):
                 raise ValueError(f"auto: checkpoint's rejected candidates of group {key!r} must be a list of this "
@@ -507,7 +533,7 @@ class AutoAlgorithm(Algorithm):
         self._rejected = {int(k): [str(n) for n in v] for k, v in state["auto"].get("rejected", {}).items()}
         self._trials = {int(k): Trial.from_state(t) for k, t in state["auto"].get("trials", {}).items()}
         self._judged = {int(k): {n: float(x) for n, x in v.items()} for k, v in state["auto"].get("judged", {}).items()}
-        self._owed = {str(n): str(c) for n, c in state["auto"].get("owed", {}).items()}
+        self._owed = {str(n): t.clone() for n, t in state["auto"].get("owed", {}).items()}
 
     def close(self) -> None:
         for alg in self.candidates.values():

@@ -50,6 +50,7 @@ class Trial:
     steps: int
     window: int
     sums: dict[str, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
+    names: list[str] = field(default_factory=list)  # the group's tensors (what the trial's copies hold residuals of)
 
     def measures(self, step: int) -> bool:
         """Whether ``step`` takes figures: the last ``window`` steps of the trial."""
@@ -80,13 +81,14 @@ class Trial:
     def state(self) -> dict[str, Any]:
         return {
             "carrier": self.carrier, "pending": list(self.pending), "start": self.start, "steps": self.steps,
-            "window": self.window,
+            "window": self.window, "names": list(self.names),
             "sums": {c: {n: [float(v[0]), float(v[1])] for n, v in per.items()} for c, per in self.sums.items()},
         }  # fmt: skip
 
     @classmethod
     def from_state(cls, s: Mapping[str, Any]) -> Trial:
         t = cls(str(s["carrier"]), [str(n) for n in s["pending"]], int(s["start"]), int(s["steps"]), int(s["window"]))
+        t.names = [str(n) for n in s["names"]]
         for c, per in s["sums"].items():
             t.sums[str(c)] = {str(n): [torch.tensor(float(v[0])), torch.tensor(float(v[1]))] for n, v in per.items()}
         return t
@@ -94,7 +96,7 @@ class Trial:
 
 def check_trial(key: Any, s: Any, candidates: set[str]) -> None:
     """A checkpoint's trial of group ``key``: its fields, its candidates this run's."""
-    want = {"carrier", "pending", "start", "steps", "window", "sums"}
+    want = {"carrier", "pending", "start", "steps", "window", "sums", "names"}
     if not isinstance(s, Mapping) or set(s) != want:
         got = sorted(s) if isinstance(s, Mapping) else type(s).__name__
         raise ValueError(f"auto: checkpoint trial of group {key!r} must hold {sorted(want)}, got {got}")
@@ -106,6 +108,8 @@ def check_trial(key: Any, s: Any, candidates: set[str]) -> None:
         v = s[k]
         if isinstance(v, bool) or not isinstance(v, int) or v < (0 if k == "start" else 1):
             raise ValueError(f"auto: checkpoint trial of group {key!r}: {k} must be a non-negative integer, got {v!r}")
+    if not isinstance(s["names"], (list, tuple)) or not all(isinstance(n, str) for n in s["names"]):
+        raise ValueError(f"auto: checkpoint trial of group {key!r}: names must be a list of tensor names")
     sums = s["sums"]
     ok = isinstance(sums, Mapping) and set(sums) <= set(s["pending"])
     ok = ok and all(isinstance(per, Mapping) and all(

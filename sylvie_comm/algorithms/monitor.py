@@ -187,19 +187,14 @@ class Monitor:
     def rewrite(self, group: Group) -> Group:
         """``group`` with adaptation's decisions applied: raw names raw (their residual added to the
         gradient once), adapted names with their options."""
-        if not self.raw and not self.overrides and not self._carry:
+        if not self.raw and not self.overrides and not self._owed:
             return group
         members = []
         for m in group.members:
-            if m.name in self._carry:
-                self._carry.discard(m.name)
-                owed = self.algorithm.forget(m.name)
-                if owed is not None:
-                    m.tensor.add_(owed.to(m.tensor.dtype).view(m.tensor.shape))
+            owed = self._owed.pop(m.name, None)  # gone raw, or moved by auto: taken at the step's first group
+            if owed is not None:
+                m.tensor.add_(owed.to(m.tensor.device, m.tensor.dtype).view(m.tensor.shape))
             if m.compress and m.name in self.raw:
-                owed = self._owed.pop(m.name, None)
-                if owed is not None:
-                    m.tensor.add_(owed.to(m.tensor.device, m.tensor.dtype).view(m.tensor.shape))
                 members.append(Member(m.name, m.tensor, False, m.options))
             elif m.compress and m.name in self.overrides:
                 members.append(Member(m.name, m.tensor, True, {**m.options, **self.overrides[m.name]}))
@@ -216,7 +211,7 @@ class Monitor:
             self._apply_verdicts()
         if self.plan is not None:
             self._budget_step(step, meter.step - step)
-        if self._flush:
+        if self._flush or self._carry:
             self._take_owed()
         # The per-step figures are a residual's: an algorithm that keeps none (a cast) has no lag to measure.
         due, measures = self.due(step), self.measures(step) and self.algorithm.error_feedback
@@ -284,7 +279,7 @@ class Monitor:
             self._apply_verdicts()
         if self.plan is not None:
             self._budget_step(step, meter.step - step)
-        if self._flush:
+        if self._flush or self._carry:
             self._take_owed()
         w = self.algorithm.world_size
         shard = out.numel()
@@ -351,15 +346,12 @@ class Monitor:
         return then(fut if launched is None else [fut, launched], after)
 
     def _rewrite_shards(self, layout: ShardLayout, view: Any) -> ShardLayout:
-        if not self.raw and not self.overrides and not self._carry:
+        if not self.raw and not self.overrides and not self._owed:
             return layout
         segments = []
         for seg in layout.segments:
-            if seg.compress and (seg.name in self._carry or seg.name in self._owed):
-                owed = self._owed.pop(seg.name, None)
-                if seg.name in self._carry:
-                    self._carry.discard(seg.name)
-                    owed = self.algorithm.forget(seg.name)
+            if seg.compress and seg.name in self._owed:
+                owed = self._owed.pop(seg.name)
                 if owed is not None:
                     view(seg).add_(owed.to(view(seg).device, view(seg).dtype).view(view(seg).shape))
             if seg.compress and seg.name in self.raw:
@@ -646,14 +638,16 @@ class Monitor:
         self._event(f"'{name}' well under its bound: {_diff(current, lighter)}")
 
     def _take_owed(self) -> None:
-        """Take what the residuals of the tensors gone raw still owe (sent with their next gradient, by
-        :meth:`rewrite`), at the step's first group: ``forget`` settles the algorithm's last step, and a group of
-        this step in flight would make that step look failed and its state be put back."""
-        for n in sorted(self._flush):
+        """Take what the residuals of the tensors gone raw, or moved to another candidate by ``auto``, still owe
+        (sent with their next gradient, by :meth:`rewrite`), at the step's first group: ``forget`` settles the
+        algorithm's last step, and a group of this step in flight would make that step look failed and its state
+        be put back."""
+        for n in sorted(self._flush | self._carry):
             owed = self.algorithm.forget(n)
             if owed is not None:
                 self._owed[n] = owed
         self._flush.clear()
+        self._carry.clear()
 
     def _measure_levels(self, members: list[Member], meter: Meter, step: int) -> None:
         """Launch the all-reduce of ``members``' errors at every level of their ladders (the budget's figures)."""
