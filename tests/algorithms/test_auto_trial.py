@@ -38,9 +38,11 @@ def grads(rank: int, step: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
 
 
-def run(max_lag: float, steps: int, *, save_at: int | None = None, state: Any = None) -> list[dict[str, Any]]:
+def run(max_lag: float, steps: int, *, save_at: int | None = None, state: Any = None, buckets: int = 1,
+        ) -> list[dict[str, Any]]:  # fmt: skip
     """Per rank: the averaged tensors and auto's choice per step, its report, the checkpoint at ``save_at`` and the
-    candidates' residuals at the end."""
+    candidates' residuals at the end. ``buckets=2``: ``w1`` and the rest as two groups, the second launched before
+    the first is waited for (as DDP launches its buckets)."""
 
     def body(tr: Any) -> dict[str, Any]:
         session = Session("test", Config(max_lag), SlowLink(tr, seconds_per_mb=0.3))
@@ -52,7 +54,9 @@ def run(max_lag: float, steps: int, *, save_at: int | None = None, state: Any = 
             session.step = step
             values = grads(tr.rank, step)
             members = [Member(n, values[n].clone(), *session.policy.member_options(n, SHAPES[n])) for n in SHAPES]
-            session.run(Group(0, members)).wait()
+            groups = [Group(0, members)] if buckets == 1 else [Group(0, members[:1]), Group(1, members[1:])]
+            for fut in [session.run(g) for g in groups]:
+                fut.wait()
             outs.append({m.name: m.tensor for m in members})
             choices.append(alg.choices().get(0))
             session.step = step + 1
@@ -109,11 +113,13 @@ def test_a_candidate_over_the_bound_never_averages_the_models_gradients() -> Non
     assert not res[0]["held"].get("acpsgd"), "the trial's residuals are dropped"
 
 
-def test_a_candidate_within_the_bound_is_taken_and_the_carriers_residual_goes_with_it() -> None:
+@pytest.mark.parametrize("buckets", [1, 2])
+def test_a_candidate_within_the_bound_is_taken_and_the_carriers_residual_goes_with_it(buckets: int) -> None:
     """With a bound ACP-SGD meets, it averages from the trial's end on; qsgd's residual travels with its first
-    gradient, so over the run every rank received the mean of what every rank sent, less what ACP-SGD still owes."""
+    gradient, so over the run every rank received the mean of what every rank sent, less what ACP-SGD still owes
+    (in two buckets too: what copies built is dropped, and what qsgd owed taken, at a step's first group only)."""
     steps = PROBE + TRIAL + 3
-    res = run(max_lag=1e6, steps=steps)
+    res = run(max_lag=1e6, steps=steps, buckets=buckets)
     assert res[0]["choices"] == res[1]["choices"]
     assert res[0]["choices"][PROBE : PROBE + TRIAL] == ["qsgd"] * TRIAL
     assert res[0]["choices"][PROBE + TRIAL :] == ["acpsgd"] * 3
