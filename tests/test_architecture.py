@@ -33,7 +33,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("optim", ("sylvie_comm.optim",)),
     ("gnn", ("sylvie_comm.gnn",)),
     ("integrations", ("sylvie_comm.integrations",)),
-    ("apps", ("sylvie_comm", "sylvie_comm.gnn.train", "sylvie_comm.gnn.gpu_check", "sylvie_comm.demo",
+    ("apps", ("sylvie_comm", "sylvie_comm.gnn.train", "sylvie_comm.gnn.gpu_check", "sylvie_comm.gnn.halo_accuracy",
+              "sylvie_comm.demo",
               "sylvie_comm.bench", "sylvie_comm.cli", "sylvie_comm.ddp", "sylvie_comm.diloco", "sylvie_comm.fsdp",
               "sylvie_comm.horovod")),
 ]  # fmt: skip

@@ -171,8 +171,15 @@ def test_a_bare_auto_without_a_monitor_runs_every_candidate_as_before() -> None:
 def test_a_checkpoint_trial_that_does_not_fit_is_refused() -> None:
     def body(tr: Any) -> list[str]:
         alg = make_algorithm("auto", tr, {"candidates": CANDIDATES})
-        good = {"carrier": "qsgd", "pending": ["acpsgd"], "start": 3, "steps": 4, "window": 2, "sums": {},
-                "names": ["w1"]}
+        good = {
+            "carrier": "qsgd",
+            "pending": ["acpsgd"],
+            "start": 3,
+            "steps": 4,
+            "window": 2,
+            "sums": {},
+            "names": ["w1"],
+        }
         out = []
         for bad in ({**good, "pending": ["threebit"]}, {**good, "steps": 0}, {**good, "sums": {"qsgd": {}}},
                     {k: v for k, v in good.items() if k != "window"}):  # fmt: skip
