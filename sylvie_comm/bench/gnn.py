@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sylvie_comm.bench.choices import unique_choices
+
 SETTINGS: dict[str, dict[str, Any]] = {
     "vanilla": {},
     "pipegcn": {"staleness": 1},
@@ -50,17 +52,7 @@ BREAKDOWN = ("compute_s", "halo_wait_s", "halo_exchange_s", "halo_hidden_s")
 
 def check_settings(settings: Sequence[str] | None) -> list[str]:
     """``settings`` (default: all five) without repeats; ValueError naming a bad one and the valid ones."""
-    if settings is None:
-        return list(SETTINGS)
-    out: list[str] = []
-    for name in settings:
-        if name not in SETTINGS:
-            raise ValueError(f"unknown GNN setting {name!r}; valid: {', '.join(SETTINGS)}")
-        if name not in out:
-            out.append(name)
-    if not out:
-        raise ValueError(f"no GNN setting given; valid: {', '.join(SETTINGS)}")
-    return out
+    return list(SETTINGS) if settings is None else unique_choices(settings, list(SETTINGS), "GNN setting")
 
 
 def graph_config(nodes: int, features: int, degree: float = 10.0, seed: int = 0) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sylvie_comm.bench.choices import unique_choices
 from sylvie_comm.collectives.local import run_local
 from sylvie_comm.gnn import data as gdata
 from sylvie_comm.gnn.partition import partition
@@ -53,15 +54,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
 
 def check_settings(names: Sequence[str]) -> list[str]:
     """``names`` without repeats; ValueError naming an unknown one and the valid ones."""
-    out: list[str] = []
-    for name in names:
-        if name not in SETTINGS:
-            raise ValueError(f"halo_accuracy: unknown setting {name!r}; valid: {', '.join(SETTINGS)}")
-        if name not in out:
-            out.append(name)
-    if not out:
-        raise ValueError(f"halo_accuracy: no setting given; valid: {', '.join(SETTINGS)}")
-    return out
+    return unique_choices(names, list(SETTINGS), "halo_accuracy setting")
 
 
 def train_setting(config: TrainConfig, graph: gdata.GraphData, world: int, method: str, epochs: int,
