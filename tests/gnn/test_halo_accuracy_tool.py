@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from sylvie_comm.gnn import halo_accuracy
@@ -31,7 +33,7 @@ def test_a_tiny_run_reports_every_setting_against_the_first() -> None:
         ({"launcher": "mpirun"}, "launcher must be 'local' or 'torchrun'"),
     ],
 )
-def test_bad_input_names_the_value(kw: dict, message: str) -> None:
+def test_bad_input_names_the_value(kw: dict[str, Any], message: str) -> None:
     args = {"settings": ["fp32"], "seeds": [0], **kw}
     with pytest.raises(ValueError, match=message):
         halo_accuracy.run(args.pop("settings"), args.pop("seeds"), epochs=1, nodes=100, world=2, **args)
