@@ -67,8 +67,10 @@ def test_onebits_communication_thread_is_profiled_and_the_caller_waits_for_it(re
     assert onebit["serial"] and not qsgd["serial"]
     threads = onebit["profile"]["threads"]
     assert threads["executor"]["own_us"] > 0 and threads["calling"]["wait_us"] > 0
-    assert any(f["thread"] == "executor" and "onebit.py" in f["function"] for f in onebit["profile"]["top"])
     assert "executor" not in qsgd["profile"]["threads"]
+    # Every function listed (the top few depend on the machine's load): one-bit's own code ran on the executor.
+    every = profile.measure(("onebit",), layers=2, calls=4, top=100_000)["codecs"]["onebit"]["profile"]["top"]
+    assert any(f["thread"] == "executor" and "onebit.py" in f["function"] for f in every)
 
 
 def test_the_op_count_is_the_same_in_another_run(record: dict[str, Any]) -> None:
