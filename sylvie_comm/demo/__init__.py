@@ -166,8 +166,9 @@ def run(
         "left each worker's network interface per step (lab) or that the hook sent (loopback);"
     )
     echo(
-        "   auto times the candidates on its first steps, then keeps the fastest per fusion group "
-        "(its choices in the last column)."
+        "   auto times the candidates on its first steps, then keeps the fastest per fusion group; one that needs "
+        "the monitor (acpsgd, onebit) is first judged beside the fastest that needs none, which carries the "
+        "gradients meanwhile (the choices at the end of the run in the last column)."
     )
     if plot is not None:
         path, said = bench_link.plot(rec, plot)
