@@ -17,6 +17,7 @@ from torch import nn
 
 from sylvie_comm.algorithms import Group, Member
 from sylvie_comm.algorithms.base import real_view
+from sylvie_comm.algorithms.delegating import delegating
 from sylvie_comm.algorithms.session import Session, SessionHolder, merge_config
 from sylvie_comm.collectives.horovod import import_horovod, supports
 from sylvie_comm.config import Config
@@ -209,7 +210,8 @@ class ACPSGDCompressor(SessionHolder):
         # agree on its figures, while Horovod carries one tensor per gradient between them and nothing else (each
         # rank's figures, and so its decisions, would be its own).
         self.policy.monitor = None
-        self.algorithm.unmonitored()
+        if (delegate := delegating(self.algorithm)) is not None:
+            delegate.unmonitored()
         self.policy.check_parameters(self._params, what)
         self._by_grad: dict[int, tuple[str, torch.Tensor]] = {}
         self._steps: dict[str, int] = {}

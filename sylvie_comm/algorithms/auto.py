@@ -79,7 +79,7 @@ class AutoAlgorithm(Algorithm):
     per_name_options: ClassVar[frozenset[str]] = frozenset({"rank"})  # handed to the low-rank candidates
 
     @classmethod
-    def takes_rank(cls) -> bool:
+    def candidates_take_rank(cls) -> bool:
         """Whether a default candidate is low-rank: its ``rank`` option is theirs."""
         return any(cls.registered[n].low_rank for n in cls.option_defaults["candidates"])
 

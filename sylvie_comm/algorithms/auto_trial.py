@@ -24,19 +24,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
 from sylvie_comm.algorithms.base import Group, Member
-
-
-@runtime_checkable
-class Judged(Protocol):
-    """An algorithm that judges candidates on the monitor's bound before they average (``auto``): the monitor hands
-    it its bound and check spacing when it starts watching it."""
-
-    def judge_with(self, max_lag: float, steps: int, window: int) -> None: ...
 
 
 @dataclass
@@ -155,4 +147,4 @@ class Copies:
         self._buffers.clear()
 
 
-__all__ = ["Copies", "Judged", "Trial", "check_trial"]
+__all__ = ["Copies", "Trial", "check_trial"]

@@ -233,7 +233,7 @@ class Algorithm:
     # gradient algorithms only.
     averages_momentum: ClassVar[bool] = False
     # Whether it sends each matrix as low-rank factors of the rank its ``rank`` option sets (a benchmark names the
-    # rank beside it); see :meth:`takes_rank` for the algorithms a ``rank`` reaches through others.
+    # rank beside it); ``delegating.takes_rank`` names the algorithms a ``rank`` reaches through others.
     low_rank: ClassVar[bool] = False
     # Whether it averages through other registered algorithms (``auto``: one of its candidates per group) and so
     # has no encoding of its own.
@@ -438,12 +438,6 @@ class Algorithm:
         return None
 
     @classmethod
-    def takes_rank(cls) -> bool:
-        """Whether a ``rank`` option sets what it sends: its own low-rank factors' (``low_rank``), or those of
-        the algorithms it averages through (``auto``'s low-rank candidates)."""
-        return cls.low_rank
-
-    @classmethod
     def wire_bytes_per_element(cls, options: Mapping[str, Any]) -> float:
         """Bytes per element it sends with ``options`` (a tensor's; the defaults fill in those missing), for
         sizing before anything is encoded: ``wire_bytes``, unless the size follows an option."""
@@ -456,29 +450,6 @@ class Algorithm:
         if math.isfinite(rate):
             return 4.0 / min(rate, 32.0)
         return self.wire_bytes_per_element({**self.options, **options})
-
-    def variant(self, name: str) -> str:
-        """What averages ``name`` now, where that can change under one algorithm (``auto``: its candidate); the
-        monitor starts a tensor's figures afresh when it changes."""
-        return ""
-
-    def unmonitored(self) -> None:
-        """No compression monitor watches this run (``monitor: {period: 0}``): ``auto`` leaves out the candidates
-        that need one; the others change nothing."""
-
-    def demote(self, key: int) -> tuple[str, str] | None:
-        """Move group ``key`` to a safer way of averaging it as a whole (``auto``: its next-fastest candidate);
-        ``(from, to)``, or None where the algorithm cannot (then the monitor adapts tensor by tensor)."""
-        return None
-
-    def settles_after(self) -> int:
-        """Compressed steps before what this algorithm sends is its choice for the run (``auto``: its probe steps);
-        the monitor's checks count from there."""
-        return 0
-
-    def patience(self, key: int, default: int) -> int:
-        """Checks in a row over the bound before the monitor acts on group ``key`` (default: its ``patience``)."""
-        return default
 
     def report(self) -> dict[str, Any]:
         """What the integrations' ``stats()`` add beyond bytes and seconds: ``skipped_nonfinite``, the steps

@@ -57,9 +57,9 @@ from typing import Any
 
 import torch
 
-from sylvie_comm.algorithms.auto_trial import Judged
 from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, Segment, ShardLayout, then
 from sylvie_comm.algorithms.budget import REPAY_CHECKS, Budget, level_bytes
+from sylvie_comm.algorithms.delegating import delegating
 from sylvie_comm.algorithms.shard_rows import residual_shape
 from sylvie_comm.collectives import Meter, Transport
 from sylvie_comm.collectives.accounting import wire_bytes
@@ -126,9 +126,12 @@ class Monitor:
         # harm is largest, and the steady state costs what ``period`` says.
         # (Counted from the step the algorithm's choice settles: after auto's probe.)
         self.first: int = min(s["first"], self.period) if self.period else 0
-        if isinstance(algorithm, Judged) and self.period:  # auto: its candidates judged on this bound first
-            algorithm.judge_with(self.max_lag, self.first, min(s["window"], self.first))
-        self._ramp: list[int] = [algorithm.settles_after() + self.first] if self.period else []
+        # An algorithm that averages through others (``auto``): its hooks, else None.
+        self._delegate = delegating(algorithm)
+        if self._delegate is not None and self.period:  # its candidates judged on this bound first
+            self._delegate.judge_with(self.max_lag, self.first, min(s["window"], self.first))
+        settles = self._delegate.settles_after() if self._delegate is not None else 0
+        self._ramp: list[int] = [settles + self.first] if self.period else []
         gap = self.first
         while self.period and gap < self.period:
             gap = min(2 * gap, self.period)
@@ -244,11 +247,13 @@ class Monitor:
         exact = self._exact_launch(group.key, comp, meter, self._allowance(step, [
             (m.tensor.shape, m.options) for m in comp])) if due else None  # fmt: skip
 
+        delegate = self._delegate
+
         def after(_: Future[None]) -> None:
             with self._lock:
                 for m in comp:
                     t = self._tensors[m.name]
-                    variant = alg.variant(m.name)
+                    variant = delegate.variant(m.name) if delegate is not None else ""
                     if variant != t.variant:  # another candidate averages it now: its figures start afresh
                         t.variant, t.lag_sum, t.err_sum, t.count, t.over, t.under = variant, None, None, None, 0, 0
                         t.exact, t.feedback = None, False
@@ -484,8 +489,9 @@ class Monitor:
             meter.collective("all_reduce", summed)
             self.bytes += wire_bytes("all_reduce", 4 * summed.numel(), self.algorithm.world_size)
         done = self._collective(summed)
+        patience = self._delegate.patience(key, self.patience) if self._delegate is not None else self.patience
         with self._lock:  # read at the next step's first group (or a report, or a checkpoint): off the hot path
-            self._pending.append((key, step, names, summed, done, self.algorithm.patience(key, self.patience)))
+            self._pending.append((key, step, names, summed, done, patience))
 
     def _judge_checks(self, step: int | None = None) -> None:
         """Read and judge the figures of the checks launched before ``step`` (every one where None): the host
@@ -517,7 +523,8 @@ class Monitor:
                 lighter.append((n, "down", 0.0, 0.0))
             elif verdict is not None:
                 over.append((n, "up", *verdict))
-        moved = self.algorithm.demote(key) if over else None  # auto: the whole group to its next-fastest candidate
+        # auto: the whole group to its next-fastest candidate
+        moved = self._delegate.demote(key) if over and self._delegate is not None else None
         if moved is not None:
             for n in names:
                 self._tensors[n].over = self._tensors[n].under = 0

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, ShardLayout, real_view, then
+from sylvie_comm.algorithms.delegating import delegating
 from sylvie_comm.algorithms.monitor import Monitor
 from sylvie_comm.algorithms.none import plain_all_reduce, plain_reduce_scatter
 from sylvie_comm.algorithms.warmup import Warmup
@@ -55,8 +56,8 @@ class Policy:
         if config.monitor["period"] > 0 and not algorithm.sends_raw:
             self.monitor = Monitor(algorithm, config.monitor, algorithm.transport, config.min_compression_rate,
                                    averages)  # fmt: skip
-        else:
-            algorithm.unmonitored()
+        elif (delegate := delegating(algorithm)) is not None:
+            delegate.unmonitored()
 
     def _check_rule(self, i: int, match: str, options: Mapping[str, Any]) -> None:
         """A rule's options: known to the algorithm, allowed per name, and valid (as the base options are)."""

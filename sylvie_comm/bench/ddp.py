@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from sylvie_comm.algorithms import ALGORITHMS
+from sylvie_comm.algorithms.delegating import takes_rank
 from sylvie_comm.bench import horovod
 from sylvie_comm.bench.workloads import fixed_batch
 from sylvie_comm.bench.workloads import mlp_17m as mlp_17m  # also read from here (its home is bench.workloads)
@@ -62,7 +63,7 @@ def _run_hook(name: str, rank: int, world: int, rank_r: int, steps: int, warmup:
                                     start_powerSGD_iter=warmup, use_error_feedback=True, warm_start=True)  # fmt: skip
         ddp.register_comm_hook(ps_state, ps.powerSGD_hook)
     else:
-        opts: dict[str, Any] = {"rank": rank_r} if ALGORITHMS[name].takes_rank() else {}
+        opts: dict[str, Any] = {"rank": rank_r} if takes_rank(ALGORITHMS[name]) else {}
         state = sylvie_comm.ddp.register(ddp, name, warmup_steps=warmup, **opts)
     x, y = fixed_batch(rank)
     times, enc_dec, sent = [], [], []

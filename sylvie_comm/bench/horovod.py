@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from sylvie_comm.algorithms import ALGORITHMS
+from sylvie_comm.algorithms.delegating import takes_rank
 from sylvie_comm.bench.choices import unique_choices
 from sylvie_comm.bench.kit import HOOK_WARMUP, LR, MOMENTUM, measure_steps, merge_rounds
 from sylvie_comm.bench.workloads import WORKLOADS, fixed_batch, mlp_17m
@@ -59,7 +60,7 @@ DEFAULT_LAB_ROWS = ("hvd-fp32", "hvd-fp16", "hvd-acpsgd", "hvd-sylvie-acpsgd", "
 def _ranked(codec: str) -> bool:
     """Whether ``codec`` is one of our algorithms that a ``rank`` option sets (Horovod's fp32 and fp16 are not)."""
     cls = ALGORITHMS.get(codec)
-    return cls is not None and cls.takes_rank()
+    return cls is not None and takes_rank(cls)
 
 
 def _lab_codec(name: str) -> str:

@@ -55,6 +55,7 @@ from typing import Any, NoReturn
 import torch
 
 from sylvie_comm.algorithms import ALGORITHMS
+from sylvie_comm.algorithms.delegating import takes_rank
 from sylvie_comm.bench import horovod as bh
 from sylvie_comm.bench.choices import parse_spec, unique_choices
 from sylvie_comm.bench.kit import HOOK_WARMUP, LR, MOMENTUM, WARMUP, fmt_mb, fmt_x, measure_steps, merge_rounds
@@ -109,7 +110,7 @@ def label(spec: str, rank: int) -> str:
         return TORCH_CODECS[name].replace("(1 bucket)", f"r{rank}, 1 bucket")
     if name in bh.LAB_ROWS:
         return bh.lab_label(name, rank)
-    ranked = ALGORITHMS[name].takes_rank() and "rank" not in options
+    ranked = takes_rank(ALGORITHMS[name]) and "rank" not in options
     given = ", ".join(f"{k}={v}" for k, v in options.items())
     return f"sylvie {name}" + (f" r{rank}" if ranked else "") + (f" ({given})" if given else "")
 
@@ -154,7 +155,7 @@ def _run_codec(spec: str, cfg: dict[str, Any], rank: int, world: int, progress: 
     elif name == "no-comm":
         ddp.register_comm_hook(None, _no_comm_hook)
     elif name != "ddp":
-        opts: dict[str, Any] = {"rank": r} if ALGORITHMS[name].takes_rank() else {}
+        opts: dict[str, Any] = {"rank": r} if takes_rank(ALGORITHMS[name]) else {}
         opts.update(given)
         state = sylvie_comm.ddp.register(ddp, name, warmup_steps=HOOK_WARMUP, timeout=cfg["collective_timeout"],
                                          **opts)  # fmt: skip

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from sylvie_comm.algorithms import ALGORITHMS, Algorithm, make_algorithm
+from sylvie_comm.algorithms.delegating import takes_rank
 from sylvie_comm.collectives.local import run_local
 from sylvie_comm.optim.momentum import MOMENTUM_CODECS, check_codec
 
@@ -143,10 +144,10 @@ def test_the_momentum_codecs_are_the_algorithms_that_average_a_momentum() -> Non
 
 def test_low_rank_is_declared_and_auto_takes_its_candidates_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     assert {n for n, cls in ALGORITHMS.items() if cls.low_rank} == {"acpsgd", "powersgd"}
-    assert {n for n, cls in ALGORITHMS.items() if cls.takes_rank()} == {"acpsgd", "powersgd", "auto"}
+    assert {n for n, cls in ALGORITHMS.items() if takes_rank(cls)} == {"acpsgd", "powersgd", "auto"}
     auto = ALGORITHMS["auto"]
     monkeypatch.setattr(auto, "option_defaults", {**auto.option_defaults, "candidates": ("none", "fp16", "onebit")})
-    assert not auto.takes_rank()  # no low-rank candidate: its rank sets nothing
+    assert not takes_rank(auto)  # no low-rank candidate: its rank sets nothing
 
 
 def test_delegates_and_variants_are_declared() -> None:
