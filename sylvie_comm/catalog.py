@@ -28,7 +28,7 @@ from typing import Any
 
 from sylvie_comm import registry
 from sylvie_comm.algorithms.registry import ALGORITHMS
-from sylvie_comm.codecs import CODECS, codec_options
+from sylvie_comm.codecs import CODECS, Codec, codec_options
 from sylvie_comm.config import MONITOR_DEFAULTS, Config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,16 +99,16 @@ def _yes(flag: Any) -> str:
 # ---------------------------------------------------------------------------------------------------- facts
 
 
-def codec_defaults(cls: type) -> dict[str, Any]:
+def codec_defaults(cls: type[Codec]) -> dict[str, Any]:
     """A codec class's options with their defaults (its constructor's named parameters)."""
-    params = inspect.signature(cls.__init__).parameters
-    return {n: params[n].default for n in codec_options(cls)}  # type: ignore[arg-type]
+    params = inspect.signature(cls).parameters
+    return {n: params[n].default for n in codec_options(cls)}
 
 
-def codec_bytes_per_element(cls: type) -> float:
+def codec_bytes_per_element(cls: type[Codec]) -> float:
     """Wire bytes per element of a :data:`CODEC_SHAPE` fp32 matrix under the codec's defaults."""
     codec = cls(**codec_defaults(cls))
-    return codec.wire_bytes(CODEC_SHAPE) / math.prod(CODEC_SHAPE)
+    return float(codec.wire_bytes(CODEC_SHAPE)) / math.prod(CODEC_SHAPE)
 
 
 def algorithm_codec(cls: type) -> str:
@@ -306,9 +306,9 @@ def info_lines() -> list[str]:
     lines.append(f"  every one also takes: {common}, monitor (period={MONITOR_DEFAULTS['period']}), rules")
     lines.append(f"codecs (options with their defaults; bytes per element of a {CODEC_SHAPE[0]} x {CODEC_SHAPE[1]} "
                  "fp32 matrix):")  # fmt: skip
-    for name, cls in CODECS.items():
-        options = ", ".join(f"{k}={_value(v)}" for k, v in codec_defaults(cls).items())
-        lines.append(f"  {name:10s} {options or 'no options'}; {_number(codec_bytes_per_element(cls))}")
+    for name, codec_cls in CODECS.items():
+        options = ", ".join(f"{k}={_value(v)}" for k, v in codec_defaults(codec_cls).items())
+        lines.append(f"  {name:10s} {options or 'no options'}; {_number(codec_bytes_per_element(codec_cls))}")
     return lines
 
 
