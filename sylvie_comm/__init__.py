@@ -1,8 +1,9 @@
 """sylvie-comm: communication compression for distributed PyTorch training.
 
-Gradient all-reduce (PowerSGD, ACP-SGD, one-bit, top-k, sign, fp16/bf16) and
-GNN halo exchange (Sylvie's low-bit module with bounded staleness) over one
-set of codecs and kernels.
+Gradient averaging (low-rank PowerSGD and ACP-SGD, one-bit, top-k, sign, QSGD, SparseLoCo, fp16/bf16, and
+``auto``, which keeps per bucket the fastest of its candidates on the measured link), compressed optimizers and
+DiLoCo's outer step, and GNN halo exchange (Sylvie's low-bit module with bounded staleness), over one set of
+codecs and kernels. Every registered algorithm and codec, with its options: ``sylvie-comm info``.
 """
 
 from sylvie_comm import _ops
