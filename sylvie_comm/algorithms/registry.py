@@ -2,8 +2,9 @@
 
 :data:`ALGORITHMS` is the one list of them; what an algorithm can do is declared in its class's record
 (:class:`~sylvie_comm.algorithms.record.Record`: ``shards``, ``payload_per_element``, ``averages_momentum``,
-``low_rank``, ...), and every list of algorithms elsewhere is read from the two. The base class sees the list as :attr:`Algorithm.registered <sylvie_comm.algorithms.base.Algorithm>`,
-set here: the modules this one imports read it without importing it back.
+``low_rank``, ...), and every list of algorithms elsewhere is read from the two. The base class sees the list
+as :attr:`Algorithm.registered <sylvie_comm.algorithms.base.Algorithm>`, set here: the modules this one imports
+read it without importing it back.
 """
 
 from __future__ import annotations
