@@ -309,7 +309,7 @@ def _check_session(session: Session, replicas: bool) -> None:
     """What :func:`register` refuses in a configuration, whatever the model: an algorithm without a reduce-scatter
     form, and ``warmup: auto``, on the reduce-scatter (without ``replicas``)."""
     alg = session.algorithm
-    if not replicas and not alg.shards:
+    if not replicas and not alg.record.shards:
         alg.reduce_scatter(torch.zeros(0), torch.zeros(0), 0)  # raises the reason, naming the other path
     if session.policy.warmup is not None and not replicas:
         raise ValueError(f"{WHAT}: warmup 'auto' watches whole averaged gradients and each rank holds a shard "

@@ -162,7 +162,7 @@ class DistributedOptimizer(SessionHolder):
         rate = self.algorithm.compression_rate(shape, options)
         if math.isfinite(rate):
             return 4.0 * numel / rate
-        return numel * self.algorithm.wire_bytes_per_element(options)
+        return numel * self.algorithm.record.payload_per_element(options)
 
     def _form_groups(self) -> list[list[tuple[str, nn.Parameter, bool, Mapping[str, Any]]]]:
         """Greedy: parameters in reverse registration order (about backward's), ``bucket_cap_mb`` per group."""

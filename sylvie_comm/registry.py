@@ -87,7 +87,7 @@ def options_of(role: str) -> dict[str, list[str]]:
     if role == "algorithm":
         from sylvie_comm.algorithms.registry import ALGORITHMS
 
-        return {n: sorted(ALGORITHMS[n].option_defaults) for n in sorted(ALGORITHMS)}
+        return {n: sorted(ALGORITHMS[n].record.option_defaults) for n in sorted(ALGORITHMS)}
     raise ValueError(f"role {role!r} has no options; roles with options: codec, algorithm")
 
 
@@ -114,16 +114,19 @@ def check() -> None:
     from sylvie_comm.codecs import CODECS
 
     for name, cls in ALGORITHMS.items():
-        if cls.codec_name is not None and cls.codec_name not in CODECS:
-            raise AssertionError(f"algorithm {name!r} names codec {cls.codec_name!r}, which is not registered")
-        if name in CODECS and cls.codec_name != name:
-            raise AssertionError(f"{name!r} is a codec and an algorithm that encodes with {cls.codec_name!r}")
+        if "record" not in vars(cls):
+            raise AssertionError(f"algorithm {name!r} declares no record of its own (it would read its base's)")
+        codec = cls.record.codec_name
+        if codec is not None and codec not in CODECS:
+            raise AssertionError(f"algorithm {name!r} names codec {codec!r}, which is not registered")
+        if name in CODECS and codec != name:
+            raise AssertionError(f"{name!r} is a codec and an algorithm that encodes with {codec!r}")
     for form, (codec, _) in HALO_FORMS.items():
         if codec not in CODECS:
             raise AssertionError(f"halo precision {form!r} names codec {codec!r}, which is not registered")
         if form in CODECS and form != codec:
             raise AssertionError(f"{form!r} is a codec and a halo precision for codec {codec!r}")
-        if form in ALGORITHMS and ALGORITHMS[form].codec_name != codec:
+        if form in ALGORITHMS and ALGORITHMS[form].record.codec_name != codec:
             raise AssertionError(f"{form!r} is a halo precision for codec {codec!r} and an algorithm for another")
 
 

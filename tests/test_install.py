@@ -321,7 +321,8 @@ def test_demo_runs_from_the_installed_package(venv: Path, outside: Path) -> None
     assert lab["codecs"]["acpsgd"]["hook_bytes_per_step"] < lab["codecs"]["onebit"]["hook_bytes_per_step"]
     from sylvie_comm.algorithms.registry import ALGORITHMS
 
-    assert set(lab["codecs"]["auto"]["auto_choices"].values()) <= set(ALGORITHMS["auto"].option_defaults["candidates"])
+    candidates = ALGORITHMS["auto"].record.option_defaults["candidates"]
+    assert set(lab["codecs"]["auto"]["auto_choices"].values()) <= set(candidates)
     banner = "lab: 2 workers in network namespaces" if lab["lab"]["shaped"] else "lab: LOOPBACK FALLBACK"
     assert f"   {banner}" in proc.stdout
     if importlib.util.find_spec("matplotlib") is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from sylvie_comm import registry
@@ -17,14 +19,24 @@ def test_the_namespace_is_consistent():
 def test_a_name_shared_by_roles_is_one_codec():
     for name, roles in registry.table():
         if "codec" in roles and "algorithm" in roles:
-            assert ALGORITHMS[name].codec_name == name
+            assert ALGORITHMS[name].record.codec_name == name
         if "halo" in roles and "codec" in roles:
             assert type(RowFormat(parse_precision(name), 8).codec) is CODECS[name]
 
 
 def test_check_catches_an_algorithm_that_reuses_a_codec_name_for_another_codec(monkeypatch):
-    monkeypatch.setattr(ALGORITHMS["sign"], "codec_name", "topk")
+    sign = ALGORITHMS["sign"]
+    monkeypatch.setattr(sign, "record", replace(sign.record, codec_name="topk"))
     with pytest.raises(AssertionError, match="'sign' is a codec and an algorithm that encodes with 'topk'"):
+        registry.check()
+
+
+def test_check_catches_an_algorithm_that_declares_no_record_of_its_own(monkeypatch):
+    class Bare(ALGORITHMS["fp16"]):  # a subclass that would read fp16's record as its own
+        name = "bare"
+
+    monkeypatch.setitem(ALGORITHMS, "bare", Bare)
+    with pytest.raises(AssertionError, match="algorithm 'bare' declares no record of its own"):
         registry.check()
 
 

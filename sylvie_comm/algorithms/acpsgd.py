@@ -7,7 +7,7 @@ from typing import Any
 from sylvie_comm import kernels
 from sylvie_comm.algorithms.base import Future, Group, then
 from sylvie_comm.algorithms.guard import nonfinite, poison
-from sylvie_comm.algorithms.lowrank import Factors, LowRankAlgorithm
+from sylvie_comm.algorithms.lowrank import LOW_RANK, Factors, LowRankAlgorithm
 from sylvie_comm.codecs import lowrank
 from sylvie_comm.collectives import Meter
 
@@ -33,7 +33,7 @@ class ACPSGDAlgorithm(LowRankAlgorithm):
     """
 
     name = "acpsgd"
-    needs_monitor = True  # lost accuracy at its defaults on the real workloads (docs/benchmarks/quality.md)
+    record = LOW_RANK
     alternate = True
 
     def _step(self, group: Group, layout: Factors, step: int, meter: Meter) -> Future[None]:

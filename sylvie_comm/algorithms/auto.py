@@ -25,12 +25,13 @@ import math
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from sylvie_comm.algorithms.auto_trial import Copies, Trial, check_trial
 from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, Segment, then
+from sylvie_comm.algorithms.record import Record
 from sylvie_comm.codecs import lowrank
 from sylvie_comm.collectives import Meter, Transport
 from sylvie_comm.registry import unknown
@@ -67,21 +68,19 @@ class AutoAlgorithm(Algorithm):
     """
 
     name = "auto"
-    codec_name = None
-    error_feedback = True  # candidates may keep residuals: the policy's warm-up must cover DDP's bucket rebuild
-    delegates = True  # each group is averaged by a candidate (its wire_bytes stays fp32's: the choice comes later)
-    option_defaults: ClassVar[dict[str, Any]] = {
-        "candidates": ("none", "fp16", "qsgd", "acpsgd", "onebit"),
-        "probe_steps": 2,
-        "rank": "auto",
-        "min_compression_rate": 2.0,
-    }
-    per_name_options: ClassVar[frozenset[str]] = frozenset({"rank"})  # handed to the low-rank candidates
+    # Its candidates may keep residuals (the policy's warm-up must cover DDP's bucket rebuild); each group is
+    # averaged by a candidate, so its bytes per element stay fp32's (the choice comes later); ``rank`` is handed
+    # to the low-rank candidates.
+    record = Record(
+        payload=4.0, error_feedback=True, delegates=True, per_name_options=frozenset({"rank"}),
+        option_defaults={"candidates": ("none", "fp16", "qsgd", "acpsgd", "onebit"), "probe_steps": 2, "rank": "auto",
+                         "min_compression_rate": 2.0},
+    )  # fmt: skip
 
     @classmethod
     def candidates_take_rank(cls) -> bool:
         """Whether a default candidate is low-rank: its ``rank`` option is theirs."""
-        return any(cls.registered[n].low_rank for n in cls.option_defaults["candidates"])
+        return any(cls.registered[n].record.low_rank for n in cls.record.option_defaults["candidates"])
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -104,7 +103,7 @@ class AutoAlgorithm(Algorithm):
             raise ValueError(f"auto: min_compression_rate must be a number >= 1, got {rate!r}")
         lowrank.check_rank("auto", out["rank"])  # here too: the default candidates have no rank to check it
         for n in names:
-            sub = {k: v for k, v in out.items() if k in cls.registered[n].option_defaults}
+            sub = {k: v for k, v in out.items() if k in cls.registered[n].record.option_defaults}
             cls.registered[n].validate_options(sub)
         return out
 
@@ -114,7 +113,7 @@ class AutoAlgorithm(Algorithm):
         self.candidates: dict[str, Algorithm] = {}
         for n in self.names:  # every rank forks in this order
             cls = self.registered[n]
-            sub = {k: v for k, v in self.options.items() if k in cls.option_defaults}
+            sub = {k: v for k, v in self.options.items() if k in cls.record.option_defaults}
             self.candidates[n] = cls(transport.fork(), sub, seed=seed)
             self.candidates[n].guard = self.guard  # one decision per step, whichever candidates ran it
         self._timings: dict[int, dict[str, list[float]]] = {}  # group key -> candidate -> seconds per probe
@@ -140,7 +139,7 @@ class AutoAlgorithm(Algorithm):
     def unmonitored(self) -> None:
         """No monitor watches this run (``period: 0``): leave out the candidates that need one (a collective's
         worth of agreement is not needed: every rank has the same config)."""
-        self.names = tuple(n for n in self.names if not self.candidates[n].needs_monitor)
+        self.names = tuple(n for n in self.names if not self.candidates[n].record.needs_monitor)
 
     def judge_with(self, max_lag: float, steps: int, window: int) -> None:
         """The monitor watches this run: a candidate that needs it is judged on ``steps`` steps beside a carrier
@@ -151,7 +150,7 @@ class AutoAlgorithm(Algorithm):
     def _shadowed(self, name: str) -> bool:
         """Whether ``name`` runs on a copy while another candidate carries the gradients (it needs the monitor,
         and the monitor watches)."""
-        return self._bound is not None and self.candidates[name].needs_monitor
+        return self._bound is not None and self.candidates[name].record.needs_monitor
 
     def compresses_dtype(self, dtype: torch.dtype) -> bool:
         """Every candidate must take the gradients it may be chosen for."""
@@ -194,7 +193,7 @@ class AutoAlgorithm(Algorithm):
         if cached is None or cached[0] != group.signature:
             plan = []
             for m in group.members:
-                opts = {k: v for k, v in m.options.items() if k in alg.option_defaults}
+                opts = {k: v for k, v in m.options.items() if k in alg.record.option_defaults}
                 rate = self.options["min_compression_rate"]
                 compress = (
                     m.compress
@@ -387,7 +386,7 @@ class AutoAlgorithm(Algorithm):
         hundreds of steps; on the byte LM, 20 steps of one-bit after the probe left the run 1.3% over plain's
         loss at the end), while moving on costs only speed. The monitor's patience for the rest."""
         current = self._choice.get(key)
-        return 1 if current is not None and self.candidates[current].needs_monitor else default
+        return 1 if current is not None and self.candidates[current].record.needs_monitor else default
 
     def demote(self, key: int) -> tuple[str, str] | None:
         """The group's next-fastest candidate (by the probe's agreed times) not yet found over the monitor's
@@ -403,8 +402,8 @@ class AutoAlgorithm(Algorithm):
             return None
         rejected = self._rejected.setdefault(key, [])
         rejected.append(current)
-        if self.candidates[current].needs_monitor:
-            rejected += [n for n in self.names if self.candidates[n].needs_monitor and n not in rejected]
+        if self.candidates[current].record.needs_monitor:
+            rejected += [n for n in self.names if self.candidates[n].record.needs_monitor and n not in rejected]
         totals = self._totals.get(key, {})
         left = [n for n in self.names if n not in rejected]
         new = min(left, key=lambda n: (totals.get(n, math.inf), self.names.index(n)))
@@ -510,7 +509,7 @@ class AutoAlgorithm(Algorithm):
             if tensors is not None:
                 mine = {}
                 for name, (shape, opts) in tensors.items():
-                    o = {k: v for k, v in opts.items() if k in alg.option_defaults}
+                    o = {k: v for k, v in opts.items() if k in alg.record.option_defaults}
                     if alg.compressible(shape, o) and alg.compression_rate(shape, o) >= rate:
                         mine[name] = (shape, o)
             alg.check_state_dict(sub, mine, stepped=False)  # a candidate holds state only where it ran

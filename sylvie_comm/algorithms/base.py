@@ -21,6 +21,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from sylvie_comm.algorithms.guard import StepGuard
+from sylvie_comm.algorithms.record import Record
 from sylvie_comm.collectives import Meter, SerialExecutor, Transport, fusion
 from sylvie_comm.registry import takers
 
@@ -183,8 +184,8 @@ def real_view(t: torch.Tensor) -> torch.Tensor:
 class Algorithm:
     """Base of the gradient algorithms.
 
-    Subclasses set ``name``, ``codec_name`` and ``option_defaults`` and implement :meth:`_step`
-    (one group of one step) or, with ``serial = True`` (more than one dependent
+    Subclasses set ``name`` and ``record`` (:class:`~sylvie_comm.algorithms.record.Record`: what they declare)
+    and implement :meth:`_step` (one group of one step) or, with ``serial`` in the record (more than one dependent
     collective per group), :meth:`_prepare` (local work, on the caller's thread)
     and :meth:`_finish` (collectives and decoding, on one thread per algorithm
     that runs groups in submission order, so every rank issues the collectives
@@ -199,53 +200,17 @@ class Algorithm:
 
     Args:
         transport: the ranks to average among.
-        options: algorithm options (see ``option_defaults``); unknown ones raise ValueError.
+        options: algorithm options (see the record's ``option_defaults``); unknown ones raise ValueError.
         seed: agreed by every rank; seeds whatever must be random yet identical on every rank.
     """
 
     name: ClassVar[str]
-    codec_name: ClassVar[str | None] = None  # the registered codec it encodes with (None: its own format, e.g. factors)
-    serial: ClassVar[bool] = False
-    # Whether it keeps an error-feedback residual (the hooks' warm-up must then cover DDP's bucket rebuild): the
-    # class's default, which an instance whose option turns it off (qsgd's ``error_feedback=False``) overrides.
-    error_feedback: bool = False
-    option_defaults: ClassVar[dict[str, Any]] = {}
-    # Options a per-name rule may set (each tensor's own value is honoured); the others hold for the whole run.
-    per_name_options: ClassVar[frozenset[str]] = frozenset()
-    # Gradient dtypes the compressed tensors may have (None: every floating-point dtype).
-    gradient_dtypes: ClassVar[tuple[torch.dtype, ...] | None] = None
-    # Whether it has a reduce-scatter form (:meth:`reduce_scatter`: each rank ends with its shard's average).
-    shards: ClassVar[bool] = False
-    # Whether it lost accuracy against plain averaging at its defaults on the real workloads of ``sylvie-comm bench
-    # quality`` (docs/benchmarks/quality.md): ``auto`` then takes it only with the compression monitor on, which
-    # moves a bucket off it when its measured error stays over the bound.
-    needs_monitor: ClassVar[bool] = False
-    # Why it has no reduce-scatter form (``shards = False``): the reason :meth:`reduce_scatter` refuses with.
-    no_shards_reason: ClassVar[str] = "its encoding has no reduce-scatter form yet"
-    # Bytes per element it sends, for sizing fusion groups before anything is encoded; read it through
-    # :meth:`wire_bytes_per_element`, which the algorithms whose size follows an option override (topk's ratio,
-    # qsgd's bits). fp32 where it sends values as they are, or where no figure holds before it runs (``auto``: its
-    # choice is measured later). The low-rank algorithms' size follows each matrix's shape: their
-    # :meth:`compression_rate` says it.
-    wire_bytes: ClassVar[float] = 4.0
-    # Whether it can average an optimizer's momentum (:mod:`sylvie_comm.optim`: one dense tensor per parameter,
-    # averaged once per step): what casts and error-feedback codecs do; the low-rank algorithms and ``auto`` are
-    # gradient algorithms only.
-    averages_momentum: ClassVar[bool] = False
-    # Whether it sends each matrix as low-rank factors of the rank its ``rank`` option sets (a benchmark names the
-    # rank beside it); ``delegating.takes_rank`` names the algorithms a ``rank`` reaches through others.
-    low_rank: ClassVar[bool] = False
-    # Whether it averages through other registered algorithms (``auto``: one of its candidates per group) and so
-    # has no encoding of its own.
-    delegates: ClassVar[bool] = False
-    # The registered algorithm whose code it runs with another setting (``bf16``: ``fp16``'s cast, to the other
-    # 16-bit format), where it is one; None for an algorithm of its own.
-    variant_of: ClassVar[str | None] = None
-    # Whether it sends the gradient as it is (``none``): nothing to monitor.
-    sends_raw: ClassVar[bool] = False
-    # Whether what it loses is the rounding of a float format alone (``none`` and the 16-bit casts): nothing for an
-    # adaptive warm-up (``warmup: auto``) to wait for.
-    rounds_only: ClassVar[bool] = False
+    # What the class declares (its codec, options, capabilities, bytes on the wire): every concrete algorithm
+    # sets its own, once.
+    record: ClassVar[Record] = Record(payload=4.0)
+    # Whether this instance keeps an error-feedback residual: the record's, unless an option turns it off
+    # (qsgd's ``error_feedback=False``).
+    error_feedback: bool
     # Every registered algorithm by name: :data:`sylvie_comm.algorithms.registry.ALGORITHMS`, set once the
     # registry has imported them all, so what names the others (the refusal below, ``auto``'s candidates) reads
     # the one list without importing the module that imports it.
@@ -253,28 +218,31 @@ class Algorithm:
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         self.options = self.validate_options(dict(options or {}))
+        self.error_feedback = self.record.error_feedback
         self.transport = transport
         self.world_size = transport.world_size
         self.seed = seed
         self._layouts: dict[int, tuple[tuple[tuple[str, bool], ...], Any]] = {}
         self.guard = StepGuard()  # ``auto`` gives its candidates its own: one decision per step
-        self._executor: SerialExecutor | None = SerialExecutor(f"sylvie-comm-{self.name}") if self.serial else None
+        serial = self.record.serial
+        self._executor: SerialExecutor | None = SerialExecutor(f"sylvie-comm-{self.name}") if serial else None
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
         """Defaults merged with ``options``; raise ValueError on an unknown or invalid one."""
-        unknown = sorted(set(options) - set(cls.option_defaults))
+        defaults = cls.record.option_defaults
+        unknown = sorted(set(options) - set(defaults))
         if unknown:
             given, owners = ", ".join(unknown), takers(unknown, "algorithm")
-            if not cls.option_defaults:
+            if not defaults:
                 raise ValueError(f"{cls.name}: takes no options, got {given} ({owners})")
-            valid = ", ".join(sorted(cls.option_defaults))
-            raise ValueError(f"{cls.name}: unknown option(s) {given}; valid: {valid} ({owners})")
-        return {**cls.option_defaults, **options}
+            raise ValueError(f"{cls.name}: unknown option(s) {given}; valid: {', '.join(sorted(defaults))} ({owners})")
+        return {**defaults, **options}
 
     def compresses_dtype(self, dtype: torch.dtype) -> bool:
-        """Whether gradients of ``dtype`` can be compressed (see ``gradient_dtypes``)."""
-        return self.gradient_dtypes is None or dtype in self.gradient_dtypes
+        """Whether gradients of ``dtype`` can be compressed (see the record's ``gradient_dtypes``)."""
+        dtypes = self.record.gradient_dtypes
+        return dtypes is None or dtype in dtypes
 
     def compressible(self, shape: torch.Size | tuple[int, ...], options: Mapping[str, Any]) -> bool:
         """Whether a tensor of this shape can be compressed at all (vectors cannot be factored)."""
@@ -340,15 +308,14 @@ class Algorithm:
         input and its tensors (per-name options, rows, per-unit state); without one the input is one unnamed
         tensor of rows of one element, keyed ``""``.
 
-        Algorithms without a reduce-scatter form (``shards = False``) raise a ValueError with their
-        ``no_shards_reason``, naming those with one.
+        Algorithms without a reduce-scatter form (a ``no_shards_reason`` in their record) raise a ValueError with
+        it, naming those with one.
         """
         w = self.world_size
-        if not self.shards:
-            having = ", ".join(n for n, cls in self.registered.items() if cls.shards)
-            raise ValueError(
-                f"{self.name}: no reduce-scatter form ({self.no_shards_reason}); algorithms with one: {having}"
-            )
+        reason = self.record.no_shards_reason
+        if reason is not None:
+            having = ", ".join(n for n, cls in self.registered.items() if cls.record.shards)
+            raise ValueError(f"{self.name}: no reduce-scatter form ({reason}); algorithms with one: {having}")
         layout = self.check_reduce_scatter(flat, out, layout)
         meter = meter if meter is not None else Meter(w)
         meter.uncompressed(4 * flat.numel(), "reduce_scatter")
@@ -378,7 +345,7 @@ class Algorithm:
     def _reduce_scatter(
         self, flat: torch.Tensor, out: torch.Tensor, step: int, meter: Meter, layout: ShardLayout
     ) -> Future[None]:
-        raise NotImplementedError(f"{self.name}: algorithms with shards = True implement _reduce_scatter")
+        raise NotImplementedError(f"{self.name}: algorithms with a reduce-scatter form implement _reduce_scatter")
 
     # ------------------------------------------------------------------ collectives with accounting
 
@@ -437,19 +404,14 @@ class Algorithm:
         (then the monitor sends a tensor that stays over its bound raw)."""
         return None
 
-    @classmethod
-    def wire_bytes_per_element(cls, options: Mapping[str, Any]) -> float:
-        """Bytes per element it sends with ``options`` (a tensor's; the defaults fill in those missing), for
-        sizing before anything is encoded: ``wire_bytes``, unless the size follows an option."""
-        return cls.wire_bytes
-
     def bytes_per_element(self, shape: tuple[int, ...], options: Mapping[str, Any]) -> float:
-        """Wire bytes per element of a tensor of ``shape`` with ``options`` (for the monitor's budget): its
-        compression rate's, at most 32x, where the shape sets it, else :meth:`wire_bytes_per_element`'s."""
+        """Payload bytes per element of a tensor of ``shape`` with ``options`` (for the monitor's budget): its
+        compression rate's, at most 32x, where the shape sets it, else the record's
+        :meth:`~sylvie_comm.algorithms.record.Record.payload_per_element`."""
         rate = self.compression_rate(shape, options)
         if math.isfinite(rate):
             return 4.0 / min(rate, 32.0)
-        return self.wire_bytes_per_element({**self.options, **options})
+        return self.record.payload_per_element({**self.options, **options})
 
     def report(self) -> dict[str, Any]:
         """What the integrations' ``stats()`` add beyond bytes and seconds: ``skipped_nonfinite``, the steps
@@ -473,9 +435,6 @@ class Algorithm:
     def state_spec(self, shape: torch.Size | tuple[int, ...], options: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
         """The per-name state this algorithm keeps for a compressed tensor of ``shape``: key -> shape (fp32)."""
         return {}
-
-    # Per-name keys a checkpoint may hold beside the spec's (an older release's), ignored on load.
-    legacy_state_keys: ClassVar[frozenset[str]] = frozenset()
 
     def shard_state_spec(self, segment: Segment) -> dict[str, tuple[int, ...]]:
         """The per-name state the reduce-scatter form keeps for a compressed ``segment`` of a
@@ -531,7 +490,7 @@ class Algorithm:
                 res = entry.get("residual")
                 shape = tuple(res.shape) if isinstance(res, torch.Tensor) and res.dim() >= 1 else (1, 1)
                 spec = self.state_spec(shape, self.options)
-            check_entry(f"{where}: checkpoint entry '{name}'", entry, spec, self.legacy_state_keys)
+            check_entry(f"{where}: checkpoint entry '{name}'", entry, spec, self.record.legacy_state_keys)
         if known is not None and stepped:
             missing = [n for n in known if spec_of(n) and n not in state]
             if missing:

@@ -105,7 +105,7 @@ def ladder(alg: Algorithm, shape: tuple[int, ...], base: Mapping[str, Any], min_
     raw not included): :meth:`Algorithm.adapt` walked down from ``base`` (at most :data:`DOWN_LEVELS` levels) and
     up while it compresses at least ``min_rate`` times."""
     merged = {**alg.options, **base}
-    start = {k: merged[k] for k in sorted(alg.per_name_options) if k in merged}
+    start = {k: merged[k] for k in sorted(alg.record.per_name_options) if k in merged}
     down: list[dict[str, Any]] = []
     cur = start
     while len(down) < DOWN_LEVELS:
@@ -175,7 +175,7 @@ def level_errors(alg: Algorithm, m: Member, base: Mapping[str, Any], levels: Seq
             r = lr.effective_rank(m.tensor.shape, {**base, **opts}.get("rank", alg.options["rank"]), alg.alternate)
             out.append((out[0] - kept[r - 1]).clamp_min(0))
     else:
-        cls = CODECS[str(alg.codec_name)]
+        cls = CODECS[str(alg.record.codec_name)]
         names = set(codec_options(cls))
         for i, opts in enumerate(levels):
             kw = {k: v for k, v in {**alg.options, **base, **opts}.items() if k in names}
@@ -189,7 +189,7 @@ def level_errors(alg: Algorithm, m: Member, base: Mapping[str, Any], levels: Seq
 
 def measurable(alg: Algorithm) -> str | None:
     """Why the budget cannot measure ``alg``'s levels (None where it can)."""
-    if isinstance(alg, LowRankAlgorithm) or (alg.codec_name is not None and alg.codec_name in CODECS):
+    if isinstance(alg, LowRankAlgorithm) or (alg.record.codec_name is not None and alg.record.codec_name in CODECS):
         return None
     return (f"monitor target_ratio/target_bytes: '{alg.name}' has no codec whose levels the budget can measure "
             "(it needs a low-rank algorithm or one with a registered codec)")  # fmt: skip

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import torch
 
 from sylvie_comm.algorithms.base import Algorithm, Future, Group, ShardLayout, then
+from sylvie_comm.algorithms.record import Record
+from sylvie_comm.codecs.base import SUPPORTED_DTYPES
 from sylvie_comm.codecs.cast import Bf16Codec, CastCodec, Fp16Codec
 from sylvie_comm.collectives import Meter, Transport, fusion
 
@@ -17,11 +20,6 @@ class CastAlgorithm(Algorithm):
     so the sum of ``w`` ranks cannot overflow where each rank's values fit."""
 
     codec_cls: ClassVar[type[CastCodec]]
-    gradient_dtypes = (torch.float32, torch.float16, torch.bfloat16)
-    shards = True
-    wire_bytes = 2.0  # a 16-bit float per element
-    averages_momentum = True
-    rounds_only = True  # a 16-bit float's rounding
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         super().__init__(transport, options, seed=seed)
@@ -68,17 +66,21 @@ class CastAlgorithm(Algorithm):
         return then(self._all_to_all(received, wire, meter), decode)
 
 
+# What the casts declare: a 16-bit float's rounding alone, a reduce-scatter form, safe for a momentum.
+_CAST = Record(codec_name="fp16", gradient_dtypes=SUPPORTED_DTYPES, no_shards_reason=None, averages_momentum=True,
+               rounds_only=True)  # fmt: skip
+
+
 class Fp16Algorithm(CastAlgorithm):
     name = "fp16"
-    codec_name = "fp16"
+    record = _CAST
     codec_cls = Fp16Codec
 
 
 class Bf16Algorithm(CastAlgorithm):
     name = "bf16"
-    codec_name = "bf16"
+    record = replace(_CAST, codec_name="bf16", variant_of="fp16")  # the same cast, to the other 16-bit format
     codec_cls = Bf16Codec
-    variant_of = "fp16"  # the same cast, to the other 16-bit format
 
 
 __all__ = ["Bf16Algorithm", "CastAlgorithm", "Fp16Algorithm"]

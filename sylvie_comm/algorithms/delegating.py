@@ -59,7 +59,7 @@ def takes_rank(cls: type[Any]) -> bool:
     or those of the candidates it averages through."""
     if issubclass(cls, Delegating):
         return bool(cls.candidates_take_rank())
-    return bool(cls.low_rank)
+    return bool(cls.record.low_rank)
 
 
 __all__ = ["Delegating", "delegating", "takes_rank"]

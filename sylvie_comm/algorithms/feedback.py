@@ -18,9 +18,6 @@ from sylvie_comm.collectives import Transport
 class FeedbackAlgorithm(Algorithm):
     """Keeps what compression dropped, per name, and adds it back the next step (Karimireddy et al. 2019)."""
 
-    error_feedback = True
-    gradient_dtypes = (torch.float32, torch.float16, torch.bfloat16)  # the codecs' (residuals are fp32)
-
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         self.feedback = ErrorFeedback()
         self._batches: dict[tuple[int, Hashable], _Batch] = {}

@@ -11,6 +11,7 @@ import torch
 
 from sylvie_comm import kernels
 from sylvie_comm.algorithms.base import Algorithm, Group, Member
+from sylvie_comm.algorithms.record import Record
 from sylvie_comm.codecs import lowrank
 from sylvie_comm.collectives import Transport, fusion
 
@@ -25,6 +26,20 @@ class Factors:
     raw_q: int  # and in qbuf
 
 
+# What the low-rank algorithms declare: factors of the rank their ``rank`` option sets, an error-feedback residual,
+# fp32's bytes per element before a matrix's shape sets them (``compression_rate``), no reduce-scatter form.
+LOW_RANK = Record(
+    payload=4.0,
+    option_defaults={"rank": lowrank.AUTO},
+    per_name_options=frozenset({"rank"}),
+    error_feedback=True,
+    low_rank=True,
+    needs_monitor=True,
+    no_shards_reason="it factors whole matrices and a reduce-scatter's shard is a slice of one: under sharded data "
+    "parallel it belongs on the replica all-reduce of HSDP, where each rank's shard of a weight is a block of its rows",
+)
+
+
 class LowRankAlgorithm(Algorithm):
     """Per-name P, Q factors and residual E; each group's factors are views into two fused buffers.
 
@@ -34,14 +49,6 @@ class LowRankAlgorithm(Algorithm):
             by its shape.
     """
 
-    error_feedback = True
-    option_defaults: ClassVar[dict[str, Any]] = {"rank": lowrank.AUTO}
-    per_name_options: ClassVar[frozenset[str]] = frozenset({"rank"})
-    low_rank = True
-    no_shards_reason = (
-        "it factors whole matrices and a reduce-scatter's shard is a slice of one: under sharded data parallel it "
-        "belongs on the replica all-reduce of HSDP, where each rank's shard of a weight is a block of its rows"
-    )
     alternate: ClassVar[bool]  # one factor per step (ACP-SGD) or both (PowerSGD): changes the compression rate
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:

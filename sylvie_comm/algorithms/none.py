@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from sylvie_comm.algorithms.base import Algorithm, Future, Group, ShardLayout, then
+from sylvie_comm.algorithms.record import Record
 from sylvie_comm.collectives import Meter, fusion
 
 
@@ -50,12 +51,7 @@ class NoneAlgorithm(Algorithm):
     """Uncompressed fp32 all-reduce (the baseline; same as DDP's default)."""
 
     name = "none"
-    codec_name = "none"
-    sends_raw = True
-    rounds_only = True
-    shards = True
-    wire_bytes = 4.0  # fp32
-    averages_momentum = True
+    record = Record(codec_name="none", sends_raw=True, rounds_only=True, no_shards_reason=None, averages_momentum=True)
 
     def _step(self, group: Group, layout: Any, step: int, meter: Meter) -> Future[None]:
         return plain_all_reduce(self, group, meter)

@@ -5,27 +5,21 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from sylvie_comm import kernels
 from sylvie_comm.algorithms.base import Future, Group, Member, Segment, ShardLayout, then
-from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
 from sylvie_comm.algorithms.guard import nonfinite, poison
-from sylvie_comm.algorithms.shard_rows import (
-    StepVerdict,
-    check_residuals,
-    decode_rows,
-    encode_rows,
-    residual_shape,
-    residual_state,
-    update_residual,
-)
+from sylvie_comm.algorithms.onebit_shards import OneBitShardForm
+from sylvie_comm.algorithms.onebit_shards import exact_layout as _exact_layout
+from sylvie_comm.algorithms.record import Record
+from sylvie_comm.algorithms.shard_rows import check_residuals, residual_shape, residual_state
 from sylvie_comm.codecs import ErrorFeedback
+from sylvie_comm.codecs.base import SUPPORTED_DTYPES
 from sylvie_comm.codecs.onebit import OneBitCodec, RowLayout, row_layout
 from sylvie_comm.collectives import Meter, Transport
-from sylvie_comm.kernels.reference import mean_in_rank_order
 
 
 @dataclass
@@ -119,56 +113,13 @@ class _Rows:
         return rows[:, :sb].view(torch.float32), rows[:, sb : sb + self.bit_bytes]
 
 
-@dataclass
-class _ShardSlot:
-    """One segment of a reduce-scatter in the row each peer receives: its scales (or, uncompressed, its fp32
-    values) at ``words_at`` fp32 words, its sign bits at ``bits_at`` bytes into the bit section."""
-
-    segment: Segment
-    layout: RowLayout | None  # None: uncompressed
-    words_at: int
-    bits_at: int
-    norm: bool = False
-    exact: bool = False  # the layout's units are the segment's elements as they are: the fused kernels serve it
-
-    @property
-    def n_words(self) -> int:
-        lay = self.layout
-        return self.segment.numel if lay is None else lay.units * lay.nchunks
-
-    @property
-    def n_bytes(self) -> int:
-        return 0 if self.layout is None else self.layout.units * self.layout.width // 8
-
-
-@dataclass
-class _ShardRows:
-    """A layout's peer row: ``words`` fp32 words (scales, uncompressed values), then the sign bits, padded.
-    Built once per layout object (the segments' options checked there); ``residuals`` is the residual mapping
-    its segments' residuals were checked in (:func:`~sylvie_comm.algorithms.shard_rows.residual_state`; None:
-    not yet)."""
-
-    layout: ShardLayout
-    shard: int
-    slots: list[_ShardSlot]
-    words: int
-    row_bytes: int
-    residuals: object = None
-
-
-def _exact_layout(layout: RowLayout) -> bool:
-    """Whether a tensor's flat elements are its unit matrix as they are (units of whole chunks, no
-    padding inside a unit), so the fused kernels can work on them in place."""
-    return layout.units > 0 and layout.span == layout.width and layout.last == layout.span
-
-
 def _exact(layout: RowLayout, t: torch.Tensor, any_float: bool = False) -> bool:
     """:func:`_exact_layout`, and ``t`` fp32 and contiguous (any float with ``any_float``, for decoding)."""
     dtype_ok = t.dtype in (torch.float32, torch.float16, torch.bfloat16) if any_float else t.dtype == torch.float32
     return dtype_ok and t.is_contiguous() and _exact_layout(layout)
 
 
-class OneBitAlgorithm(FeedbackAlgorithm):
+class OneBitAlgorithm(OneBitShardForm):
     """Error-compensated one-bit all-reduce in two phases (1-bit Adam's compressed all-reduce).
 
     Each tensor is cut into the units of its
@@ -191,15 +142,7 @@ class OneBitAlgorithm(FeedbackAlgorithm):
     momentum 0.9).
 
     The reduce-scatter form (:meth:`reduce_scatter`, sharded data parallel) is
-    the worker phase alone: each rank adds its residual (kept by segment name:
-    its slice of that parameter in every shard, ``(w * numel // row, row)``),
-    sign-compresses every shard with the same units and scales as above (a
-    segment's own rows, grouped up to 64 elements; a segment of rows of one
-    element is one unit, cut into equal chunks of at most ``chunk_size``) and
-    sends shard ``r`` to rank ``r`` (one all-to-all); rank ``r`` decodes the
-    ``w`` codes and averages them in fp32, in rank order. Nothing is compressed
-    a second time, so there is no server residual. Uncompressed segments travel
-    in the same all-to-all as fp32 words (an fp32 reduce-scatter's bytes).
+    the worker phase alone (:mod:`sylvie_comm.algorithms.onebit_shards`).
 
     Args (options):
         chunk_size: longest run of values sharing one scale (default 2048).
@@ -211,20 +154,14 @@ class OneBitAlgorithm(FeedbackAlgorithm):
     """
 
     name = "onebit"
-    needs_monitor = True  # lost accuracy at its defaults on the real workloads (docs/benchmarks/quality.md)
-    codec_name = "onebit"
-    serial = True
-    option_defaults: ClassVar[dict[str, Any]] = {"chunk_size": 2048, "scale": "norm"}
-    per_name_options: ClassVar[frozenset[str]] = frozenset({"chunk_size", "scale"})
-    shards = True
-    wire_bytes = 1 / 8  # a sign bit per element (the scales aside)
-    averages_momentum = True
+    record = Record(codec_name="onebit", option_defaults={"chunk_size": 2048, "scale": "norm"},
+                    per_name_options=frozenset({"chunk_size", "scale"}), serial=True, error_feedback=True,
+                    gradient_dtypes=SUPPORTED_DTYPES, no_shards_reason=None, averages_momentum=True,
+                    needs_monitor=True)  # fmt: skip
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         self.server_feedback = ErrorFeedback()
         super().__init__(transport, options, seed=seed)
-        self._shard_rows: dict[tuple[str, int], _ShardRows] = {}
-        self._shard_verdict = StepVerdict()
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -286,17 +223,6 @@ class OneBitAlgorithm(FeedbackAlgorithm):
         s = scales[:, slot.scales_at : slot.scales_at + slot.n_scales].reshape(-1)
         b = bits[:, slot.bits_at : slot.bits_at + slot.n_bytes].reshape(-1)
         return slot.layout.decode_units(b, s, n * slot.per_rank)
-
-    def _residual_buffer(
-        self, feedback: ErrorFeedback, key: str, shape: torch.Size | tuple[int, ...], device: torch.device
-    ) -> torch.Tensor:
-        """``key``'s residual on ``device``, a zero tensor of ``shape`` before its first step (the checkpoint check
-        keeps a loaded one of another shape out)."""
-        res = feedback.residual(key, device)
-        if res is None:
-            zero = torch.zeros(shape, device=device)
-            res = feedback.update(key, zero, zero)  # the residual's buffer, zero before the first step
-        return res
 
     def _encode_fused(
         self, slot: _Slot, feedback: ErrorFeedback, key: str, values: torch.Tensor, real: int, parts: int,
@@ -539,44 +465,15 @@ class OneBitAlgorithm(FeedbackAlgorithm):
                   if f"server_residual@{rank}" in s}  # fmt: skip
         self.server_feedback.load_state_dict({"residuals": server})
 
-    # ------------------------------------------------------------------ the reduce-scatter form
-
-    def _shard_row(self, layout: ShardLayout, shard: int) -> _ShardRows:
-        """Return the peer row of ``layout``, built and checked (valid per-name options) once per layout object: a
-        caller that keeps its layout (an FSDP unit) finds it by identity, in O(1); another object, even an
-        equal one (the monitor's rewritten options), builds it again."""
-        cached = self._shard_rows.get((layout.key, shard))
-        if cached is not None and cached.layout is layout:
-            return cached
-        slots, words, bits = [], 0, 0
-        for seg in layout.segments:
-            if not seg.numel:
-                continue  # nothing to send, nothing to average
-            if not seg.compress:
-                slots.append(_ShardSlot(seg, None, words, bits))
-            else:
-                try:
-                    opts = self.validate_options({**self.options, **seg.options})
-                except ValueError as exc:
-                    raise ValueError(f"onebit: shard layout {layout.key!r}, segment {seg.name!r}: {exc}") from None
-                shape = (seg.numel // seg.row, seg.row) if seg.row > 1 else (seg.numel,)
-                lay = row_layout(shape, opts["chunk_size"], pieces=1)
-                slots.append(_ShardSlot(seg, lay, words, bits, opts["scale"] == "norm", _exact_layout(lay)))
-            words += slots[-1].n_words
-            bits += slots[-1].n_bytes
-        row = 4 * words + bits
-        plan = self._shard_rows[(layout.key, shard)] = _ShardRows(layout, shard, slots, words, row + (-row) % 4)
-        return plan
+    # ------------------------------------------------------------------ the reduce-scatter form (onebit_shards)
 
     def _reduce_scatter(
         self, flat: torch.Tensor, out: torch.Tensor, step: int, meter: Meter, layout: ShardLayout
     ) -> Future[None]:
         w, shard = self.world_size, out.numel()
-        plan = self._shard_row(layout, shard)
-        if plan.residuals is not residual_state(self.feedback):
-            # Once per plan and per loaded checkpoint: a step's own updates keep the residuals' shapes.
-            compressed = (s.segment for s in plan.slots if s.layout is not None)
-            check_residuals("onebit", self.feedback, layout.key, compressed, w)
+        plan = self._shard_rows.plan(layout, shard)
+        if plan.residuals is not residual_state(self.feedback):  # once per plan and per loaded checkpoint
+            check_residuals("onebit", self.feedback, layout.key, plan.compressed(), w)
             plan.residuals = residual_state(self.feedback)
         executor = self._executor
         if executor is None:
@@ -598,92 +495,3 @@ class OneBitAlgorithm(FeedbackAlgorithm):
 
         stream = torch.cuda.current_stream(flat.device) if flat.device.type == "cuda" else None
         return self.guard.track(then(executor.submit(finish, stream), lambda _: None))
-
-    def _shard_residual(self, seg: Segment, device: torch.device) -> torch.Tensor:
-        """The segment's residual on ``device``, as ``(w, numel)`` (a zero one, kept, before its first step:
-        zeros are what a skipped first step leaves too)."""
-        res = self._residual_buffer(self.feedback, seg.name, residual_shape(seg, self.world_size), device)
-        return res.view(self.world_size, seg.numel)
-
-    def _shard_encode(self, plan: _ShardRows, x: torch.Tensor) -> torch.Tensor:
-        """Row ``r`` of the result: what this rank sends rank ``r`` for shard ``r`` of ``x`` (``(w, shard)``).
-
-        The residuals are read, not changed (:meth:`_shard_update` does that once the step is decided): each
-        segment is compensated in a temporary of that segment alone, freed once it is encoded."""
-        w = self.world_size
-
-        def fill(words: torch.Tensor, bits: torch.Tensor) -> None:
-            for slot in plan.slots:
-                seg, lay = slot.segment, slot.layout
-                xs = x[:, seg.offset : seg.offset + seg.numel]
-                sc = words[:, slot.words_at : slot.words_at + slot.n_words]
-                if lay is None:
-                    sc.copy_(xs)
-                    continue
-                bt = bits[:, slot.bits_at : slot.bits_at + slot.n_bytes]
-                res = self._shard_residual(seg, x.device)
-                if slot.exact:  # the fused kernel, one shard at a time, on a copy of the residual
-                    comp = res.clone()  # it leaves the updated residual there: :meth:`_shard_update` redoes it
-                    for r in range(w):
-                        kernels.onebit_feedback_encode(comp[r], xs[r], lay.chunk, slot.norm, bt[r], sc[r])
-                else:
-                    comp = res + xs
-                    for r in range(w):
-                        packed, scales = lay.encode_units(lay.to_units(comp[r]), slot.norm)
-                        sc[r] = scales
-                        bt[r] = packed
-                del comp
-
-        return encode_rows(w, plan.row_bytes, plan.words, x.device, fill)
-
-    def _shard_update(
-        self, plan: _ShardRows, x: torch.Tensor, send: torch.Tensor, bad: torch.Tensor | None
-    ) -> None:  # fmt: skip
-        """Every compressed segment's residual ``+= x``, ``-=`` the decode of the codes this rank sent
-        (``send``), unless ``bad`` (the step's verdict) is set: the bits of the fused kernel's update (and of
-        ``(residual + x) - decode(encode(residual + x))``), a sign's ``±scale`` being exact."""
-        if not plan.row_bytes:
-            return
-        words, bits = send.view(torch.float32)[:, : plan.words], send[:, 4 * plan.words :]
-        for slot in plan.slots:
-            seg, lay = slot.segment, slot.layout
-            if lay is None:
-                continue
-            sc = words[:, slot.words_at : slot.words_at + slot.n_words]
-            bt = bits[:, slot.bits_at : slot.bits_at + slot.n_bytes]
-
-            def subtract(res: torch.Tensor, lay: RowLayout = lay, sc: torch.Tensor = sc, bt: torch.Tensor = bt,
-                         exact: bool = slot.exact) -> None:  # fmt: skip
-                for r in range(res.shape[0]):
-                    if exact:
-                        res[r].sub_(kernels.onebit_decode(bt[r], sc[r], lay.numel, lay.chunk, torch.float32))
-                    else:
-                        local = lay.zero_padding_(lay.decode_units(bt[r], sc[r], lay.units))
-                        res[r].sub_(lay.from_units(local))
-
-            update_residual(self._shard_residual(seg, x.device), x[:, seg.offset : seg.offset + seg.numel], bad,
-                            subtract)  # fmt: skip
-
-    def _shard_decode(self, plan: _ShardRows, received: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
-        """The mean, in fp32 in rank order, of the ``w`` codes of this rank's shard, into ``out``; the flag of
-        a non-finite input on some rank (None: nothing received)."""
-        w = self.world_size
-
-        def fill(result: torch.Tensor, words: torch.Tensor, bits: torch.Tensor) -> None:
-            for slot in plan.slots:
-                seg, lay = slot.segment, slot.layout
-                sc = words[:, slot.words_at : slot.words_at + slot.n_words]
-                dst = result[seg.offset : seg.offset + seg.numel]
-                if lay is None:
-                    dst.copy_(mean_in_rank_order(sc))
-                    continue
-                bt = bits[:, slot.bits_at : slot.bits_at + slot.n_bytes]
-                parts = torch.empty(w, seg.numel, device=received.device)
-                for j in range(w):
-                    if slot.exact:
-                        kernels.onebit_decode(bt[j], sc[j], seg.numel, lay.chunk, torch.float32, out=parts[j])
-                    else:
-                        parts[j] = lay.from_units(lay.decode_units(bt[j], sc[j], lay.units))
-                dst.copy_(mean_in_rank_order(parts))
-
-        return decode_rows(self.guard, plan.shard, plan.row_bytes, plan.words, received, out, fill)

@@ -29,7 +29,7 @@ from sylvie_comm.config import UNCOMPRESSED, Config
 
 def _any_dtype(alg: Algorithm) -> str:
     """The registered algorithms that take gradients of every floating-point dtype, as a phrase."""
-    names = [n for n, c in alg.registered.items() if c.gradient_dtypes is None and not c.delegates]
+    names = [n for n, c in alg.registered.items() if c.record.gradient_dtypes is None and not c.record.delegates]
     return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
 
 
@@ -49,11 +49,11 @@ class Policy:
             self._check_rule(i, rule.match, rule.options)
         # The adaptive warm-up, where something compresses (a fork of the transport: a collective call).
         self.warmup: Warmup | None = None
-        if config.warmup == "auto" and not algorithm.rounds_only:
+        if config.warmup == "auto" and not algorithm.record.rounds_only:
             self.warmup = Warmup(algorithm.transport, config.warmup_steps, config.total_steps)
         # The compression-error monitor (a fork of the transport too), unless off or nothing is compressed.
         self.monitor: Monitor | None = None
-        if config.monitor["period"] > 0 and not algorithm.sends_raw:
+        if config.monitor["period"] > 0 and not algorithm.record.sends_raw:
             self.monitor = Monitor(algorithm, config.monitor, algorithm.transport, config.min_compression_rate,
                                    averages)  # fmt: skip
         elif (delegate := delegating(algorithm)) is not None:
@@ -63,13 +63,13 @@ class Policy:
         """A rule's options: known to the algorithm, allowed per name, and valid (as the base options are)."""
         alg = self.algorithm
         where = f"{alg.name}: rules[{i}] (match {match!r})"
-        unknown = sorted(set(options) - set(alg.option_defaults))
+        unknown = sorted(set(options) - set(alg.record.option_defaults))
         if unknown:
-            valid = ", ".join(sorted(alg.per_name_options)) or "none"
+            valid = ", ".join(sorted(alg.record.per_name_options)) or "none"
             raise ValueError(f"{where} sets unknown option(s) {', '.join(unknown)}; per-name options: {valid}")
-        fixed = sorted(set(options) - alg.per_name_options)
+        fixed = sorted(set(options) - alg.record.per_name_options)
         if fixed:
-            valid = ", ".join(sorted(alg.per_name_options)) or "none"
+            valid = ", ".join(sorted(alg.record.per_name_options)) or "none"
             raise ValueError(
                 f"{where} sets {', '.join(fixed)}, which holds for the whole run and cannot differ per "
                 f"parameter; per-name options of {alg.name}: {valid}"
@@ -180,9 +180,9 @@ class Policy:
                 "data parallel"
             )
         alg = self.algorithm
-        if step >= self.config.warmup_steps or not alg.shards:  # (the algorithm refuses if it has no form)
+        if step >= self.config.warmup_steps or not alg.record.shards:  # (the algorithm refuses if it has no form)
             c = step - self.config.warmup_steps
-            if self.monitor is not None and alg.shards:
+            if self.monitor is not None and alg.record.shards:
                 checked = alg.check_reduce_scatter(flat, out, layout)
                 meter = meter if meter is not None else Meter(alg.world_size)
                 return self.monitor.around_shards(flat, out, checked, c, meter,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from sylvie_comm import kernels
 from sylvie_comm.algorithms.base import Group
 from sylvie_comm.algorithms.guard import nonfinite, poison
-from sylvie_comm.algorithms.lowrank import Factors, LowRankAlgorithm
+from sylvie_comm.algorithms.lowrank import LOW_RANK, Factors, LowRankAlgorithm
 from sylvie_comm.codecs import lowrank
 from sylvie_comm.collectives import Meter
 
@@ -31,8 +33,7 @@ class PowerSGDAlgorithm(LowRankAlgorithm):
     """
 
     name = "powersgd"
-    needs_monitor = True  # lost accuracy at its defaults on the real workloads (docs/benchmarks/quality.md)
-    serial = True
+    record = replace(LOW_RANK, serial=True)
     alternate = False
 
     def _prepare(self, group: Group, layout: Factors, step: int, meter: Meter) -> None:

@@ -6,7 +6,7 @@ import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -14,7 +14,10 @@ from sylvie_comm import kernels
 from sylvie_comm.algorithms.base import Future, Group, Member, Segment, ShardLayout, then
 from sylvie_comm.algorithms.feedback import FeedbackAlgorithm, kinds_of
 from sylvie_comm.algorithms.guard import nonfinite, poison
+from sylvie_comm.algorithms.record import Record
 from sylvie_comm.algorithms.shard_rows import (
+    RowPlan,
+    RowPlanner,
     StepVerdict,
     check_residuals,
     decode_rows,
@@ -23,6 +26,7 @@ from sylvie_comm.algorithms.shard_rows import (
     residual_state,
     update_residual,
 )
+from sylvie_comm.codecs.base import SUPPORTED_DTYPES
 from sylvie_comm.codecs.quant import QBitCodec
 from sylvie_comm.collectives import Meter, Transport
 from sylvie_comm.kernels.reference import mean_in_rank_order, packed_cols
@@ -160,19 +164,7 @@ class _Piece:
     raw_at: int = 0
 
 
-@dataclass
-class _ShardRow:
-    """What each rank sends each peer for a layout: ``words`` fp32 words (scales, minimums and the raw segments'
-    values), then the packed values, padded to whole words. Built once per layout object (the segments' options
-    checked there); ``residuals`` is the residual mapping its segments' residuals were checked in
-    (:func:`~sylvie_comm.algorithms.shard_rows.residual_state`; None: not yet)."""
-
-    layout: ShardLayout
-    shard: int
-    pieces: list[_Piece]
-    words: int
-    row_bytes: int
-    residuals: object = None
+_Plan = RowPlan[_Piece]  # a layout's peer row: a piece per segment
 
 
 class QSGDAlgorithm(FeedbackAlgorithm):
@@ -220,12 +212,10 @@ class QSGDAlgorithm(FeedbackAlgorithm):
     """
 
     name = "qsgd"
-    codec_name = "qbit"
-    option_defaults: ClassVar[dict[str, Any]] = {"bits": 4, "error_feedback": True, "block": 1}
-    per_name_options: ClassVar[frozenset[str]] = frozenset({"bits"})
-    legacy_state_keys: ClassVar[frozenset[str]] = frozenset({"offset"})  # a noise position, now set by the step
-    shards = True
-    averages_momentum = True
+    record = Record(codec_name="qbit", option_defaults={"bits": 4, "error_feedback": True, "block": 1},
+                    per_name_options=frozenset({"bits"}), collective="all_gather", error_feedback=True,
+                    gradient_dtypes=SUPPORTED_DTYPES, no_shards_reason=None, averages_momentum=True,
+                    legacy_state_keys=frozenset({"offset"}))  # a noise position, now set by the step  # fmt: skip
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         super().__init__(transport, options, seed=seed)
@@ -236,7 +226,10 @@ class QSGDAlgorithm(FeedbackAlgorithm):
         self.error_feedback = self.feedback_on
         self.block: int = self.options["block"]
         self._codecs: dict[str, QBitCodec] = {}
-        self._shard_rows: dict[tuple[str, int], _ShardRow] = {}
+        # the peer rows by (layout key, shard size)
+        self._shard_rows: RowPlanner[_Piece] = RowPlanner(
+            "qsgd", lambda opts: self.validate_options({**self.options, **opts}), self._place_segment
+        )
         self._shard_verdict = StepVerdict()
 
     @classmethod
@@ -263,10 +256,6 @@ class QSGDAlgorithm(FeedbackAlgorithm):
             return {"bits": BITS[i + 1]} if i + 1 < len(BITS) else None
         low = max(2, int((floor or options).get("bits", self.bits)) // 2)
         return {"bits": BITS[i - 1]} if i > 0 and BITS[i - 1] >= low else None
-
-    @classmethod
-    def wire_bytes_per_element(cls, options: Mapping[str, Any]) -> float:
-        return int(options.get("bits", cls.option_defaults["bits"])) / 8  # ``bits`` per element (scales aside)
 
     def _codec(self, name: str, bits: int) -> QBitCodec:
         codec = self._codecs.get(name)
@@ -413,52 +402,35 @@ class QSGDAlgorithm(FeedbackAlgorithm):
 
     # ------------------------------------------------------------------ the reduce-scatter form
 
-    def _shard_row(self, layout: ShardLayout, shard: int) -> _ShardRow:
-        """Return the peer row of ``layout``, built and checked (valid per-name options) once per layout object: a
-        caller that keeps its layout (an FSDP unit) finds it by identity, in O(1); another object, even an
-        equal one (the monitor's rewritten options), builds it again."""
-        cached = self._shard_rows.get((layout.key, shard))
-        if cached is not None and cached.layout is layout:
-            return cached
-        pieces, words, packed = [], 0, 0
-        for seg in layout.segments:
-            if not seg.numel:
-                continue  # nothing to send, nothing to average
-            if not seg.compress:
-                pieces.append(_Piece(seg, 0, [], words))
-                words += seg.numel
-                continue
-            try:
-                bits = int(self.validate_options({**self.options, **seg.options})["bits"])
-            except ValueError as exc:
-                raise ValueError(f"qsgd: shard layout {layout.key!r}, segment {seg.name!r}: {exc}") from None
-            if seg.row > 1:
-                shapes = [(0, *merged_rows(seg.numel // seg.row, seg.row, self.block))]
-            else:  # rows of one element: blocks of BLOCK (or the option's, if larger), then the rest
-                size = max(BLOCK, self.block)
-                full, rest = divmod(seg.numel, size)
-                shapes = [(0, full, size)] if full else []
-                shapes += [(full * size, 1, rest)] if rest else []
-            blocks = []
-            for at, rows, cols in shapes:
-                blocks.append(_Blocks(at, rows, cols, words, packed, packed_cols(cols, bits)))
-                words += 2 * rows
-                packed += blocks[-1].packed_bytes
-            pieces.append(_Piece(seg, bits, blocks))
-        row = 4 * words + packed
-        plan = self._shard_rows[(layout.key, shard)] = _ShardRow(layout, shard, pieces, words, row + (-row) % 4)
-        return plan
+    def _place_segment(
+        self, seg: Segment, opts: dict[str, Any] | None, words: int, packed: int
+    ) -> tuple[_Piece, int, int]:
+        """A segment's piece of the peer row (:class:`~sylvie_comm.algorithms.shard_rows.RowPlanner`'s placement):
+        its blocks' scales, minimums and packed values, or (``opts`` None, uncompressed) its fp32 values."""
+        if opts is None:
+            return _Piece(seg, 0, [], words), words + seg.numel, packed
+        bits = int(opts["bits"])
+        if seg.row > 1:
+            shapes = [(0, *merged_rows(seg.numel // seg.row, seg.row, self.block))]
+        else:  # rows of one element: blocks of BLOCK (or the option's, if larger), then the rest
+            size = max(BLOCK, self.block)
+            full, rest = divmod(seg.numel, size)
+            shapes = [(0, full, size)] if full else []
+            shapes += [(full * size, 1, rest)] if rest else []
+        blocks = []
+        for at, rows, cols in shapes:
+            blocks.append(_Blocks(at, rows, cols, words, packed, packed_cols(cols, bits)))
+            words += 2 * rows
+            packed += blocks[-1].packed_bytes
+        return _Piece(seg, bits, blocks), words, packed
 
     def _reduce_scatter(
         self, flat: torch.Tensor, out: torch.Tensor, step: int, meter: Meter, layout: ShardLayout
     ) -> Future[None]:
         w, shard = self.world_size, out.numel()
-        plan = self._shard_row(layout, shard)
-        if self.feedback_on and plan.residuals is not residual_state(self.feedback):
-            # Once per plan and per loaded checkpoint: a step's own updates keep the residuals' shapes.
-            check_residuals(
-                "qsgd", self.feedback, layout.key, (p.segment for p in plan.pieces if p.segment.compress), w
-            )
+        plan = self._shard_rows.plan(layout, shard)
+        if self.feedback_on and plan.residuals is not residual_state(self.feedback):  # once per plan and checkpoint
+            check_residuals("qsgd", self.feedback, layout.key, plan.compressed(), w)
             plan.residuals = residual_state(self.feedback)
         self.guard.begin(step)
         x = flat.view(w, shard)
@@ -486,7 +458,7 @@ class QSGDAlgorithm(FeedbackAlgorithm):
             res = self.feedback.update(seg.name, zero, zero)
         return res
 
-    def _shard_encode(self, plan: _ShardRow, x: torch.Tensor, step: int) -> torch.Tensor:
+    def _shard_encode(self, plan: _Plan, x: torch.Tensor, step: int) -> torch.Tensor:
         """Row ``r`` of the result: what this rank sends rank ``r`` for shard ``r`` of ``x`` (``(w, shard)``).
 
         The residuals are read, not changed (:meth:`_shard_update` does that once the step is decided): each
@@ -530,7 +502,7 @@ class QSGDAlgorithm(FeedbackAlgorithm):
             piece.bits, b.cols, torch.float32,
         )  # fmt: skip
 
-    def _shard_update(self, plan: _ShardRow, x: torch.Tensor, send: torch.Tensor, bad: torch.Tensor | None) -> None:
+    def _shard_update(self, plan: _Plan, x: torch.Tensor, send: torch.Tensor, bad: torch.Tensor | None) -> None:
         """Every segment's residual ``+= x``, ``-=`` the decode of the codes this rank sent (``send``), unless
         ``bad`` (the step's verdict) is set: the bits of ``(residual + x) - decode(encode(residual + x))``."""
         if not plan.row_bytes:
@@ -550,7 +522,7 @@ class QSGDAlgorithm(FeedbackAlgorithm):
             res = self._shard_residual(seg, x.device).view(w, seg.numel)
             update_residual(res, x[:, seg.offset : seg.offset + seg.numel], bad, subtract)
 
-    def _shard_decode(self, plan: _ShardRow, received: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+    def _shard_decode(self, plan: _Plan, received: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
         """The mean, in fp32 in rank order, of the ``w`` codes of this rank's shard, into ``out``; the flag of
         a non-finite input on some rank (None: nothing received)."""
         w = self.world_size

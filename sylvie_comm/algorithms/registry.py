@@ -1,9 +1,10 @@
 """The algorithms by name (their part of the one namespace, :mod:`sylvie_comm.registry`).
 
-:data:`ALGORITHMS` is the one list of them; what an algorithm can do is on its class (``shards``,
-``wire_bytes``, ``averages_momentum``, ``low_rank``, ...), and every list of algorithms elsewhere is read from
-the two. The base class sees the list as :attr:`Algorithm.registered <sylvie_comm.algorithms.base.Algorithm>`,
-set here: the modules this one imports read it without importing it back.
+:data:`ALGORITHMS` is the one list of them; what an algorithm can do is declared in its class's record
+(:class:`~sylvie_comm.algorithms.record.Record`: ``shards``, ``payload_per_element``, ``averages_momentum``,
+``low_rank``, ...), and every list of algorithms elsewhere is read from the two. The base class sees the list
+as :attr:`Algorithm.registered <sylvie_comm.algorithms.base.Algorithm>`, set here: the modules this one imports
+read it without importing it back.
 """
 
 from __future__ import annotations

@@ -12,12 +12,14 @@ copy of a whole unit within one (the compensated values live in a temporary of o
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 from sylvie_comm import kernels
-from sylvie_comm.algorithms.base import Segment
+from sylvie_comm.algorithms.base import Segment, ShardLayout
 from sylvie_comm.algorithms.guard import StepGuard, nonfinite, poison
 from sylvie_comm.codecs import ErrorFeedback
 
@@ -46,6 +48,73 @@ def residual_state(feedback: ErrorFeedback) -> object:
     updates and resets keep it and write residuals of the layout's shapes (or none), so a plan checked once in
     this mapping needs no check at the next step."""
     return feedback._residuals
+
+
+class _Piece(Protocol):
+    segment: Segment
+
+
+P = TypeVar("P", bound=_Piece)
+# How a form places a segment in the row: ``(segment, its options checked, None where it travels uncompressed, fp32
+# words before it, code bytes before it) -> (its piece, the words and code bytes after it)``.
+Place = Callable[[Segment, "dict[str, Any] | None", int, int], "tuple[P, int, int]"]
+
+
+@dataclass(eq=False)
+class RowPlan(Generic[P]):
+    """A layout's peer row: ``words`` fp32 words (scales, minimums, the uncompressed segments' values), then the
+    codes, padded to whole words: a piece per segment with values. ``residuals`` is the residual mapping its
+    segments' residuals were checked in (:func:`residual_state`; None: not yet)."""
+
+    layout: ShardLayout
+    shard: int
+    pieces: list[P]
+    words: int
+    row_bytes: int
+    residuals: object = None
+
+    def compressed(self) -> Iterator[Segment]:
+        """The compressed segments (those that keep a residual), in order."""
+        return (p.segment for p in self.pieces if p.segment.compress)
+
+
+class RowPlanner(dict[tuple[str, int], RowPlan[P]]):
+    """The row plans of one algorithm's reduce-scatter form, by (layout key, shard size), each built and checked
+    (valid per-name options) once per layout object: a caller that keeps its layout (an FSDP unit) finds it by
+    identity, in O(1); another object, even an equal one (the monitor's rewritten options), builds it again.
+
+    Args:
+        name: the algorithm's, for messages.
+        options: a segment's per-name options -> the options it runs with (a ValueError where one is invalid).
+        place: the form's placement of one segment (:data:`Place`).
+    """
+
+    def __init__(self, name: str, options: Callable[[Mapping[str, Any]], dict[str, Any]], place: Place[P]) -> None:
+        self.name = name
+        self._options = options
+        self._place = place
+
+    def plan(self, layout: ShardLayout, shard: int) -> RowPlan[P]:
+        """The plan of ``layout`` for shards of ``shard`` elements."""
+        cached = self.get((layout.key, shard))
+        if cached is not None and cached.layout is layout:
+            return cached
+        pieces: list[P] = []
+        words = codes = 0
+        for seg in layout.segments:
+            if not seg.numel:
+                continue  # nothing to send, nothing to average
+            opts = None
+            if seg.compress:
+                try:
+                    opts = self._options(seg.options)
+                except ValueError as exc:
+                    raise ValueError(f"{self.name}: shard layout {layout.key!r}, segment {seg.name!r}: {exc}") from None
+            piece, words, codes = self._place(seg, opts, words, codes)
+            pieces.append(piece)
+        row = 4 * words + codes
+        plan = self[(layout.key, shard)] = RowPlan(layout, shard, pieces, words, row + (-row) % 4)
+        return plan
 
 
 def encode_rows(
@@ -127,6 +196,8 @@ def update_residual(
 
 
 __all__ = [
+    "RowPlan",
+    "RowPlanner",
     "StepVerdict",
     "check_residuals",
     "decode_rows",

@@ -5,13 +5,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from sylvie_comm.algorithms.base import Future, Group, Member, then
 from sylvie_comm.algorithms.feedback import FeedbackAlgorithm, kinds_of
 from sylvie_comm.algorithms.guard import nonfinite, poison
+from sylvie_comm.algorithms.record import Record
+from sylvie_comm.codecs.base import SUPPORTED_DTYPES
 from sylvie_comm.codecs.sign import SignCodec, scale_span
 from sylvie_comm.collectives import Meter, Transport
 
@@ -41,12 +43,9 @@ class SignAlgorithm(FeedbackAlgorithm):
     """
 
     name = "sign"
-    needs_monitor = True  # lost accuracy at its defaults on the real workloads (docs/benchmarks/quality.md)
-    codec_name = "sign"
-    option_defaults: ClassVar[dict[str, Any]] = {"scale": "norm"}
-    per_name_options: ClassVar[frozenset[str]] = frozenset({"scale"})
-    wire_bytes = 1 / 8  # a vote per element, counted as one bit
-    averages_momentum = True
+    record = Record(codec_name="sign", option_defaults={"scale": "norm"}, per_name_options=frozenset({"scale"}),
+                    averages_momentum=True, error_feedback=True, gradient_dtypes=SUPPORTED_DTYPES,
+                    needs_monitor=True)  # fmt: skip
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         super().__init__(transport, options, seed=seed)

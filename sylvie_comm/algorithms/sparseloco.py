@@ -7,14 +7,16 @@ import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from sylvie_comm.algorithms.base import Future, Group, Member, then
 from sylvie_comm.algorithms.feedback import FeedbackAlgorithm
 from sylvie_comm.algorithms.guard import nonfinite, poison
+from sylvie_comm.algorithms.record import Record
 from sylvie_comm.codecs import sparse
+from sylvie_comm.codecs.base import SUPPORTED_DTYPES
 from sylvie_comm.codecs.sparse import MAX_CHUNK, ROUNDINGS, ChunkPlan
 from sylvie_comm.collectives import Meter, Transport
 
@@ -43,8 +45,14 @@ class _Row:
 def row_bytes(plans: list[ChunkPlan]) -> int:
     """Bytes one rank sends per step (all-gather input) for tensors of these plans: their metadata, their packed
     offsets and codes, padded to whole 4-byte words."""
-    total = sum(p.wire_bytes for p in plans)
+    total = sum(p.payload_bytes for p in plans)
     return total + (-total % 4)
+
+
+def payload_per_element(options: Mapping[str, Any]) -> float:
+    """Per element of a large tensor: per kept value its offset and 2 bits, per chunk two fp32 magnitudes."""
+    chunk, density = int(options["chunk"]), float(options["density"])
+    return ChunkPlan.of(chunk, chunk, density).payload_bytes / chunk
 
 
 class SparseLoCoAlgorithm(FeedbackAlgorithm):
@@ -69,11 +77,14 @@ class SparseLoCoAlgorithm(FeedbackAlgorithm):
     """
 
     name = "sparseloco"
-    codec_name = None  # its own format: an all-gather of each rank's selection
-    option_defaults: ClassVar[dict[str, Any]] = {
-        "density": 1 / 64, "chunk": 4096, "decay": 0.95, "rounding": "deterministic",
-    }  # fmt: skip
-    no_shards_reason = "each rank selects its own entries, so the ranks' selections are all-gathered whole"
+    record = Record(
+        payload=payload_per_element,
+        collective="all_gather",
+        error_feedback=True,
+        gradient_dtypes=SUPPORTED_DTYPES,
+        option_defaults={"density": 1 / 64, "chunk": 4096, "decay": 0.95, "rounding": "deterministic"},
+        no_shards_reason="each rank selects its own entries, so the ranks' selections are all-gathered whole",
+    )  # its own format: an all-gather of each rank's selection
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         super().__init__(transport, options, seed=seed)
@@ -100,20 +111,12 @@ class SparseLoCoAlgorithm(FeedbackAlgorithm):
             raise ValueError(f"sparseloco: rounding must be one of {', '.join(ROUNDINGS)}, got {rounding!r}")
         return out
 
-    @classmethod
-    def wire_bytes_per_element(cls, options: Mapping[str, Any]) -> float:
-        """Per element of a large tensor: per kept value its offset and 2 bits, per chunk two fp32 magnitudes."""
-        opts = {**cls.option_defaults, **options}
-        chunk, density = int(opts["chunk"]), float(opts["density"])
-        plan = ChunkPlan.of(chunk, chunk, density)
-        return plan.wire_bytes / chunk
-
     def compression_rate(self, shape: torch.Size | tuple[int, ...], options: Mapping[str, Any]) -> float:
         numel = math.prod(shape)
         if numel == 0:
             return math.inf
         opts = {**self.options, **options}
-        return 4 * numel / ChunkPlan.of(numel, int(opts["chunk"]), float(opts["density"])).wire_bytes
+        return 4 * numel / ChunkPlan.of(numel, int(opts["chunk"]), float(opts["density"])).payload_bytes
 
     def _build(self, group: Group) -> _Row:
         parts, meta, packed = [], 0, 0

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from sylvie_comm.algorithms.base import Future, Group, Member, then
 from sylvie_comm.algorithms.feedback import FeedbackAlgorithm, kinds_of
 from sylvie_comm.algorithms.guard import nonfinite, poison
+from sylvie_comm.algorithms.record import Record
+from sylvie_comm.codecs.base import SUPPORTED_DTYPES
 from sylvie_comm.codecs.topk import MAX_INDEX, TopKCodec, topk_count
 from sylvie_comm.collectives import Meter, Transport
 
@@ -41,11 +43,9 @@ class TopKAlgorithm(FeedbackAlgorithm):
     """
 
     name = "topk"
-    needs_monitor = True  # lost accuracy at its defaults on the real workloads (docs/benchmarks/quality.md)
-    codec_name = "topk"
-    option_defaults: ClassVar[dict[str, Any]] = {"ratio": 0.1}
-    per_name_options: ClassVar[frozenset[str]] = frozenset({"ratio"})
-    averages_momentum = True
+    record = Record(codec_name="topk", option_defaults={"ratio": 0.1}, per_name_options=frozenset({"ratio"}),
+                    collective="all_gather", averages_momentum=True, error_feedback=True,
+                    gradient_dtypes=SUPPORTED_DTYPES, needs_monitor=True)  # fmt: skip
 
     def __init__(self, transport: Transport, options: Mapping[str, Any] | None = None, *, seed: int = 0) -> None:
         super().__init__(transport, options, seed=seed)
@@ -70,10 +70,6 @@ class TopKAlgorithm(FeedbackAlgorithm):
         low = float((floor or options).get("ratio", self.codec.ratio)) / 2
         new = max(ratio / 2, low)
         return None if new >= ratio else {"ratio": new}
-
-    @classmethod
-    def wire_bytes_per_element(cls, options: Mapping[str, Any]) -> float:
-        return 8.0 * float(options.get("ratio", cls.option_defaults["ratio"]))  # an fp32 value, an int32 index
 
     @classmethod
     def validate_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:

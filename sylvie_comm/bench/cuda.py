@@ -520,7 +520,7 @@ def measure(
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     say = progress or (lambda _: None)
-    defaults = OneBitAlgorithm.option_defaults
+    defaults = OneBitAlgorithm.record.option_defaults
     setting = Setting(dev, rank, defaults["chunk_size"], defaults["scale"] == "norm", parts=4)
     clock = Clock(dev, repeats)
     large = Size(rows, cols, batch=3, flush=True)

@@ -73,7 +73,10 @@ FSDP_ROWS: dict[str, str] = {
 # Ours: the algorithms with a reduce-scatter form, from the most wire bytes per element to the fewest (the registry's
 # order among equals), so the table reads from the least compressed to the most.
 OURS = tuple(
-    sorted((n for n, cls in ALGORITHMS.items() if cls.shards), key=lambda n: -ALGORITHMS[n].wire_bytes_per_element({}))
+    sorted(
+        (n for n, cls in ALGORITHMS.items() if cls.record.shards),
+        key=lambda n: -ALGORITHMS[n].record.payload_per_element({}),
+    )
 )
 BOUND = "no-comm"
 ROWS = (*FSDP_ROWS, *OURS, BOUND)
@@ -369,7 +372,7 @@ def record(raw: dict[str, list[list[dict[str, Any]]]], units: Units, *, link: st
         if not lab_info["shaped"] and "skipped" not in rec:
             rec["eth0_tx_bytes_per_step"] = None  # loopback: the host's eth0 carries none of it
     baseline = speedups(out)
-    options = {n: {**ALGORITHMS[n].option_defaults, "warmup_steps": HOOK_WARMUP} for n in raw if n in ALGORITHMS}
+    options = {n: {**ALGORITHMS[n].record.option_defaults, "warmup_steps": HOOK_WARMUP} for n in raw if n in ALGORITHMS}
     return {
         "benchmark": "fsdp-link",
         "command": shlex.join(sys.argv),

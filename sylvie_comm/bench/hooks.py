@@ -49,7 +49,7 @@ from sylvie_comm.bench.kit import bench_device, machine, write_record
 from sylvie_comm.bench.timing import sync
 
 # Every algorithm with an encoding of its own (``auto`` runs one of these per bucket).
-OURS = tuple(name for name, cls in ALGORITHMS.items() if not cls.delegates)
+OURS = tuple(name for name, cls in ALGORITHMS.items() if not cls.record.delegates)
 PARTS = ("ddp", "fsdp", "halo", "step")
 CPU_PARTS = ("ddp", "fsdp", "halo")  # the parts run on the CPU unless --only names them: ``step`` on CUDA only
 

@@ -271,7 +271,7 @@ def run(
     elif warmup < HOOK_WARMUP + 1:  # as for the DDP hooks: the compressed rows' warm-up must not be measured
         hvd_rows = [n for n in hvd_rows if n in ("hvd-fp32", "hvd-fp16")]
     params = sum(p.numel() for p in WORKLOADS[model].model(0).parameters())
-    auto = ALGORITHMS["auto"].option_defaults
+    auto = ALGORITHMS["auto"].record.option_defaults
     autos = sum(parse_spec(n)[0] == "auto" for n in names)
     probes = autos * auto["probe_steps"] * len({"none", *auto["candidates"]})
     total = rounds * ((len(names) + len(hvd_rows)) * (warmup + steps) + probes)

@@ -50,7 +50,7 @@ def one_shot_removed(hook: str, options: Mapping[str, Any], g: torch.Tensor) -> 
     from sylvie_comm.codecs import get_codec
 
     cls = ALGORITHMS.get(hook)
-    low_rank = cls is not None and cls.low_rank
+    low_rank = cls is not None and cls.record.low_rank
     if g.dim() < 2 and low_rank:
         return None
     energy = float(g.pow(2).sum())

@@ -84,7 +84,9 @@ MONITOR_NOTE = (
 
 def feedback_codecs() -> tuple[str, ...]:
     """Our algorithms that encode with a codec and keep an error-feedback residual (read from their classes)."""
-    return tuple(n for n in hooks.OURS if ALGORITHMS[n].error_feedback and ALGORITHMS[n].codec_name is not None)
+    return tuple(
+        n for n in hooks.OURS if ALGORITHMS[n].record.error_feedback and ALGORITHMS[n].record.codec_name is not None
+    )
 
 
 def one_process_rows() -> tuple[str, ...]:

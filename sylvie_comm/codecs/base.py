@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+LARGE = (1024, 4096)  # a large tensor, where a payload's per-tensor and per-row overhead is small
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,8 @@ class Codec(abc.ABC):
     Subclasses set ``name``, ``allreduce_compatible`` (whether payloads of
     several workers can be summed element-wise on the wire and decoded once,
     giving the sum of the decoded tensors) and implement ``_encode``,
-    ``decode`` and ``wire_bytes``.
+    ``decode`` and ``payload_bytes``; :meth:`payload_per_element` is measured on a large tensor unless the codec
+    declares it (the registered ones do: it is what the algorithms that encode with them are sized by).
     """
 
     name: ClassVar[str]
@@ -116,8 +118,21 @@ class Codec(abc.ABC):
         """
 
     @abc.abstractmethod
+    def payload_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
+        """Exact payload bytes for a tensor of this shape and dtype, without encoding it (what
+        :attr:`Encoded.nbytes` counts once it is encoded)."""
+
     def wire_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
-        """Exact payload bytes for a tensor of this shape and dtype, without encoding it."""
+        """:meth:`payload_bytes` under its earlier name (a payload's traffic on the wire depends on the collective
+        that carries it: :func:`sylvie_comm.collectives.wire_bytes`)."""
+        return self.payload_bytes(shape, dtype)
+
+    def payload_per_element(self, dtype: torch.dtype = torch.float32) -> float:
+        """Payload bytes per element of a large tensor of ``dtype``, its scales and headers aside: what sizing
+        reads before anything is encoded. Measured here on a ``(1024, 4096)`` tensor (its per-row overhead
+        included); a codec whose figure is exact declares it."""
+        rows, cols = LARGE
+        return self.payload_bytes((rows, cols), dtype) / (rows * cols)
 
     def row_bytes(self, features: int, dtype: torch.dtype = torch.float32) -> int:
         """Bytes per row when ``(rows, features)`` tensors travel as uint8 rows (see :meth:`to_rows`)."""

@@ -52,8 +52,11 @@ class IdentityCodec(_RowCast):
         (payload,) = encoded.payload
         return finish(payload.to(encoded.ctx.dtype), encoded.ctx, out)
 
-    def wire_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
+    def payload_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
         return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+    def payload_per_element(self, dtype: torch.dtype = torch.float32) -> float:
+        return float(torch.empty((), dtype=dtype).element_size())  # the values as they are
 
 
 class CastCodec(_RowCast):
@@ -95,8 +98,11 @@ class CastCodec(_RowCast):
             result = result.mul_(self.divide_by) if result is not wire else result * self.divide_by
         return finish(result, encoded.ctx, out)
 
-    def wire_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
+    def payload_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
         return math.prod(shape) * 2
+
+    def payload_per_element(self, dtype: torch.dtype = torch.float32) -> float:
+        return 2.0  # a 16-bit float per element
 
 
 class Fp16Codec(CastCodec):

@@ -193,9 +193,12 @@ class OneBitCodec(Codec):
         flat = kernels.onebit_decode(packed, scales, meta.numel, self.chunk_size, meta.dtype)
         return finish(flat, meta, out)
 
-    def wire_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
+    def payload_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
         lay = self.layout(shape)
         if lay is not None:
             return lay.units * (lay.width // 8 + 4 * lay.nchunks)
         n = math.prod(shape)
         return (n + 7) // 8 + 4 * ((n + self.chunk_size - 1) // self.chunk_size)
+
+    def payload_per_element(self, dtype: torch.dtype = torch.float32) -> float:
+        return 1 / 8  # a sign bit per element (the chunks' fp32 scales aside)

@@ -160,8 +160,11 @@ class QBitCodec(Codec):
         payload = (wire[:, 2 * mb :], meta[:, 0], meta[:, 1])
         return Encoded(payload, TensorMeta(torch.Size((rows, features)), dtype, wire.device))
 
-    def wire_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
+    def payload_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
         meta_bytes = 4 if self.meta_dtype == "fp32" else 2
         return sum(
             rows * (packed_cols(cols, self.bits) + 2 * meta_bytes) for rows, cols in row_layout(shape, self.row_size)
         )
+
+    def payload_per_element(self, dtype: torch.dtype = torch.float32) -> float:
+        return self.bits / 8  # ``bits`` per element (each row's scale and minimum aside)

@@ -71,6 +71,9 @@ class SignCodec(Codec):
         result = torch.sign(signs.to(torch.float32)).mul_(per_element).to(meta.dtype)
         return finish(result, meta, out)
 
-    def wire_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
+    def payload_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
         n = math.prod(shape)
         return n + 4 * max(math.ceil(n / scale_span(shape)), 1)
+
+    def payload_per_element(self, dtype: torch.dtype = torch.float32) -> float:
+        return 1.0  # an int8 vote per element, so that the ranks' votes add up on the wire (the scales aside)

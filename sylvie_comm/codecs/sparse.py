@@ -66,7 +66,7 @@ class ChunkPlan:
         return -(-self.kept * 2 // 8)
 
     @property
-    def wire_bytes(self) -> int:
+    def payload_bytes(self) -> int:
         return self.meta_bytes + self.offset_bytes + self.code_bytes
 
 

@@ -56,6 +56,9 @@ class TopKCodec(Codec):
         flat.index_put_((idx.long(),), values.to(meta.dtype), accumulate=True)
         return finish(flat, meta, out)
 
-    def wire_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
+    def payload_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
         k = topk_count(math.prod(shape), self.ratio)
         return k * (torch.empty((), dtype=dtype).element_size() + 4)
+
+    def payload_per_element(self, dtype: torch.dtype = torch.float32) -> float:
+        return self.ratio * (torch.empty((), dtype=dtype).element_size() + 4)  # a value and an int32 index each

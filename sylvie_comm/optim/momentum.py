@@ -47,7 +47,7 @@ from sylvie_comm.config import Config
 
 # The algorithms that average the momentum (``averages_momentum``: error feedback, casts, plain fp32), sorted.
 # The low-rank ones and auto are gradient algorithms only.
-MOMENTUM_CODECS = tuple(sorted(name for name, cls in ALGORITHMS.items() if cls.averages_momentum))
+MOMENTUM_CODECS = tuple(sorted(name for name, cls in ALGORITHMS.items() if cls.record.averages_momentum))
 PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # One payload slot: "momentum" (this rank's momentum, averaged by the algorithm) or "gradient" (this rank's gradient,

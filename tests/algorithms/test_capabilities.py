@@ -1,13 +1,15 @@
-"""What an algorithm can do is on its class, and every list of algorithms elsewhere is read from the registry.
+"""What an algorithm can do is declared in its class's record, and every list of algorithms elsewhere is read from
+the registry.
 
-The classes declare their wire bytes per element, whether they average a momentum, whether they send low-rank
-factors, their reduce-scatter form or why they have none; these tests pin the figures the integrations and
-benchmarks used before they read them from the classes, and check that what reads them follows the classes.
+The records declare their bytes per element (their codec's), whether they average a momentum, whether they send
+low-rank factors, their reduce-scatter form or why they have none; these tests pin the figures the integrations and
+benchmarks read, and check that what reads them follows the records.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,6 +18,8 @@ import torch
 
 from sylvie_comm.algorithms import ALGORITHMS, Algorithm, make_algorithm
 from sylvie_comm.algorithms.delegating import takes_rank
+from sylvie_comm.algorithms.record import Record
+from sylvie_comm.codecs import get_codec
 from sylvie_comm.collectives.local import run_local
 from sylvie_comm.optim.momentum import MOMENTUM_CODECS, check_codec
 
@@ -46,30 +50,59 @@ def test_the_reduce_scatter_refusal_is_the_class_reason_and_names_the_registered
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     for name, cls in ALGORITHMS.items():
-        assert cls.shards or cls.no_shards_reason.strip(), name
-    assert ALGORITHMS["acpsgd"].no_shards_reason == ALGORITHMS["powersgd"].no_shards_reason
-    assert "replica all-reduce of HSDP" in ALGORITHMS["acpsgd"].no_shards_reason
-    monkeypatch.setattr(ALGORITHMS["sign"], "no_shards_reason", "a reason of its own")
-    monkeypatch.setattr(ALGORITHMS["topk"], "shards", True)  # another form: the list follows the classes
+        assert cls.record.shards or str(cls.record.no_shards_reason).strip(), name
+    assert ALGORITHMS["acpsgd"].record.no_shards_reason == ALGORITHMS["powersgd"].record.no_shards_reason
+    assert "replica all-reduce of HSDP" in str(ALGORITHMS["acpsgd"].record.no_shards_reason)
+    declare(monkeypatch, "sign", no_shards_reason="a reason of its own")
+    declare(monkeypatch, "topk", no_shards_reason=None)  # another form: the list follows the records
     said = _refusal("sign")
     assert said == "sign: no reduce-scatter form (a reason of its own); algorithms with one: " + ", ".join(
         ["none", "fp16", "bf16", "topk", "onebit", "qsgd"]
     )
 
 
-# The bytes per element the Horovod optimizer sized its fusion groups with, by algorithm, at each one's defaults.
-WIRE_BYTES = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "sign": 1 / 8, "onebit": 1 / 8, "topk": 0.8, "qsgd": 0.5,
-              "auto": 4.0}  # fmt: skip
+def declare(monkeypatch: pytest.MonkeyPatch, name: str, **fields: Any) -> None:
+    """Algorithm ``name`` declares ``fields`` otherwise, for one test."""
+    cls = ALGORITHMS[name]
+    monkeypatch.setattr(cls, "record", replace(cls.record, **fields))
 
 
-def test_wire_bytes_per_element_are_the_figures_groups_were_sized_with() -> None:
-    for name, figure in WIRE_BYTES.items():
-        cls = ALGORITHMS[name]
-        assert cls.wire_bytes_per_element({}) == figure, name
-        assert cls.wire_bytes_per_element(cls.option_defaults) == figure, name
-    assert ALGORITHMS["topk"].wire_bytes_per_element({"ratio": 0.25}) == 2.0  # an fp32 value and an int32 index
-    assert ALGORITHMS["qsgd"].wire_bytes_per_element({"bits": 2}) == 0.25
-    assert ALGORITHMS["sign"].wire_bytes_per_element({"scale": "mean"}) == 1 / 8  # no option changes its size
+# The bytes per element the Horovod optimizer sizes its fusion groups with, by algorithm, at each one's defaults
+# (sign's int8 votes: 1 byte, not the bit it was once sized as).
+PAYLOAD = {"none": 4.0, "fp16": 2.0, "bf16": 2.0, "sign": 1.0, "onebit": 1 / 8, "topk": 0.8, "qsgd": 0.5,
+           "auto": 4.0}  # fmt: skip
+
+
+def test_the_bytes_per_element_are_the_codecs_declaration() -> None:
+    for name, figure in PAYLOAD.items():
+        record = ALGORITHMS[name].record
+        assert record.payload_per_element({}) == figure, name
+        assert record.payload_per_element(record.option_defaults) == figure, name
+        if record.codec_name is not None:  # one place: the codec's declaration, with the options it takes
+            assert figure == get_codec(record.codec_name).payload_per_element() or name in ("topk", "qsgd"), name
+    assert ALGORITHMS["topk"].record.payload_per_element({"ratio": 0.25}) == 2.0  # an fp32 value and an int32 index
+    assert ALGORITHMS["qsgd"].record.payload_per_element({"bits": 2}) == 0.25
+    assert ALGORITHMS["qsgd"].record.payload_per_element({"bits": 8, "block": 64, "error_feedback": False}) == 1.0
+    assert ALGORITHMS["sign"].record.payload_per_element({"scale": "mean"}) == 1.0  # no option changes its size
+    assert ALGORITHMS["topk"].record.sent_bytes(1000, 4) == 3 * 800  # an all-gather: to each of 3 peers
+    assert ALGORITHMS["fp16"].record.sent_bytes(1000, 4) == 2 * 3 * 2000 // 4  # a ring all-reduce
+    assert ALGORITHMS["fp16"].record.sent_bytes(1000, 1) == 0
+
+
+def test_a_record_declares_its_bytes_from_one_place() -> None:
+    with pytest.raises(ValueError, match=r"from a codec \(codec_name\) or a format of its own \(payload\), not both"):
+        Record(codec_name="fp16", payload=2.0)
+    with pytest.raises(ValueError, match="not neither"):
+        Record()
+    with pytest.raises(ValueError, match="codec_name 'fp8' is not a registered codec; valid: bf16, "):
+        Record(codec_name="fp8")
+    with pytest.raises(ValueError, match="collective must be one of all_reduce, all_gather, got 'all_to_all'"):
+        Record(payload=1.0, collective="all_to_all")
+    with pytest.raises(ValueError, match=r"per-name option\(s\) bits are not options \(ratio\)"):
+        Record(payload=1.0, option_defaults={"ratio": 0.1}, per_name_options=frozenset({"bits"}))
+    record = Record(payload=1.0, option_defaults={"ratio": 0.1})
+    with pytest.raises(TypeError):
+        record.option_defaults["ratio"] = 0.5  # type: ignore[index]  # read-only: the record is the one copy
 
 
 def test_the_monitor_budget_reads_the_same_figures() -> None:
@@ -83,13 +116,13 @@ def test_the_monitor_budget_reads_the_same_figures() -> None:
             try:
                 for shape, options in (((64, 32), {}), ((64, 32), {"bits": 8} if name == "qsgd" else {})):
                     rate = alg.compression_rate(shape, options)
-                    if alg.delegates:
+                    if alg.record.delegates:
                         cands = getattr(alg, "candidates", {})
                         want = min(c.bytes_per_element(shape, options) for c in cands.values())
                     elif math.isfinite(rate):
                         want = 4.0 / min(rate, 32.0)
                     else:
-                        want = type(alg).wire_bytes_per_element({**alg.options, **options})
+                        want = alg.record.payload_per_element({**alg.options, **options})
                     out[f"{name}{options}"] = (alg.bytes_per_element(shape, options), want)
             finally:
                 alg.close()
@@ -100,6 +133,7 @@ def test_the_monitor_budget_reads_the_same_figures() -> None:
         assert figure == want, key
     assert got["topk{}"][0] == 4.0 and got["qsgd{'bits': 8}"][0] == 1.0 and got["none{}"][0] == 4.0
     assert got["onebit{}"][0] == 1 / 8 and got["auto{}"][0] == 1 / 8  # auto: its cheapest candidate, onebit
+    assert got["sign{}"][0] == 1.0
 
 
 def test_the_horovod_optimizer_sizes_groups_from_the_classes() -> None:
@@ -130,7 +164,7 @@ def test_the_horovod_optimizer_sizes_groups_from_the_classes() -> None:
 
 
 def test_the_momentum_codecs_are_the_algorithms_that_average_a_momentum() -> None:
-    assert tuple(sorted(n for n, cls in ALGORITHMS.items() if cls.averages_momentum)) == MOMENTUM_CODECS
+    assert tuple(sorted(n for n, cls in ALGORITHMS.items() if cls.record.averages_momentum)) == MOMENTUM_CODECS
     assert MOMENTUM_CODECS == ("bf16", "fp16", "none", "onebit", "qsgd", "sign", "topk")
     for name in ("acpsgd", "powersgd", "auto"):
         with pytest.raises(ValueError, match=rf"codec '{name}' cannot average the momentum; valid: bf16, .*; the low"):
@@ -143,16 +177,18 @@ def test_the_momentum_codecs_are_the_algorithms_that_average_a_momentum() -> Non
 
 
 def test_low_rank_is_declared_and_auto_takes_its_candidates_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert {n for n, cls in ALGORITHMS.items() if cls.low_rank} == {"acpsgd", "powersgd"}
+    assert {n for n, cls in ALGORITHMS.items() if cls.record.low_rank} == {"acpsgd", "powersgd"}
     assert {n for n, cls in ALGORITHMS.items() if takes_rank(cls)} == {"acpsgd", "powersgd", "auto"}
     auto = ALGORITHMS["auto"]
-    monkeypatch.setattr(auto, "option_defaults", {**auto.option_defaults, "candidates": ("none", "fp16", "onebit")})
+    declare(
+        monkeypatch, "auto", option_defaults={**auto.record.option_defaults, "candidates": ("none", "fp16", "onebit")}
+    )
     assert not takes_rank(auto)  # no low-rank candidate: its rank sets nothing
 
 
 def test_delegates_and_variants_are_declared() -> None:
-    assert {n for n, cls in ALGORITHMS.items() if cls.delegates} == {"auto"}
-    variants = {n: cls.variant_of for n, cls in ALGORITHMS.items() if cls.variant_of is not None}
+    assert {n for n, cls in ALGORITHMS.items() if cls.record.delegates} == {"auto"}
+    variants = {n: cls.record.variant_of for n, cls in ALGORITHMS.items() if cls.record.variant_of is not None}
     assert variants == {"bf16": "fp16"}
     for name, of in variants.items():  # the same code: a subclass of the same implementation, another setting
         assert ALGORITHMS[name].__mro__[1] is ALGORITHMS[of].__mro__[1], (name, of)
@@ -161,7 +197,7 @@ def test_delegates_and_variants_are_declared() -> None:
 def test_the_benchmarks_read_the_classes() -> None:
     from sylvie_comm.bench import fsdp, horovod, link
 
-    sharded = [n for n, cls in ALGORITHMS.items() if cls.shards]
+    sharded = [n for n, cls in ALGORITHMS.items() if cls.record.shards]
     assert sorted(fsdp.OURS) == sorted(sharded)
     assert fsdp.OURS == ("none", "fp16", "bf16", "qsgd", "onebit")  # most wire bytes first: the table's order
     assert link.label("auto", 4) == "sylvie auto r4" and link.label("acpsgd", 4) == "sylvie acpsgd r4"
@@ -176,8 +212,8 @@ def test_the_policy_reads_what_needs_a_warmup_and_a_monitor_from_the_classes(mon
     from sylvie_comm.algorithms import Policy
     from sylvie_comm.config import Config
 
-    assert [n for n, c in ALGORITHMS.items() if c.rounds_only] == ["none", "fp16", "bf16"]
-    assert [n for n, c in ALGORITHMS.items() if c.sends_raw] == ["none"]
+    assert [n for n, c in ALGORITHMS.items() if c.record.rounds_only] == ["none", "fp16", "bf16"]
+    assert [n for n, c in ALGORITHMS.items() if c.record.sends_raw] == ["none"]
 
     def body(tr: Any) -> tuple[bool, bool]:
         policy = Policy(make_algorithm("fp16", tr, {}), Config(codec="fp16", warmup="auto", monitor={"period": 10}))
@@ -187,8 +223,7 @@ def test_the_policy_reads_what_needs_a_warmup_and_a_monitor_from_the_classes(mon
         return out
 
     assert run_local(1, body)[0] == (True, True)
-    monkeypatch.setattr(ALGORITHMS["fp16"], "rounds_only", False)
-    monkeypatch.setattr(ALGORITHMS["fp16"], "sends_raw", True)
+    declare(monkeypatch, "fp16", rounds_only=False, sends_raw=True)
 
     def flipped(tr: Any) -> tuple[bool, bool]:
         policy = Policy(make_algorithm("fp16", tr, {}), Config(codec="fp16", warmup="auto", monitor={"period": 10}))

@@ -70,7 +70,7 @@ def test_every_algorithm_runs_with_its_tensors_on_the_meta_device(name: str, wor
     for r in run_on(META, name, world, flat):
         assert all(t.device == META for t in r["outs"]), name
         assert all(t.device == META for t in r["state"]), (name, {t.device for t in r["state"]})
-        if ALGORITHMS[name].error_feedback and name != "auto":
+        if ALGORITHMS[name].record.error_feedback and name != "auto":
             assert r["state"], f"{name} kept no state"
 
 

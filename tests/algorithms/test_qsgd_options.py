@@ -29,7 +29,7 @@ def _registration_error(options: dict[str, Any]) -> str:
 
 
 def test_an_instance_keeps_error_feedback_as_its_option_says() -> None:
-    assert ALGORITHMS["qsgd"].error_feedback  # what qsgd can do, on by default
+    assert ALGORITHMS["qsgd"].record.error_feedback  # what qsgd can do, on by default
     on = make_algorithm("qsgd", LocalGroup(1).transport(0), {})
     off = make_algorithm("qsgd", LocalGroup(1).transport(0), {"error_feedback": False})
     assert on.error_feedback and not off.error_feedback

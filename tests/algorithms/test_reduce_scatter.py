@@ -104,7 +104,7 @@ def test_qsgd_block_keeps_the_shard_on_the_inputs_device():
 
 
 def test_algorithms_without_a_form_are_refused_with_the_reason():
-    having = [n for n, cls in ALGORITHMS.items() if cls.shards]
+    having = [n for n, cls in ALGORITHMS.items() if cls.record.shards]
     assert having == ["none", "fp16", "bf16", "onebit", "qsgd"]
 
     def body(tr: Any) -> dict[str, str]:

@@ -63,7 +63,7 @@ def test_offsets_take_log2_chunk_bits_packed() -> None:
     plan = ChunkPlan.of(4096 * 8, 4096, 1 / 64)
     assert (plan.k, plan.offset_bits, plan.chunks) == (64, 12, 8)
     assert plan.offset_bytes == 8 * 64 * 12 // 8 and plan.code_bytes == 8 * 64 * 2 // 8
-    assert plan.wire_bytes == 8 * 8 + 768 + 128
+    assert plan.payload_bytes == 8 * 8 + 768 + 128
     assert ChunkPlan.of(100, 4096, 0.1).offset_bits == 7  # one chunk of 100: offsets below 128
     for bits in (1, 2, 5, 12, 16):
         v = torch.randint(0, 1 << bits, (101,), generator=torch.Generator().manual_seed(bits))
@@ -144,7 +144,7 @@ def test_bytes_on_the_wire_are_the_declared_layout() -> None:
     sent = run_local(3, body)
     assert sent == [wire_bytes("all_gather", row_bytes(plans), 3)] * 3
     # 12-bit offsets, 2-bit codes and two fp32 magnitudes per chunk of 4096: 0.0293 bytes per element
-    per = ALGORITHMS["sparseloco"].wire_bytes_per_element({})
+    per = ALGORITHMS["sparseloco"].record.payload_per_element({})
     assert per == (8 + 64 * 12 / 8 + 64 * 2 / 8) / 4096
 
 

@@ -32,7 +32,7 @@ AUTO_CHOICE = "qsgd"  # after one probe step of each default candidate
 
 def run(name: str) -> list[Any]:
     if name == "auto":
-        candidates = auto_mod.AutoAlgorithm.option_defaults["candidates"]
+        candidates = auto_mod.AutoAlgorithm.record.option_defaults["candidates"]
         return run_algorithm(name, 2, len(candidates) + 2, {"probe_steps": 1}, shapes=SHAPES)
     return run_algorithm(name, 2, 2, shapes=SHAPES)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from dataclasses import replace
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def _check_rows(part: dict, names: tuple[str, ...]) -> None:
 
 def test_the_error_feedback_codecs_are_read_from_the_algorithms_classes(monkeypatch) -> None:
     assert set(step.feedback_codecs()) == {"onebit", "qsgd", "sign", "topk"}
-    monkeypatch.setattr(ALGORITHMS["sign"], "error_feedback", False)
+    monkeypatch.setattr(ALGORITHMS["sign"], "record", replace(ALGORITHMS["sign"].record, error_feedback=False))
     assert "sign" not in step.feedback_codecs()
     assert [g.row for g in step.goal_list()] == ["none", "fp16", "topk", "onebit", "qsgd", step.DEFAULT_HOOK]
 

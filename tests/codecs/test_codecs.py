@@ -41,7 +41,7 @@ def test_round_trip_shape_dtype_and_wire_size(cfg, shape, dtype):
     codec = sylvie_comm.get_codec(name, **opts)
     x = torch.randn(shape).to(dtype)
     enc = codec.encode(x)
-    assert enc.nbytes == codec.wire_bytes(shape, dtype)
+    assert enc.nbytes == codec.payload_bytes(shape, dtype)
     out = codec.decode(enc)
     assert out.shape == x.shape and out.dtype == x.dtype and out.device == x.device
     into = torch.empty_like(x)
@@ -49,15 +49,43 @@ def test_round_trip_shape_dtype_and_wire_size(cfg, shape, dtype):
     torch.testing.assert_close(into, out, rtol=0, atol=0)
 
 
-def test_wire_bytes_formulas():
+def test_payload_bytes_formulas():
     n = 10_000
-    assert sylvie_comm.get_codec("none").wire_bytes((n,)) == 4 * n
-    assert sylvie_comm.get_codec("fp16").wire_bytes((n,)) == 2 * n
-    assert sylvie_comm.get_codec("onebit", chunk_size=2048).wire_bytes((n,)) == n // 8 + 4 * 5
-    assert sylvie_comm.get_codec("qbit", bits=1).wire_bytes((100, 100)) == 100 * (13 + 8)
-    assert sylvie_comm.get_codec("qbit", bits=2, meta_dtype="bf16").wire_bytes((100, 100)) == 100 * (25 + 4)
-    assert sylvie_comm.get_codec("topk", ratio=0.01).wire_bytes((n,)) == 100 * 8
-    assert sylvie_comm.get_codec("sign").wire_bytes((n,)) == n + 4
+    assert sylvie_comm.get_codec("none").payload_bytes((n,)) == 4 * n
+    assert sylvie_comm.get_codec("fp16").payload_bytes((n,)) == 2 * n
+    assert sylvie_comm.get_codec("onebit", chunk_size=2048).payload_bytes((n,)) == n // 8 + 4 * 5
+    assert sylvie_comm.get_codec("qbit", bits=1).payload_bytes((100, 100)) == 100 * (13 + 8)
+    assert sylvie_comm.get_codec("qbit", bits=2, meta_dtype="bf16").payload_bytes((100, 100)) == 100 * (25 + 4)
+    assert sylvie_comm.get_codec("topk", ratio=0.01).payload_bytes((n,)) == 100 * 8
+    assert sylvie_comm.get_codec("sign").payload_bytes((n,)) == n + 4
+    assert sylvie_comm.get_codec("sign").wire_bytes((n,)) == n + 4  # the earlier name of the same figure
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=ids)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_declared_payload_per_element_is_a_large_tensors_less_its_overhead(cfg, dtype):
+    """Each codec's declared bytes per element (what the algorithms that encode with it are sized by) is its exact
+    payload of a large tensor per element less its scales and headers: never more, and at its defaults within
+    2 % (small chunks or rows, as ``chunk_size=16``, make the scales a larger share)."""
+    name, opts = cfg
+    codec = sylvie_comm.get_codec(name, **opts)
+    declared = codec.payload_per_element(dtype)
+    for shape in ((1024, 4096), (1 << 22,)):
+        exact = codec.payload_bytes(shape, dtype) / math.prod(shape)
+        assert declared <= exact, (name, opts, shape, declared, exact)
+        if not opts:
+            assert exact <= declared * 1.02, (name, shape, declared, exact)
+    assert sylvie_comm.get_codec("sign").payload_per_element() == 1.0  # int8 votes, not bits
+    assert sylvie_comm.get_codec("onebit").payload_per_element() == 1 / 8
+
+
+def test_a_codec_that_declares_no_figure_is_measured_on_a_large_tensor():
+    class Wide(sylvie_comm.codecs.IdentityCodec):  # a header of 64 bytes per row, no declaration of its own
+        def payload_bytes(self, shape, dtype=torch.float32):
+            return super().payload_bytes(shape, dtype) + 64 * (shape[0] if len(shape) > 1 else 1)
+
+    Wide.payload_per_element = sylvie_comm.codecs.Codec.payload_per_element  # the base class's measurement
+    assert Wide().payload_per_element() == 4 + 64 / 4096
 
 
 def test_cast_error_bounds_and_prescale():

@@ -47,7 +47,7 @@ def test_codec_round_trip_properties(x, cfg):
     name, opts = cfg
     codec = sylvie_comm.get_codec(name, **opts)
     enc = codec.encode(x)
-    assert enc.nbytes == codec.wire_bytes(x.shape, x.dtype)
+    assert enc.nbytes == codec.payload_bytes(x.shape, x.dtype)
     out = codec.decode(enc)
     assert out.shape == x.shape and out.dtype == x.dtype
     if name == "none":

@@ -40,7 +40,7 @@ def test_onebit_cuts_long_rows_into_chunks_and_groups_short_rows():
         for lo, hi in ((0, 56), (56, 112), (112, 150)):
             seg = x[r, lo:hi]
             torch.testing.assert_close(out[r, lo:hi], torch.where(seg >= 0, 1.0, -1.0) * seg.abs().mean())
-    assert codec.wire_bytes((3, 150)) == 3 * (3 * 56 // 8 + 4 * 3)
+    assert codec.payload_bytes((3, 150)) == 3 * (3 * 56 // 8 + 4 * 3)
     lay = row_layout((40, 10), 2048)
     assert lay.span == 70 and lay.units == 6 and lay.last == 50  # 7 rows of 10 per scale
 
@@ -88,7 +88,7 @@ def test_sign_takes_one_scale_per_row():
     enc = codec.encode(x)
     assert enc.payload[1].shape == (4,) and enc.nbytes == 4 * 80 + 4 * 4
     torch.testing.assert_close(codec.decode(enc), torch.sign(x) * x.abs().mean(1, keepdim=True))
-    assert sylvie_comm.get_codec("sign").wire_bytes((1000, 1)) == 1000 + 4 * math.ceil(1000 / MIN_SPAN)
+    assert sylvie_comm.get_codec("sign").payload_bytes((1000, 1)) == 1000 + 4 * math.ceil(1000 / MIN_SPAN)
 
 
 def test_sign_rows_sum_as_votes():

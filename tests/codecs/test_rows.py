@@ -24,7 +24,7 @@ def test_rows_decode_like_the_payload_and_one_by_one(make):
     enc = codec.encode(x)
     wire = codec.to_rows(enc)
     assert wire.dtype == torch.uint8 and wire.shape == (40, codec.row_bytes(37))
-    assert wire.numel() == enc.nbytes == codec.wire_bytes(x.shape)
+    assert wire.numel() == enc.nbytes == codec.payload_bytes(x.shape)
     full = codec.decode(enc)
     assert torch.equal(codec.decode(codec.from_rows(wire, 37)), full)
     # Rows are self-contained: any selection of rows decodes to the same rows.

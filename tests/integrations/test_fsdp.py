@@ -20,7 +20,7 @@ from tests.integrations import fsdp_worker as fw
 
 pytestmark = pytest.mark.multiprocess
 
-SHARDED = [n for n, cls in ALGORITHMS.items() if cls.shards]  # the codecs with a reduce-scatter form
+SHARDED = [n for n, cls in ALGORITHMS.items() if cls.record.shards]  # the codecs with a reduce-scatter form
 # Those whose reduce-scatter is the fp32 average itself (none: bit-identical to FSDP's own, tested below) or that
 # average rounded to 16 bits (tests/algorithms/test_reduce_scatter.py): no training run can tell them from plain
 # FSDP2 on digits. The others lose information each step and are trained to an accuracy here.
