@@ -38,8 +38,9 @@ CODEC_SHAPE = (1024, 1024)
 
 
 def _declared(cls: type, field: str) -> Any:
-    """What ``cls`` (a registered algorithm or codec class) declares under ``field``: its record's field where it
-    has a record that holds it, else the class attribute of that name. Every table reads declarations here only."""
+    """What ``cls`` declares under ``field``: a registered algorithm's record's field
+    (:class:`~sylvie_comm.algorithms.record.Record`), a codec's class attribute. Every table reads declarations
+    here only."""
     record = getattr(cls, "record", None)
     if record is not None and hasattr(record, field):
         return getattr(record, field)
@@ -108,7 +109,7 @@ def codec_defaults(cls: type[Codec]) -> dict[str, Any]:
 def codec_bytes_per_element(cls: type[Codec]) -> float:
     """Wire bytes per element of a :data:`CODEC_SHAPE` fp32 matrix under the codec's defaults."""
     codec = cls(**codec_defaults(cls))
-    return float(codec.wire_bytes(CODEC_SHAPE)) / math.prod(CODEC_SHAPE)
+    return float(codec.payload_bytes(CODEC_SHAPE)) / math.prod(CODEC_SHAPE)
 
 
 def algorithm_codec(cls: type) -> str:
@@ -129,8 +130,7 @@ def algorithm_bytes(cls: type) -> str:
         return "its choice's"
     if _declared(cls, "low_rank"):
         return "by shape (`rank`)"
-    defaults = _declared(cls, "option_defaults")
-    return _number(_declared(cls, "wire_bytes_per_element")(defaults))
+    return _number(_declared(cls, "payload_per_element")())
 
 
 def shard_form(cls: type) -> str:

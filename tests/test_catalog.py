@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import math
 import shutil
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import pytest
 import torch
 
 from sylvie_comm import catalog
 from sylvie_comm.algorithms.base import Algorithm
+from sylvie_comm.algorithms.record import Record
 from sylvie_comm.algorithms.registry import ALGORITHMS
 from sylvie_comm.codecs import CODECS
 from sylvie_comm.codecs.base import Codec, Encoded, meta_of
@@ -47,7 +48,7 @@ def test_a_marker_that_names_no_table_is_refused():
 def test_the_readme_table_holds_every_option_and_the_session_options():
     readme = (catalog.ROOT / "README.md").read_text()
     for name, cls in ALGORITHMS.items():
-        for option in cls.option_defaults:
+        for option in cls.record.option_defaults:
             assert f"`{option}` (`" in readme, (name, option)
     assert "`block` (`1`)" in readme  # qsgd's
     assert "`monitor` (on:" in readme  # on by default: the session's option
@@ -70,27 +71,32 @@ class ToyCodec(Codec):
     def decode(self, encoded: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError("a toy for the tables")
 
-    def wire_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
+    def payload_bytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
         return 4 * math.ceil(math.prod(shape) / self.stride)
 
 
-class ToyAlgorithm(Algorithm):
-    """Average every other value through the toy codec."""
+def toy_algorithm() -> type[Algorithm]:
+    """An algorithm of the toy codec, declared once the codec is registered (its record checks the name)."""
 
-    name = "toyalgo"
-    codec_name = "toycodec"
-    option_defaults: ClassVar[dict[str, Any]] = {"stride": 2}
-    per_name_options: ClassVar[frozenset[str]] = frozenset({"stride"})
-    shards = False
-    no_shards_reason = "a toy has no shards"
-    averages_momentum = True
-    wire_bytes = 2.0
+    class ToyAlgorithm(Algorithm):
+        """Average every other value through the toy codec."""
+
+        name = "toyalgo"
+        record = Record(
+            codec_name="toycodec",
+            option_defaults={"stride": 2},
+            per_name_options=frozenset({"stride"}),
+            no_shards_reason="a toy has no shards",
+            averages_momentum=True,
+        )  # its bytes per element are its codec's: 2, measured
+
+    return ToyAlgorithm
 
 
 @pytest.fixture
 def toys(monkeypatch):
     monkeypatch.setitem(CODECS, ToyCodec.name, ToyCodec)
-    monkeypatch.setitem(ALGORITHMS, ToyAlgorithm.name, ToyAlgorithm)
+    monkeypatch.setitem(ALGORITHMS, "toyalgo", toy_algorithm())
     # monkeypatch puts both registries back after the test
 
 
@@ -126,7 +132,7 @@ def test_info_lines_name_every_algorithm_and_codec_with_its_options():
     codecs_at = next(i for i, line in enumerate(lines) if line.startswith("codecs ("))
     for name, cls in ALGORITHMS.items():
         (line,) = [line for line in lines[at:codecs_at] if line.startswith(f"  {name:10s} ")]
-        for option in cls.option_defaults:
+        for option in cls.record.option_defaults:
             assert f"{option}=" in line, (name, option)
     for name in CODECS:
         assert any(line.startswith(f"  {name:10s} ") for line in lines[codecs_at:]), name
@@ -139,6 +145,6 @@ def test_every_read_of_a_declaration_goes_through_one_accessor():
     body = source.split("def _declared", 1)[1].split("\ndef ", 1)[1]  # everything after the accessor
     for field in ("codec_name", "shards", "no_shards_reason", "needs_monitor", "averages_momentum", "low_rank",
                   "delegates", "variant_of", "error_feedback", "per_name_options", "gradient_dtypes",
-                  "option_defaults", "wire_bytes_per_element", "allreduce_compatible"):  # fmt: skip
+                  "option_defaults", "payload_per_element", "allreduce_compatible"):  # fmt: skip
         assert f'_declared(cls, "{field}")' in body, field
         assert f".{field}" not in body, field
