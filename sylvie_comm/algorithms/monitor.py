@@ -58,9 +58,9 @@ from typing import Any
 import torch
 
 from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, ShardLayout, then
-from sylvie_comm.algorithms.budget import REPAY_CHECKS, Budget, level_bytes
+from sylvie_comm.algorithms.budget import RAW, REPAY_CHECKS, Budget, level_bytes
 from sylvie_comm.algorithms.delegating import delegating
-from sylvie_comm.algorithms.monitor_adapt import RAW, Adaptation
+from sylvie_comm.algorithms.monitor_adapt import Adaptation
 from sylvie_comm.algorithms.monitor_exact import Channel, ExactCheck, Schedule
 from sylvie_comm.algorithms.monitor_figures import TensorFigures, norms_before, stack
 from sylvie_comm.algorithms.monitor_judge import Bounds, Over, judge, warn

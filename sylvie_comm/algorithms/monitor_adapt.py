@@ -21,11 +21,11 @@ from typing import Any
 import torch
 
 from sylvie_comm.algorithms.base import Algorithm, Group, Member, Segment, ShardLayout
-from sylvie_comm.algorithms.budget import Budget
+from sylvie_comm.algorithms.budget import RAW, Budget
 from sylvie_comm.algorithms.monitor_figures import TensorFigures
 from sylvie_comm.algorithms.monitor_judge import LOG
 
-RAW = "raw"
+SAID = 4  # a log line of changes gives this many of them; the others are counted (all are in the events)
 
 
 class Adaptation:
@@ -190,12 +190,15 @@ class Adaptation:
         self.algorithm.relayout()
 
     def say(self) -> None:
-        """Log the changes since the last call as one line (rank 0's)."""
+        """Log the changes since the last call as one line (rank 0's): the first :data:`SAID` of them, and how
+        many more :attr:`events` lists."""
         if not self._unsaid:
             return
         said, self._unsaid = self._unsaid, []
         if self.algorithm.transport.rank == 0:
-            LOG.info("sylvie_comm %s monitor: %s", self.algorithm.name, "; ".join(said))
+            more = f"; and {len(said) - SAID} more (stats()['monitor']['adapted'])" if len(said) > SAID + 1 else ""
+            shown = said if not more else said[:SAID]
+            LOG.info("sylvie_comm %s monitor: %s%s", self.algorithm.name, "; ".join(shown), more)
 
     def _bytes(self, name: str, options: Mapping[str, Any] | None) -> float:
         t = self.tensors[name]
@@ -245,4 +248,4 @@ def _diff(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
     return ", ".join(f"{k} {before.get(k)!r} -> {v!r}" for k, v in after.items() if before.get(k) != v)
 
 
-__all__ = ["RAW", "Adaptation"]
+__all__ = ["Adaptation"]

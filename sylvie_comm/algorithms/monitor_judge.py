@@ -79,9 +79,9 @@ def judge(t: TensorFigures, judged: tuple[float, float, str] | None, patience: i
 
 
 def warning(algorithm: str, where: str, over: Sequence[Over], action: str) -> str | None:
-    """The one warning of a group's check: its tensors newly over their bound (every one named, the worst
-    :data:`WORST` with their figures), per figure and bound, those named before that are still over counted, and
-    ``action``; None where no tensor is newly over."""
+    """The one warning of a group's check: its tensors newly over their bound, every one named (the worst
+    :data:`WORST` with their figures, the others in name order), per figure and bound; those named before that are
+    still over, counted; and ``action``. None where no tensor is newly over."""
     new = [o for o in over if o.new]
     if not new:
         return None
@@ -91,7 +91,7 @@ def warning(algorithm: str, where: str, over: Sequence[Over], action: str) -> st
         checks = sorted({o.checks for o in these})
         row = f"{checks[0]}" if len(checks) == 1 else f"{checks[0]}-{checks[-1]}"
         worst = ", ".join(f"'{o.name}' {o.figure:.3g}" for o in these[:WORST])
-        rest = these[WORST:]
+        rest = sorted(these[WORST:], key=lambda o: o.name)
         more = f" and {len(rest)} more ({', '.join(repr(o.name) for o in rest)})" if rest else ""
         count = f"{len(these)} tensor{'s' if len(these) > 1 else ''}"
         parts.append(f"{count} over the bound {bound:.3g} of {what} at {row} check(s) in a row: {worst}{more}")

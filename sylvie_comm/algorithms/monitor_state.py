@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from sylvie_comm.algorithms.monitor_adapt import RAW
+from sylvie_comm.algorithms.budget import RAW
 from sylvie_comm.algorithms.monitor_figures import FIGURES
 
 STATE_KEYS = frozenset({"tensors", "overrides", "raw", "flush", "carry", "cursor", "checks", "bytes", "events"})
