@@ -151,7 +151,9 @@ def test_a_tensor_over_its_bound_is_reported_once(caplog: pytest.LogCaptureFixtu
     with caplog.at_level(logging.WARNING, logger="sylvie_comm"):
         res = run(2, 1 + 12, config)
     lines = [r.getMessage() for r in caplog.records if "over the bound" in r.getMessage()]
-    assert sorted(line.split("'")[1] for line in lines) == ["w1", "w1", "w2", "w2"]  # once per tensor and rank
+    # One warning per group (one here) and rank, naming each tensor once.
+    assert len(lines) == 2 and all("2 tensors over the bound 0.001" in line for line in lines), lines
+    assert sorted(n for line in lines for n in line.split("'")[1::2]) == ["w1", "w1", "w2", "w2"]
     assert "monitor adapt=True" in lines[0]
     assert res[0]["stats"]["monitor"]["adapted"] == []  # reported, nothing changed
 
@@ -354,13 +356,13 @@ def test_the_same_adaptation_gives_the_same_rewritten_layout_object() -> None:
             return ShardLayout("unit", (Segment("a", 0, 16, row=4), Segment("b", 16, 8, row=1)))
 
         plain = layout()
-        out = [monitor._rewrite_shards(plain, None) is plain]  # no decision: the layout itself
+        out = [monitor.adaptation.rewrite_shards(plain, None) is plain]  # no decision: the layout itself
         monitor.overrides["a"] = {"bits": 8}
-        first = monitor._rewrite_shards(layout(), None)
+        first = monitor.adaptation.rewrite_shards(layout(), None)
         out.append(first.segments[0].options == {"bits": 8})
-        out.append(monitor._rewrite_shards(layout(), None) is first)
+        out.append(monitor.adaptation.rewrite_shards(layout(), None) is first)
         monitor.overrides["a"] = {"bits": 2}
-        other = monitor._rewrite_shards(layout(), None)
+        other = monitor.adaptation.rewrite_shards(layout(), None)
         out += [other is not first, other.segments[0].options == {"bits": 2}]
         session.close()
         return out
