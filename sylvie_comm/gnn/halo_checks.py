@@ -1,6 +1,7 @@
 """Checks of the halo exchange: devices, matching partitions across ranks, checkpoint state and settings.
 
-Where the exchanger and the pipeline are placed (:func:`as_device`), whether a
+Where the exchanger and the pipeline are placed (:func:`as_device`; the trainer's
+device, :func:`resolve_device`), whether a
 transport's futures are CUDA-aware (:func:`uses_nccl`, :func:`cuda_aware`),
 whether the ranks hold matching partitions (:func:`check_partitions`, a
 collective call), and what a checkpoint must match before it loads
@@ -9,6 +10,7 @@ collective call), and what a checkpoint must match before it loads
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -44,6 +46,50 @@ def uses_nccl(backend: str | None) -> bool:
     """Whether a process group's backend (``"nccl"``, ``"gloo"``, ``"cpu:gloo,cuda:nccl"``) sends CUDA tensors
     over NCCL."""
     return backend is not None and any(b.rpartition(":")[2] == "nccl" for b in backend.split(","))
+
+
+def local_rank() -> int:
+    """This process's index on its machine: ``LOCAL_RANK`` from the environment (set by torchrun), else 0."""
+    value = os.environ.get("LOCAL_RANK", "0")
+    rank = int(value) if value.strip().isdigit() else -1
+    if rank < 0:
+        raise ValueError(f"gnn: LOCAL_RANK must be an integer >= 0 (this process's index on its machine), "
+                         f"got {value!r}")  # fmt: skip
+    return rank
+
+
+def resolve_device(device: torch.device | str | None, backend: str | None = None) -> torch.device:
+    """The device a :class:`~sylvie_comm.gnn.train.Trainer` trains on.
+
+    Args:
+        device: ``None`` (the default): ``cuda:LOCAL_RANK`` when CUDA is available and the ranks talk over
+            NCCL (``backend``), else the CPU. Otherwise ``"cpu"``, ``"cuda"`` (the current CUDA device) or
+            ``"cuda:i"`` (a string or a :class:`torch.device`).
+        backend: the process group's backend (``dist.get_backend(group)``), ``None`` without one.
+
+    Raises ValueError for another device type, a CUDA device that this process does not have, and the CPU
+    on a group that is NCCL alone (NCCL carries CUDA tensors only).
+    """
+    if device is None:
+        device = torch.device("cuda", local_rank()) if uses_nccl(backend) and torch.cuda.is_available() else "cpu"
+    dev = as_device(device, "gnn")
+    if dev.type == "cpu":
+        if backend == "nccl":
+            raise ValueError("gnn: device 'cpu' on a process group whose backend is 'nccl', which carries CUDA "
+                             "tensors only; expected a CUDA device (the default, cuda:LOCAL_RANK, where CUDA is "
+                             "available) or a gloo group")  # fmt: skip
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"gnn: device must be 'cpu', 'cuda' or 'cuda:<index>', got {str(device)!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"gnn: device {str(device)!r} asked for, but this process has no CUDA device "
+                         f"(torch.cuda.is_available() is False); expected 'cpu' here")  # fmt: skip
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ValueError(f"gnn: device {str(device)!r} asked for, but this process sees {count} CUDA "
+                         f"device(s); expected an index in [0, {count})")  # fmt: skip
+    return torch.device("cuda", index)
 
 
 def cuda_aware(transport: Transport) -> bool:

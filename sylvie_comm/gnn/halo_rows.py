@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sylvie_comm.codecs import Codec, Encoded, ErrorFeedback, QBitCodec, TensorMeta, get_codec
+from sylvie_comm.codecs import CODECS, Codec, Encoded, ErrorFeedback, TensorMeta, codec_options, get_codec
 from sylvie_comm.registry import HALO_FORMS, unknown
 
 PRECISIONS = tuple(HALO_FORMS)
@@ -64,13 +64,26 @@ class RowFormat:
         self.precision = precision
         self.features = features
         name, options = HALO_FORMS[precision]
-        if name == "qbit":
-            options = {**options, "seed": seed, "meta_dtype": meta_dtype}
-        self.codec: Codec = get_codec(name, **options)
+        # The halo's noise seed and scale dtype go to a codec that declares those options (q-bit rows' do).
+        halo_options = {"seed": seed, "meta_dtype": meta_dtype}
+        taken = codec_options(CODECS[name])
+        self.codec: Codec = get_codec(name, **options, **{k: v for k, v in halo_options.items() if k in taken})
         self.row_bytes = self.codec.row_bytes(features)
         self._parts = self._payload_parts()
-        # The identity codec's payload is the fp32 rows themselves: they can be received where they are needed.
-        self.in_place = name == "none"
+        # Whether the codec has state to checkpoint (the noise offset of q-bit rows): what its state_dict()
+        # declares (empty for a stateless codec).
+        self.stateful = bool(self.codec.state_dict())
+        self.in_place = self._as_is()
+
+    def _as_is(self) -> bool:
+        """Whether rows travel as their own fp32 values, as the codec declares them: its payload one fp32 tensor of
+        the row's shape (its layout, read on ``meta``), and neither options nor state that could change the
+        values on the way (the identity codec's). Such rows can be received where they are read, nothing
+        decoded."""
+        if self.stateful or self.codec.options() or len(self._parts) != 1:
+            return False
+        (part,) = self._parts
+        return part.dtype == torch.float32 and part.row_shape == (self.features,)
 
     def _payload_parts(self) -> tuple[_Part, ...]:
         """The payload's tensors, read from an encoding of no rows, in block order: the widest elements first,
@@ -87,19 +100,15 @@ class RowFormat:
                              f"have {self.row_bytes}; expected one layout of the same bytes")  # fmt: skip
         return tuple(sorted(parts, key=lambda p: -p.dtype.itemsize))
 
-    @property
-    def stateful(self) -> bool:
-        """Whether the codec has state to checkpoint (the noise offset of q-bit rows)."""
-        return isinstance(self.codec, QBitCodec)
-
     def encode_payload(self, x: torch.Tensor, feedback: ErrorFeedback | None = None, name: str = "") -> Encoded:
         """fp32 rows -> the codec's encoding (what :meth:`encode` lays out as rows, :meth:`pack` as blocks).
 
-        With ``feedback`` (q-bit only) the rows are encoded with range-bounded error feedback under ``name``:
-        the compensated rows are clamped into each row's own [min, max] before quantizing, so the quantizer
-        range never grows with the residual. Plain error feedback diverges with 1-bit stochastic rounding (its
-        error can reach the whole range, which then widens the next range); bounded, it behaves like a
-        first-order sigma-delta modulator and the residual stays within a few quantization steps.
+        With ``feedback`` (a codec with state only: q-bit rows) the rows are encoded with range-bounded error
+        feedback under ``name``: the compensated rows are clamped into each row's own [min, max] before
+        quantizing, so the quantizer range never grows with the residual. Plain error feedback diverges with
+        1-bit stochastic rounding (its error can reach the whole range, which then widens the next range);
+        bounded, it behaves like a first-order sigma-delta modulator and the residual stays within a few
+        quantization steps.
         """
         if feedback is not None and self.stateful:
             return feedback.encode(self.codec, name, x, bound_rows=True)

@@ -211,6 +211,15 @@ def partition(
     """
     src, dst, n, graph_ndata = _edges_of(graph, num_nodes)
     data = {**graph_ndata, **(dict(ndata) if ndata else {})}
+    _check_inputs(src, dst, n, data, num_parts, seed)
+    assign = _assignment(method, src, dst, n, num_parts, seed)
+    return _split(src, dst, n, data, assign, num_parts)
+
+
+def _check_inputs(
+    src: torch.Tensor, dst: torch.Tensor, n: int, data: Mapping[str, torch.Tensor], num_parts: Any, seed: Any
+) -> None:
+    """ValueError unless ``num_parts``, ``seed``, the edges' endpoints and the node data fit ``n`` nodes."""
     if isinstance(num_parts, bool) or not isinstance(num_parts, int) or num_parts < 1:
         raise ValueError(f"partition: num_parts must be a positive integer, got {num_parts!r}")
     if num_parts > n:
@@ -223,33 +232,47 @@ def partition(
         if v.shape[0] != n:
             raise ValueError(f"partition: node data '{k}' has {v.shape[0]} rows, expected one per node ({n})")
 
+
+# Method name -> its assignment: (src, dst, num_nodes, num_parts, seed) -> one part id per node.
+_ASSIGN: dict[str, Callable[[torch.Tensor, torch.Tensor, int, int, int], torch.Tensor]] = {
+    "metis": lambda src, dst, n, parts, seed: assign_metis(src, dst, n, parts, seed),
+    "bfs": lambda src, dst, n, parts, seed: assign_bfs(src, dst, n, parts, seed),
+    "random": lambda src, dst, n, parts, seed: assign_random(n, parts, seed),
+}
+
+
+def _assignment(
+    method: str | torch.Tensor, src: torch.Tensor, dst: torch.Tensor, n: int, num_parts: int, seed: int
+) -> torch.Tensor:
+    """One part id per node, every part non-empty: ``method``'s (:data:`METHODS`) or the caller's tensor."""
     if isinstance(method, torch.Tensor):
         assign = method.long()
         if assign.shape != (n,) or (n and (assign.min() < 0 or assign.max() >= num_parts)):
             raise ValueError(f"partition: an assignment needs one part id in [0, {num_parts}) per node")
-    elif method == "random":
-        assign = assign_random(n, num_parts, seed)
-    elif method == "metis":
-        assign = assign_metis(src, dst, n, num_parts, seed)
-    elif method == "bfs":
-        assign = assign_bfs(src, dst, n, num_parts, seed)
+    elif isinstance(method, str) and method in _ASSIGN:
+        assign = _ASSIGN[method](src, dst, n, num_parts, seed)
     else:
         raise ValueError(f"partition: unknown method {method!r}; expected one of {METHODS} or an assignment tensor")
     sizes = torch.bincount(assign, minlength=num_parts)
     if (sizes == 0).any():
         empty = torch.nonzero(sizes == 0).flatten().tolist()
         raise ValueError(f"partition: part(s) {empty} received no nodes; use fewer parts or method='random'")
+    return assign
 
+
+def _split(
+    src: torch.Tensor, dst: torch.Tensor, n: int, data: Mapping[str, torch.Tensor], assign: torch.Tensor,
+    num_parts: int,
+) -> list[Partition]:  # fmt: skip
+    """The :class:`Partition` of every part of ``assign``: its inner nodes (ascending), its halo (by owner, then
+    id), its block of edges in local ids and what it sends each peer."""
     # Position of every node inside its owner's inner list (inner lists are ascending).
     order = torch.argsort(assign * n + torch.arange(n))
     local_id = torch.empty(n, dtype=torch.int64)
     starts = torch.zeros(num_parts + 1, dtype=torch.int64)
-    starts[1:] = sizes.cumsum(0)
+    starts[1:] = torch.bincount(assign, minlength=num_parts).cumsum(0)
     local_id[order] = torch.arange(n) - starts[assign[order]]
-
-    in_deg = torch.bincount(dst, minlength=n)
-    out_deg = torch.bincount(src, minlength=n)
-    halos, pieces = [], []
+    halos, blocks = [], []
     for r in range(num_parts):
         inner = order[starts[r] : starts[r + 1]]
         mine = assign[dst] == r
@@ -260,33 +283,18 @@ def partition(
         g2l[inner] = torch.arange(inner.numel())
         g2l[halo] = inner.numel() + torch.arange(halo.numel())
         halos.append(halo)
-        pieces.append((inner, g2l[e_src], local_id[e_dst]))
-
+        blocks.append((inner, g2l[e_src], local_id[e_dst]))
+    in_deg, out_deg = torch.bincount(dst, minlength=n), torch.bincount(src, minlength=n)
     parts = []
-    for r in range(num_parts):
-        inner, lsrc, ldst = pieces[r]
-        halo = halos[r]
-        owners = assign[halo]
-        halo_counts = torch.bincount(owners, minlength=num_parts).tolist()
+    for r, ((inner, lsrc, ldst), halo) in enumerate(zip(blocks, halos, strict=True)):
         # What rank r sends to rank p: p's halo rows owned by r, in p's order.
         send_idx = [local_id[halos[p][assign[halos[p]] == r]] if p != r else torch.zeros(0, dtype=torch.int64)
                     for p in range(num_parts)]  # fmt: skip
-        parts.append(
-            Partition(
-                rank=r,
-                num_parts=num_parts,
-                num_nodes=n,
-                inner=inner,
-                halo=halo,
-                halo_counts=[int(c) for c in halo_counts],
-                send_idx=send_idx,
-                src=lsrc,
-                dst=ldst,
-                in_degree=in_deg[inner],
-                out_degree=out_deg[torch.cat([inner, halo])],
-                ndata={k: v[inner] for k, v in data.items()},
-            )
-        )
+        halo_counts = torch.bincount(assign[halo], minlength=num_parts).tolist()
+        parts.append(Partition(rank=r, num_parts=num_parts, num_nodes=n, inner=inner, halo=halo,
+                               halo_counts=[int(c) for c in halo_counts], send_idx=send_idx, src=lsrc, dst=ldst,
+                               in_degree=in_deg[inner], out_degree=out_deg[torch.cat([inner, halo])],
+                               ndata={k: v[inner] for k, v in data.items()}))  # fmt: skip
     return parts
 
 
@@ -329,44 +337,20 @@ def shared_partition(
     """
     folder = Path(folder)
     gather, my_rank = _object_gather(transport)
-    distributed = gather is not None
-    if distributed and my_rank != rank:
+    if gather is not None and my_rank != rank:
         raise ValueError(f"shared_partition: rank {rank} is not this process's rank {my_rank}")
-    inputs: dict[str, Any] | None = None
-    failure: BaseException | None = None
-    if rank == 0:
-        try:
-            g = make_graph()
-            src, dst, n, ndata = _pyg_graph(g) if _is_pyg_data(g) else (g.src, g.dst, g.num_nodes, g.ndata)
-            inputs = partition_inputs(src, dst, n, ndata, method, num_parts, seed)
-            if recorded_inputs(folder) != inputs:
-                parts = partition((src, dst), num_parts, method, num_nodes=n, ndata=ndata, seed=seed)
-                save_partitions(parts, folder, inputs)
-                del parts
-            del g, src, dst, ndata
-        except Exception as exc:  # tell the other ranks instead of leaving them waiting
-            failure = exc
+    inputs, failure = _publish(make_graph, folder, method, num_parts, seed) if rank == 0 else (None, None)
     if gather is not None:
-        sent = gather(inputs if failure is None else f"{type(failure).__name__}: {failure}")[0]
+        sent = gather(inputs if failure is None else _said(failure))[0]
         if isinstance(sent, str) and rank != 0:
             raise RuntimeError(f"shared_partition: rank 0 could not make the partition ({sent})")
         inputs = sent
     if failure is not None:
         raise failure
-    part: Partition | None = None
-    error: BaseException | None = None
-    try:
-        part, meta = partition_store._load(folder, rank)  # through the module: a test may replace it
-        if inputs is not None and meta.get("inputs") != inputs:
-            raise RuntimeError(
-                f"shared_partition: {folder} was replaced with a partition of other inputs while rank {rank} "
-                "loaded it; give concurrent runs with different inputs different folders"
-            )
-    except Exception as exc:
-        error = exc
+    part, error = _load_recorded(folder, rank, inputs)
     if gather is not None:
         # Every rank has loaded its part before any returns: rank 0's next call may rewrite the folder.
-        statuses = gather(None if error is None else f"{type(error).__name__}: {error}")
+        statuses = gather(None if error is None else _said(error))
         failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
         if error is None and failed:
             r, s = failed[0]
@@ -375,6 +359,47 @@ def shared_partition(
         raise error
     assert part is not None
     return part
+
+
+def _said(exc: BaseException) -> str:
+    """An exception as the other ranks are told of it."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _publish(
+    make_graph: Callable[[], Any], folder: Path, method: str, num_parts: int, seed: int
+) -> tuple[dict[str, Any] | None, BaseException | None]:
+    """Rank 0's part of :func:`shared_partition`: the graph's :func:`partition_inputs`, its parts written to
+    ``folder`` unless it records those inputs already; or the failure, to tell the other ranks instead of leaving
+    them waiting."""
+    try:
+        g = make_graph()
+        src, dst, n, ndata = _pyg_graph(g) if _is_pyg_data(g) else (g.src, g.dst, g.num_nodes, g.ndata)
+        inputs = partition_inputs(src, dst, n, ndata, method, num_parts, seed)
+        if recorded_inputs(folder) != inputs:
+            parts = partition((src, dst), num_parts, method, num_nodes=n, ndata=ndata, seed=seed)
+            save_partitions(parts, folder, inputs)
+            del parts
+        del g, src, dst, ndata
+    except Exception as exc:
+        return None, exc
+    return inputs, None
+
+
+def _load_recorded(
+    folder: Path, rank: int, inputs: dict[str, Any] | None
+) -> tuple[Partition | None, BaseException | None]:
+    """This rank's part from ``folder``, which must record ``inputs`` (None: not checked); or the failure."""
+    try:
+        part, meta = partition_store._load(folder, rank)  # through the module: a test may replace it
+        if inputs is not None and meta.get("inputs") != inputs:
+            raise RuntimeError(
+                f"shared_partition: {folder} was replaced with a partition of other inputs while rank {rank} "
+                "loaded it; give concurrent runs with different inputs different folders"
+            )
+    except Exception as exc:
+        return None, exc
+    return part, None
 
 
 def _object_gather(transport: Any) -> tuple[Callable[[Any], list[Any]] | None, int]:

@@ -51,6 +51,23 @@ def _check_state(
 
     ``where`` names the file (or the part) in the ValueError. ``record`` is the part's entry in ``meta.json``.
     """
+    _check_fields(state, where, rank, num_parts, num_nodes)
+    inner = _check_inner(where, state["inner"], num_nodes)
+    halo = _check_halo(where, state["halo"], state["halo_counts"], rank, num_parts, num_nodes, inner)
+    n_inner = int(inner.numel())
+    _check_send_idx(where, state["send_idx"], rank, num_parts, n_inner)
+    _check_block(where, state, n_inner, n_inner + int(halo.numel()))
+    _check_ndata(where, state["ndata"], n_inner)
+    part = Partition(**state)
+    if record is not None:
+        for key, value in part.record().items():
+            if record.get(key) != value:
+                raise ValueError(f"{where}: its {key} is {value!r} but meta.json records {record.get(key)!r}")
+    return part
+
+
+def _check_fields(state: Any, where: str, rank: int, num_parts: int, num_nodes: int) -> None:
+    """``state`` holds exactly the Partition's fields, with this part's rank, part count and node count."""
     if not isinstance(state, dict):
         raise ValueError(f"{where}: expected a dict of Partition fields, got {type(state).__name__}")
     fields = set(Partition.__dataclass_fields__)
@@ -63,13 +80,23 @@ def _check_state(
     for name, expected in (("rank", rank), ("num_parts", num_parts), ("num_nodes", num_nodes)):
         if not _is_int(state[name]) or state[name] != expected:
             raise ValueError(f"{where}: field '{name}' must be the integer {expected}, got {_describe(state[name])}")
-    inner = _ids(where, "inner", state["inner"], 0, num_nodes)
-    n_inner = int(inner.numel())
-    if n_inner == 0:
+
+
+def _check_inner(where: str, value: Any, num_nodes: int) -> torch.Tensor:
+    """The inner nodes: at least one, strictly ascending ids of the graph."""
+    inner = _ids(where, "inner", value, 0, num_nodes)
+    if inner.numel() == 0:
         raise ValueError(f"{where}: field 'inner' is empty; expected at least one inner node")
-    if n_inner > 1 and not bool((inner[1:] > inner[:-1]).all()):
+    if inner.numel() > 1 and not bool((inner[1:] > inner[:-1]).all()):
         raise ValueError(f"{where}: field 'inner' must be strictly ascending")
-    halo_counts = state["halo_counts"]
+    return inner
+
+
+def _check_halo(
+    where: str, value: Any, halo_counts: Any, rank: int, num_parts: int, num_nodes: int, inner: torch.Tensor
+) -> torch.Tensor:
+    """The halo nodes: ``halo_counts`` per owner (none of this part's own), ascending within each owner's
+    group, none of them inner."""
     if (not isinstance(halo_counts, list) or len(halo_counts) != num_parts
             or not all(_is_int(c) and c >= 0 for c in halo_counts)):  # fmt: skip
         raise ValueError(f"{where}: field 'halo_counts' must be a list of {num_parts} counts >= 0, "
@@ -77,8 +104,8 @@ def _check_state(
     if halo_counts[rank] != 0:
         raise ValueError(f"{where}: field 'halo_counts' must be 0 for the part's own rank {rank}, "
                          f"got {halo_counts[rank]}")  # fmt: skip
-    halo = _ids(where, "halo", state["halo"], 0, num_nodes, length=sum(halo_counts))
-    n_halo, n_src = int(halo.numel()), n_inner + int(halo.numel())
+    halo = _ids(where, "halo", value, 0, num_nodes, length=sum(halo_counts))
+    n_halo, n_inner = int(halo.numel()), int(inner.numel())
     if n_halo > 1:
         rising = halo[1:] > halo[:-1]
         starts = torch.tensor(halo_counts, dtype=torch.int64).cumsum(0)[:-1]
@@ -90,13 +117,21 @@ def _check_state(
         at = torch.searchsorted(inner, halo).clamp(max=n_inner - 1)
         if bool((inner[at] == halo).any()):
             raise ValueError(f"{where}: field 'halo' holds ids that are also in 'inner'; expected remote nodes only")
-    send_idx = state["send_idx"]
+    return halo
+
+
+def _check_send_idx(where: str, send_idx: Any, rank: int, num_parts: int, n_inner: int) -> None:
+    """What the part sends each peer: inner rows, nothing to itself."""
     if not isinstance(send_idx, list) or len(send_idx) != num_parts:
         raise ValueError(f"{where}: field 'send_idx' must be a list of {num_parts} tensors, got {_describe(send_idx)}")
     for p, t in enumerate(send_idx):
         _ids(where, f"send_idx[{p}]", t, 0, n_inner)
     if send_idx[rank].numel():
         raise ValueError(f"{where}: field 'send_idx[{rank}]' must be empty (a part sends nothing to itself)")
+
+
+def _check_block(where: str, state: Mapping[str, Any], n_inner: int, n_src: int) -> None:
+    """The block's edges (sources among inner and halo rows, destinations inner) and the degrees they imply."""
     src = _ids(where, "src", state["src"], 0, n_src)
     dst = _ids(where, "dst", state["dst"], 0, n_inner, length=int(src.numel()))
     in_degree = _ids(where, "in_degree", state["in_degree"], 0, 2**62, length=n_inner)
@@ -106,7 +141,10 @@ def _check_state(
     out_degree = _ids(where, "out_degree", state["out_degree"], 0, 2**62, length=n_src)
     if bool((out_degree < torch.bincount(src, minlength=n_src)).any()):
         raise ValueError(f"{where}: field 'out_degree' must be at least each source's out-edges in the block")
-    ndata = state["ndata"]
+
+
+def _check_ndata(where: str, ndata: Any, n_inner: int) -> None:
+    """Node data: a dense tensor of one row per inner node each, of its kind (:data:`_NDATA_KINDS`)."""
     if not isinstance(ndata, dict):
         raise ValueError(f"{where}: field 'ndata' must be a dict of tensors, got {_describe(ndata)}")
     for k, v in ndata.items():
@@ -123,13 +161,6 @@ def _check_state(
         if not ok:
             shape = "(n_inner, F)" if kind == "floating" else "(n_inner,)"
             raise ValueError(f"{where}: field '{name}' must be a {kind} tensor of shape {shape}, got {_describe(v)}")
-    part = Partition(**state)
-    if record is not None:
-        mine = part.record()
-        for key, value in mine.items():
-            if record.get(key) != value:
-                raise ValueError(f"{where}: its {key} is {value!r} but meta.json records {record.get(key)!r}")
-    return part
 
 
 def check_partition(part: Partition) -> Partition:

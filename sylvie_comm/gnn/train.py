@@ -1,16 +1,19 @@
 """Distributed full-graph training on one partition per rank.
 
-:class:`Trainer` wires the pieces: the halo transport (a process group of its
+:class:`Trainer` wires the pieces, a builder each: the halo transport (a process group of its
 own), the exchanger (precision per direction, error feedback), the
-bounded-staleness pipeline, the model on the local block, and the weight
-gradient all-reduce (DDP, optionally with a sylvie_comm gradient hook). The
+bounded-staleness pipeline, the model on the local block, the weight
+gradient average and the optimizer. The last two are the caller's to give
+(:mod:`sylvie_comm.gnn.update`); by default :func:`default_averaging` (DDP,
+optionally with a sylvie_comm gradient hook, or the gradient average over
+another transport) and :func:`default_optimizer` (Adam) build them. The
 loss is the global mean over training nodes, so with staleness 0 and fp32
 exchange the gradients equal single-process full-graph training's.
 ``Trainer.state_dict()`` / ``load_state_dict()`` checkpoint all of it, so a
 restarted run continues exactly where it stopped.
 
-The trainer runs on one device (:func:`resolve_device`: ``cuda:LOCAL_RANK`` on NCCL
-when CUDA is available, else the CPU): model, features, labels, masks, the local
+The trainer runs on one device (:func:`~sylvie_comm.gnn.halo_checks.resolve_device`: ``cuda:LOCAL_RANK``
+on NCCL when CUDA is available, else the CPU): model, features, labels, masks, the local
 graph and the halo buffers live there, and an epoch reads the device back once,
 for the metrics it reports. :mod:`sylvie_comm.gnn.gpu_check` (``python -m sylvie_comm.gnn.gpu_check
 --gpu-check OUTDIR``) compares training on a GPU with training on the CPU.
@@ -21,14 +24,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import os
 import resource
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -36,18 +38,19 @@ import torch.nn.functional as F
 
 from sylvie_comm.collectives import ProcessGroupTransport, Transport, agree, wire_bytes
 from sylvie_comm.collectives.local import LocalTransport
-from sylvie_comm.gnn.halo import (
-    HaloExchanger,
-    HaloPipeline,
-    as_device,
-    check_settings,
-    check_state,
-    parse_precision,
-    partition_signature,
-    uses_nccl,
-)
+from sylvie_comm.gnn.checkpoint import check_checkpoint
+from sylvie_comm.gnn.halo import HaloExchanger, HaloPipeline, parse_precision, partition_signature
+from sylvie_comm.gnn.halo_checks import resolve_device
+from sylvie_comm.gnn.labels import check_node_data, check_width, label_ranges
 from sylvie_comm.gnn.models import FullGraphGNN, LocalGraph
 from sylvie_comm.gnn.partition import Partition
+from sylvie_comm.gnn.update import (
+    AveragerFactory,
+    AverageState,
+    GradientAverager,
+    OptimizerFactory,
+    build_optimizer,
+)
 from sylvie_comm.integrations.average import GradientAverage
 
 # DDP bucket size (MB) of the plain weight-gradient all-reduce. DDP's default (25 MB) puts a GNN's weights
@@ -105,55 +108,78 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def local_rank() -> int:
-    """This process's index on its machine: ``LOCAL_RANK`` from the environment (set by torchrun), else 0."""
-    value = os.environ.get("LOCAL_RANK", "0")
-    rank = int(value) if value.strip().isdigit() else -1
-    if rank < 0:
-        raise ValueError(f"gnn: LOCAL_RANK must be an integer >= 0 (this process's index on its machine), "
-                         f"got {value!r}")  # fmt: skip
-    return rank
-
-
-def resolve_device(device: torch.device | str | None, backend: str | None = None) -> torch.device:
-    """The device a :class:`Trainer` trains on.
-
-    Args:
-        device: ``None`` (the default): ``cuda:LOCAL_RANK`` when CUDA is available and the ranks talk over
-            NCCL (``backend``), else the CPU. Otherwise ``"cpu"``, ``"cuda"`` (the current CUDA device) or
-            ``"cuda:i"`` (a string or a :class:`torch.device`).
-        backend: the process group's backend (``dist.get_backend(group)``), ``None`` without one.
-
-    Raises ValueError for another device type, a CUDA device that this process does not have, and the CPU
-    on a group that is NCCL alone (NCCL carries CUDA tensors only).
-    """
-    if device is None:
-        device = torch.device("cuda", local_rank()) if uses_nccl(backend) and torch.cuda.is_available() else "cpu"
-    dev = as_device(device, "gnn")
-    if dev.type == "cpu":
-        if backend == "nccl":
-            raise ValueError("gnn: device 'cpu' on a process group whose backend is 'nccl', which carries CUDA "
-                             "tensors only; expected a CUDA device (the default, cuda:LOCAL_RANK, where CUDA is "
-                             "available) or a gloo group")  # fmt: skip
-        return dev
-    if dev.type != "cuda":
-        raise ValueError(f"gnn: device must be 'cpu', 'cuda' or 'cuda:<index>', got {str(device)!r}")
-    if not torch.cuda.is_available():
-        raise ValueError(f"gnn: device {str(device)!r} asked for, but this process has no CUDA device "
-                         f"(torch.cuda.is_available() is False); expected 'cpu' here")  # fmt: skip
-    index = torch.cuda.current_device() if dev.index is None else dev.index
-    count = torch.cuda.device_count()
-    if index >= count:
-        raise ValueError(f"gnn: device {str(device)!r} asked for, but this process sees {count} CUDA "
-                         f"device(s); expected an index in [0, {count})")  # fmt: skip
-    return torch.device("cuda", index)
-
-
 def _backend_of(transport: Transport | None) -> str | None:
     """The backend of a process-group transport's group (other transports have none)."""
     if isinstance(transport, ProcessGroupTransport):
         return str(dist.get_backend(transport.group))
     return None
+
+
+def _ranks(process_group: dist.ProcessGroup | None, transport: Transport | None) -> Transport | None:
+    """The trainer's transport: ``transport``; else, where torch.distributed is initialized, ``process_group``'s
+    (None: the default group's); else None: one process trains alone. Never Horovod's by itself: under
+    ``horovodrun`` the caller passes ``transport=horovod_transport()``."""
+    distributed = dist.is_available() and dist.is_initialized()
+    if transport is not None and process_group is not None:
+        raise ValueError("gnn: give the Trainer a process_group or a transport, not both")
+    if distributed and process_group is not None and dist.get_rank(process_group) < 0:
+        raise ValueError(
+            f"gnn: this process (global rank {dist.get_rank()}) is not a member of the process_group it "
+            "was given; only the group's ranks build a Trainer on it"
+        )
+    if transport is None and distributed:
+        return ProcessGroupTransport(process_group)
+    return transport
+
+
+class Averaging(NamedTuple):
+    """How a trainer's weight gradients reach their mean over the ranks."""
+
+    net: torch.nn.Module  # what the forward runs: the model, or DDP around it (which averages during backward)
+    averager: GradientAverager | None  # run after backward (None: DDP averaged them, or one rank trains)
+    state: AverageState | None  # checkpointed, its bytes counted, closed with the trainer (None: a plain all-reduce)
+
+
+def default_averaging(
+    model: torch.nn.Module,
+    transport: Transport,
+    config: TrainConfig,
+    device: torch.device,
+    process_group: dist.ProcessGroup | None = None,
+) -> Averaging:
+    """The weight-gradient average of a :class:`Trainer` given no ``averager`` (more than one rank).
+
+    On a process group, DDP around ``model`` (on ``process_group``, None: the default group): a plain fp32
+    all-reduce in buckets of :data:`GRAD_BUCKET_MB`, or ``config.grad_hook``'s sylvie_comm hook in DDP's default
+    buckets. On any other transport (Horovod's, the in-process one), the algorithm ``config.grad_hook`` (default
+    ``"none"``: fp32) averages the gradients after backward
+    (:class:`~sylvie_comm.integrations.average.GradientAverage` on a fork of ``transport``).
+    """
+    if not isinstance(transport, ProcessGroupTransport):
+        average = GradientAverage(model, transport.fork(), config.grad_hook or "none")
+        return Averaging(model, average, average)
+    # Plain fp32 all-reduce: buckets of GRAD_BUCKET_MB, so the last layers' gradients are summed while the first
+    # layers' are still computed (a hook keeps DDP's default buckets, which it was written for); under compile,
+    # DDPOptimizer splits the graph at buckets no smaller than DDP's first (1 MiB): DDP's default too.
+    bucket_mb = GRAD_BUCKET_MB if config.grad_hook is None and not config.compile else None
+    device_ids = [device] if device.type == "cuda" else None  # CUDA: the model's one device
+    net = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=device_ids, process_group=process_group, bucket_cap_mb=bucket_mb
+    )
+    if config.grad_hook is None:
+        return Averaging(net, None, None)
+    from sylvie_comm.integrations.ddp import register
+
+    return Averaging(net, None, register(net, config.grad_hook, process_group=process_group))
+
+
+def default_optimizer(config: TrainConfig) -> OptimizerFactory:
+    """Adam with ``config.lr`` and ``config.weight_decay``: the optimizer of a :class:`Trainer` given none."""
+
+    def adam(params: Iterator[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+
+    return adam
 
 
 class Trainer:
@@ -162,20 +188,32 @@ class Trainer:
     Args:
         part: this rank's partition (partition ``r`` on the rank ``r`` of ``process_group``).
         config: the training configuration; every rank must pass the same.
-        process_group: the ranks that train together (default: the default group). Every collective
-            of the trainer (halo exchange, gradient all-reduce, loss and accuracy sums) stays in it.
+        process_group: the ranks that train together (default: the default group, when torch.distributed
+            is initialized; otherwise one process trains alone unless ``transport`` says otherwise). Every
+            collective of the trainer (halo exchange, gradient all-reduce, loss and accuracy sums) stays in it.
         transport: instead of a process group, any :class:`~sylvie_comm.collectives.Transport`, e.g.
-            :class:`~sylvie_comm.collectives.horovod.HorovodTransport` (the default when Horovod is
-            initialized and torch.distributed is not: a run started by ``horovodrun``), or the in-process
+            :class:`~sylvie_comm.collectives.horovod.HorovodTransport` (under ``horovodrun``:
+            ``transport=horovod_transport()``), or the in-process
             :class:`~sylvie_comm.collectives.local.LocalTransport` (ranks as threads of one process, on the CPU).
-        device: where to train (see :func:`resolve_device`); default ``cuda:LOCAL_RANK`` when CUDA is
-            available and the group's backend is NCCL, else the CPU. On CUDA the trainer makes it the
-            current device. Every rank must train on the same kind of device.
+        device: where to train (see :func:`~sylvie_comm.gnn.halo_checks.resolve_device`); default
+            ``cuda:LOCAL_RANK`` when CUDA is available and the group's backend is NCCL, else the CPU. On CUDA
+            the trainer makes it the current device. Every rank must train on the same kind of device.
         model: instead of the configuration's layers, a PyG model (a ``torch.nn.Module`` whose
             ``forward(x, edge_index)`` calls ``SAGEConv``/``GCNConv``/``GATConv``) or a zero-argument factory
             building one (called under the seeded lock, as our layers are made): see
             :mod:`sylvie_comm.integrations.pyg`. ``config.model``, ``hidden``, ``layers``, ``dropout`` and
             ``backend`` then do not apply; ``precompute_first`` exchanges the input's halo rows once.
+        averager: how the weight gradients are averaged over the ranks: a factory ``(model, transport) ->``
+            :class:`~sylvie_comm.gnn.update.GradientAverager` (e.g. ``lambda model, transport:
+            GradientAverage(model, transport, "qsgd", bits=4)``), called with the trainer's model and a fork of
+            its transport when more than one rank trains; its ``average()`` runs after each backward pass (no
+            DDP then, on a process group too). Default (:func:`default_averaging`): DDP on a process group
+            (``config.grad_hook``'s sylvie_comm hook on it, if any), else
+            :class:`~sylvie_comm.integrations.average.GradientAverage` of ``config.grad_hook`` (``"none"``:
+            fp32). Give ``config.grad_hook`` or an averager, not both; every rank gives one or none.
+        optimizer: a factory ``params -> torch.optim.Optimizer`` (e.g. ``lambda params: torch.optim.SGD(params,
+            lr=0.1, momentum=0.9)``); default (:func:`default_optimizer`): Adam with ``config.lr`` and
+            ``config.weight_decay``, which then do not apply to another optimizer.
 
     Every training label must be a class index of the model: node data ``label`` of an integer dtype, each
     training node's in ``[0, classes)``, where ``classes`` is 1 + the largest label of any node for our layers
@@ -193,121 +231,37 @@ class Trainer:
         transport: Transport | None = None,
         device: torch.device | str | None = None,
         model: torch.nn.Module | Callable[[], torch.nn.Module] | None = None,
+        *,
+        averager: AveragerFactory | None = None,
+        optimizer: OptimizerFactory | None = None,
     ) -> None:
         self.part = part
         self.process_group = process_group
-        distributed = dist.is_available() and dist.is_initialized()
-        if transport is not None and process_group is not None:
-            raise ValueError("gnn: give the Trainer a process_group or a transport, not both")
-        if distributed and process_group is not None and dist.get_rank(process_group) < 0:
-            raise ValueError(
-                f"gnn: this process (global rank {dist.get_rank()}) is not a member of the process_group it "
-                "was given; only the group's ranks build a Trainer on it"
-            )
-        if transport is None:
-            transport = ProcessGroupTransport(process_group) if distributed else horovod_transport()
+        self.transport: Transport | None = _ranks(process_group, transport)
+        self.world = self.transport.world_size if self.transport is not None else 1
         # Before the first collective: NCCL's object gathers run on the current CUDA device.
-        self.device = resolve_device(device, _backend_of(transport))
-        if self.device.type == "cuda" and isinstance(transport, LocalTransport) and transport.world_size > 1:
-            raise ValueError(
-                f"gnn: device {str(self.device)!r} with the in-process transport ({transport.world_size} ranks as "
-                "threads): their CUDA backward passes share the device's one autograd thread, so one rank's halo "
-                "exchange in backward would wait forever for the other's; expected device='cpu' for in-process "
-                "ranks, or one process per GPU over NCCL"
-            )
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # CUDA-only
-        self.transport: Transport | None = transport
-        self.world = transport.world_size if transport is not None else 1
-        feat = part.ndata.get("feat")
-
-        def build() -> TrainConfig:
-            if feat is None or "label" not in part.ndata or "train_mask" not in part.ndata:
-                raise ValueError("gnn: the partition needs node data 'feat', 'label' and 'train_mask'")
-            if part.num_parts != self.world:
-                raise ValueError(f"gnn: {part.num_parts} partitions for {self.world} ranks; they must match")
-            label = part.ndata["label"]
-            if label.dim() != 1 or label.dtype.is_floating_point or label.dtype.is_complex or label.dtype == torch.bool:
-                raise ValueError(f"gnn: node data 'label' must hold integer class indices (a 1-D integer tensor, "
-                                 f"one per inner node), got a {label.dtype} tensor of shape {tuple(label.shape)} on "
-                                 f"partition {part.rank}; convert it with label.long()")  # fmt: skip
-            if part.ndata["train_mask"].shape != label.shape:
-                raise ValueError(f"gnn: node data 'train_mask' of shape {tuple(part.ndata['train_mask'].shape)} on "
-                                 f"partition {part.rank}; expected the labels' shape {tuple(label.shape)}")  # fmt: skip
-            return config.validated()
-
-        def describe(cfg: TrainConfig) -> dict[str, Any]:
-            return {**dataclasses.asdict(cfg), "num_parts": part.num_parts, "num_nodes": part.num_nodes,
-                    "features": int(feat.shape[1]) if feat is not None else None,
-                    "device_type": self.device.type}  # fmt: skip
-
-        if self.transport is not None:
-            self.config = agree(self.transport, build, describe, "sylvie_comm.gnn")
-        else:
-            self.config = build()
-        cfg = self.config
+        self.device = self._place(device)
+        self.config = self._agreed(config, averager is not None)
         # Every rank learns every rank's training-label range (the one collective of the label check): a label the
         # model cannot take fails on every rank, not as an IndexError in one rank's loss while the others wait.
-        self.train_labels = self._gather_label_ranges(part)
+        self.train_labels = label_ranges(part, self.transport if self.world > 1 else None)
         # Our layers: one output per class up to the largest label of any node. A PyG model's width is its
         # logits', checked at its first forward (_check_width) against the ranges agreed on here.
         num_classes = max(r["classes"] for r in self.train_labels)
         self.classes: int | None = None
         if model is None:
             self._check_width(num_classes)
-        self.pipeline: HaloPipeline | None = None
-        self.halo_transport: Transport | None = None
-        if self.transport is not None and self.world > 1:
-            # The halo exchange runs on a thread of its own under staleness: a transport of its own too.
-            self.halo_transport = self.transport.fork()
-            exchanger = HaloExchanger(part, self.halo_transport, cfg.forward, cfg.backward, cfg.meta_dtype,
-                                      cfg.error_feedback, cfg.seed, self.device,
-                                      smoothing=cfg.halo_smoothing)  # fmt: skip
-            self.pipeline = HaloPipeline(exchanger, cfg.staleness, cfg.sync_every)
+        self.pipeline, self.halo_transport = self._halo_pipeline()
         self.graph = LocalGraph(part, self.pipeline, self.device)
-        labels = part.ndata["label"]
         self.x = part.ndata["feat"].to(self.device).float()
-        self.y = labels.to(self.device)
-        self.first_aggregate: torch.Tensor | None = None
-        if cfg.precompute_first:
-            # The input never changes: exchange its halo rows once, exactly, and aggregate once.
-            halo_x = self.pipeline.exchange_once(self.x) if self.pipeline is not None else self.x[:0]
-            x_full = torch.cat([self.x, halo_x])  # a PyG model's convs take these rows themselves
-            self.first_aggregate = x_full if model is not None else self.graph.first_aggregate(cfg.model, x_full)
-        if model is not None:  # a PyG model: built (a factory, under the lock), checked and agreed on there
-            from sylvie_comm.integrations.pyg import bind
-
-            built: torch.nn.Module = bind(model, self.graph, self.transport, seed=cfg.seed, lock=_SEEDED_INIT)
-        else:
-            with _SEEDED_INIT:  # identical initial weights on every rank (made on the CPU, on any device)
-                torch.manual_seed(cfg.seed)
-                built = FullGraphGNN(cfg.model, self.x.shape[1], cfg.hidden, num_classes, cfg.layers, cfg.dropout,
-                                     cfg.backend)  # fmt: skip
-        self.model = built.to(self.device)
-        self.net: torch.nn.Module = self.model
-        self.hook_state: Any = None
-        self.averager: GradientAverage | None = None
-        if self.world > 1 and isinstance(transport, ProcessGroupTransport):
-            # Plain fp32 all-reduce: buckets of GRAD_BUCKET_MB, so the last layers' gradients are summed while
-            # the first layers' are still computed (a hook keeps DDP's default buckets, which it was written for).
-            bucket_mb = GRAD_BUCKET_MB if cfg.grad_hook is None else None  # None: DDP's default
-            if cfg.compile:  # DDPOptimizer splits the graph at buckets no smaller than DDP's first (1 MiB)
-                bucket_mb = None
-            device_ids = [self.device] if self.device.type == "cuda" else None  # CUDA: the model's one device
-            self.net = torch.nn.parallel.DistributedDataParallel(
-                self.model, device_ids=device_ids, process_group=process_group, bucket_cap_mb=bucket_mb
-            )
-            if cfg.grad_hook is not None:
-                from sylvie_comm.integrations.ddp import register
-
-                self.hook_state = register(self.net, cfg.grad_hook, process_group=process_group)
-        elif self.world > 1 and transport is not None:
-            # Any other transport (Horovod, in-process): the algorithm averages the gradients after backward.
-            self.averager = self.hook_state = GradientAverage(self.model, transport.fork(), cfg.grad_hook or "none")
-        if cfg.compile:
+        self.y = part.ndata["label"].to(self.device)
+        self.first_aggregate = self._first_aggregate(pyg=model is not None)
+        self.model = self._model(model, num_classes).to(self.device)
+        self.net, self.averager, self.hook_state = self._averaging(averager)
+        if self.config.compile:
             # Around DDP, as DDPOptimizer expects: the graph splits at DDP's buckets, the C++ reducer stays.
             self.net = cast(torch.nn.Module, torch.compile(self.net))
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.opt = build_optimizer(optimizer or default_optimizer(self.config), self.model)
         host_masks = {k: part.ndata[k] for k in ("train_mask", "val_mask", "test_mask") if k in part.ndata}
         self.masks: dict[str, torch.Tensor] = {k: m.to(self.device) for k, m in host_masks.items()}
         # The training rows as indices, found once on the host: a boolean mask would read its count back
@@ -318,35 +272,93 @@ class Trainer:
         self.epoch = -1
         self.params = sum(p.numel() for p in self.model.parameters())
 
+    def _place(self, device: torch.device | str | None) -> torch.device:
+        """The device this rank trains on (:func:`~sylvie_comm.gnn.halo_checks.resolve_device`), made the current
+        one on CUDA."""
+        placed = resolve_device(device, _backend_of(self.transport))
+        if placed.type == "cuda" and isinstance(self.transport, LocalTransport) and self.world > 1:
+            raise ValueError(
+                f"gnn: device {str(placed)!r} with the in-process transport ({self.world} ranks as threads): their "
+                "CUDA backward passes share the device's one autograd thread, so one rank's halo exchange in "
+                "backward would wait forever for the other's; expected device='cpu' for in-process ranks, or one "
+                "process per GPU over NCCL"
+            )
+        if placed.type == "cuda":
+            torch.cuda.set_device(placed)  # CUDA-only
+        return placed
+
+    def _agreed(self, config: TrainConfig, own_averager: bool) -> TrainConfig:
+        """``config`` validated and checked against the partition, the same on every rank (else every rank
+        raises)."""
+        part, feat = self.part, self.part.ndata.get("feat")
+
+        def build() -> TrainConfig:
+            check_node_data(part, self.world)
+            if own_averager and config.grad_hook is not None:
+                raise ValueError(f"gnn: config.grad_hook={config.grad_hook!r} and an averager given: the averager "
+                                 "averages the gradients, so expected grad_hook=None with it")  # fmt: skip
+            return config.validated()
+
+        def describe(cfg: TrainConfig) -> dict[str, Any]:
+            return {**dataclasses.asdict(cfg), "num_parts": part.num_parts, "num_nodes": part.num_nodes,
+                    "features": int(feat.shape[1]) if feat is not None else None,
+                    "device_type": self.device.type, "averager": "given" if own_averager else "default"}  # fmt: skip
+
+        if self.transport is not None:
+            return agree(self.transport, build, describe, "sylvie_comm.gnn")
+        return build()
+
+    def _halo_pipeline(self) -> tuple[HaloPipeline | None, Transport | None]:
+        """The halo exchange's pipeline and its transport (None, None for one rank)."""
+        if self.transport is None or self.world == 1:
+            return None, None
+        cfg = self.config
+        # The halo exchange runs on a thread of its own under staleness: a transport of its own too.
+        halo_transport = self.transport.fork()
+        exchanger = HaloExchanger(self.part, halo_transport, cfg.forward, cfg.backward, cfg.meta_dtype,
+                                  cfg.error_feedback, cfg.seed, self.device, smoothing=cfg.halo_smoothing)  # fmt: skip
+        return HaloPipeline(exchanger, cfg.staleness, cfg.sync_every), halo_transport
+
+    def _first_aggregate(self, pyg: bool) -> torch.Tensor | None:
+        """With ``precompute_first``: the input never changes, so its halo rows are exchanged once, exactly, and
+        aggregated once (a PyG model's convs take ``[inner; halo]`` rows themselves)."""
+        if not self.config.precompute_first:
+            return None
+        halo_x = self.pipeline.exchange_once(self.x) if self.pipeline is not None else self.x[:0]
+        x_full = torch.cat([self.x, halo_x])
+        return x_full if pyg else self.graph.first_aggregate(self.config.model, x_full)
+
+    def _model(self, model: torch.nn.Module | Callable[[], torch.nn.Module] | None, classes: int) -> torch.nn.Module:
+        """The caller's PyG model, bound to the partition (built under the lock, checked and agreed on there), or
+        the configuration's layers."""
+        cfg = self.config
+        if model is not None:
+            from sylvie_comm.integrations.pyg import bind
+
+            bound: torch.nn.Module = bind(model, self.graph, self.transport, seed=cfg.seed, lock=_SEEDED_INIT)
+            return bound
+        with _SEEDED_INIT:  # identical initial weights on every rank (made on the CPU, on any device)
+            torch.manual_seed(cfg.seed)
+            return FullGraphGNN(cfg.model, self.x.shape[1], cfg.hidden, classes, cfg.layers, cfg.dropout, cfg.backend)
+
+    def _averaging(self, averager: AveragerFactory | None) -> Averaging:
+        """The module the forward runs, the averager that runs after backward and the average's state."""
+        if self.transport is None or self.world == 1:
+            return Averaging(self.model, None, None)
+        if averager is not None:
+            made = averager(self.model, self.transport.fork())
+            return Averaging(self.model, made, made)
+        return default_averaging(self.model, self.transport, self.config, self.device, self.process_group)
+
     def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.transport is not None and self.world > 1:
             self.transport.all_reduce(t).wait()
         return t
 
-    def _gather_label_ranges(self, part: Partition) -> list[dict[str, Any]]:
-        """Each rank's ``classes`` (1 + its largest label of any node, 0 without nodes) and the smallest and
-        largest label of its training nodes, ``(label, global node id)`` each (None without training nodes)."""
-        labels, rows = part.ndata["label"], torch.nonzero(part.ndata["train_mask"]).view(-1)  # host tensors
-        mine: dict[str, Any] = {"classes": int(labels.max()) + 1 if labels.numel() else 0, "low": None, "high": None}
-        if rows.numel():
-            train = labels[rows].to("cpu", torch.int64)
-            inner = part.inner.to("cpu")
-            for key, at in (("low", torch.argmin(train)), ("high", torch.argmax(train))):  # their first rows
-                mine[key] = (int(train[at]), int(inner[rows[at]]))
-        if self.transport is not None and self.world > 1:
-            return list(self.transport.all_gather_object(mine))
-        return [mine]
-
     def _check_width(self, classes: int) -> None:
-        """ValueError unless every rank's training labels are in ``[0, classes)``: the same on every rank, which
-        all hold every rank's ranges (no collective). Once; ``self.classes`` records it."""
-        for rank, ranges in enumerate(self.train_labels):
-            for found in (ranges["low"], ranges["high"]):
-                if found is not None and not 0 <= found[0] < classes:
-                    label, node = found
-                    raise ValueError(f"gnn: node {node} (partition {rank}) has the training label {label}; expected "
-                                     f"a class index in [0, {classes}) for the model's {classes} outputs (every "
-                                     "training label must be one of the model's classes)")  # fmt: skip
+        """ValueError unless every rank's training labels are in ``[0, classes)`` (:func:`check_width`); once:
+        ``self.classes`` records it."""
+        check_width(self.train_labels, classes)
         self.classes = classes
 
     def _checked(self, logits: torch.Tensor) -> torch.Tensor:
@@ -523,31 +535,10 @@ class Trainer:
             if self.epoch != -1:
                 raise ValueError(f"{what}: load a checkpoint into a freshly built trainer, before its first "
                                  f"epoch (this one is at epoch {self.epoch})")  # fmt: skip
-            keys = {"settings", "epoch", "model", "optimizer", "rng", "cuda_rng", "halo", "grad_hook"}
-            st = check_state(what, state, keys)
-            check_settings(what, self.settings(), st["settings"])
-            epoch = st["epoch"]
-            if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < -1:
-                raise ValueError(f"{what}: 'epoch' must be an integer >= -1, got {epoch!r}")
-            for field, mine in (("halo", self.pipeline), ("grad_hook", self.hook_state)):
-                if (st[field] is None) != (mine is None):
-                    holds = f"no '{field}' state" if st[field] is None else f"'{field}' state"
-                    raise ValueError(f"{what}: the checkpoint holds {holds} but this trainer has "
-                                     f"{'one' if mine is not None else 'none'}")  # fmt: skip
-            rng = st["rng"]
-            if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8 or rng.dim() != 1:
-                raise ValueError(f"{what}: 'rng' must be a 1-D uint8 tensor (torch.get_rng_state())")
-            cuda_rng = st["cuda_rng"]
-            if cuda_rng is not None and (
-                not isinstance(cuda_rng, torch.Tensor) or cuda_rng.dtype != torch.uint8 or cuda_rng.dim() != 1
-            ):
-                raise ValueError(f"{what}: 'cuda_rng' must be None or a 1-D uint8 tensor "
-                                 "(torch.cuda.get_rng_state())")  # fmt: skip
+            st = check_checkpoint(what, state, self.settings(), halo=self.pipeline is not None,
+                                  grad_hook=self.hook_state is not None, optimizer=self.opt)  # fmt: skip
+            epoch, cuda_rng = st["epoch"], st["cuda_rng"]
             if self.pipeline is not None:
-                halo_epoch = st["halo"].get("epoch") if isinstance(st["halo"], Mapping) else None
-                if halo_epoch != epoch:
-                    raise ValueError(f"{what}: the checkpoint is at epoch {epoch} but its halo state at epoch "
-                                     f"{halo_epoch!r}; it was not written by Trainer.state_dict()")  # fmt: skip
                 self.pipeline.load_state_dict(st["halo"])
             try:
                 if self.hook_state is not None:
@@ -557,7 +548,7 @@ class Trainer:
             except (RuntimeError, KeyError) as exc:  # as ValueError, so that every rank learns of it
                 raise ValueError(f"{what}: the checkpoint's gradient hook, model or optimizer state does not "
                                  f"fit this trainer: {exc!r}") from exc  # fmt: skip
-            torch.set_rng_state(rng)
+            torch.set_rng_state(st["rng"])
             if cuda_rng is not None and self.device.type == "cuda":
                 # CUDA-only. A checkpoint written on the CPU carries none: the device's generator stays as
                 # seeded (dropout then draws other masks than the CPU run would have).
@@ -590,7 +581,11 @@ class Trainer:
 
 def horovod_transport() -> Transport | None:
     """A :class:`~sylvie_comm.collectives.horovod.HorovodTransport` when this process runs Horovod
-    (``horovod.torch`` imported and initialized, as under ``horovodrun``), else None. Never imports Horovod."""
+    (``horovod.torch`` imported and initialized, as under ``horovodrun``), else None. Never imports Horovod.
+
+    For a caller that runs under ``horovodrun`` or ``torchrun`` alike: ``Trainer(part, config,
+    transport=horovod_transport())`` trains over Horovod under the one and over the default process group under
+    the other (the trainer itself never looks for Horovod)."""
     hvd = sys.modules.get("horovod.torch")
     if hvd is None or not hvd.is_initialized():
         return None

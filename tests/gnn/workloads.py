@@ -52,15 +52,16 @@ def snapshot(tr: Trainer) -> dict[str, Any]:
 
 
 def run(rank: int, world: int, config: dict[str, Any], epochs: int, method: str = "random",
-        graph_seed: int = 0, transport: Transport | None = None) -> dict[str, Any]:  # fmt: skip
+        graph_seed: int = 0, transport: Transport | None = None, **trainer_args: Any) -> dict[str, Any]:  # fmt: skip
     """Train ``epochs`` epochs on partition ``rank``, then take a snapshot; also report accuracy and stats.
 
-    ``transport``: the ranks' transport (in-process ranks: their ``LocalTransport``); None: the default
-    process group (or Horovod), as in a worker of ``run_distributed``."""
+    ``transport``: the ranks' transport (in-process ranks: their ``LocalTransport``; Horovod's); None: the
+    default process group, as in a worker of ``run_distributed``. ``trainer_args``: the trainer's other
+    arguments (``averager``, ``optimizer``)."""
     g = small_graph(graph_seed)
     # "random" is deterministic, so every rank may partition for itself here (real runs: shared_partition).
     parts = partition((g.src, g.dst), world, method, num_nodes=g.num_nodes, ndata=g.ndata, seed=1)
-    tr = Trainer(parts[rank], TrainConfig(**config), transport=transport)
+    tr = Trainer(parts[rank], TrainConfig(**config), transport=transport, **trainer_args)
     history = [tr.train_epoch() for _ in range(epochs)]
     snap = snapshot(tr)
     snap["history"] = history
