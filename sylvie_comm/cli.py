@@ -53,10 +53,11 @@ def _positive_number(text: str) -> float:
 
 
 def _tta_methods(text: str) -> list[str]:
-    from sylvie_comm.bench import choices, tta
+    from sylvie_comm.bench import choices, tta_methods
 
     try:
-        return choices.unique_choices([c.strip() for c in text.split(",") if c.strip()], tta.known_methods(), "method")
+        methods = [c.strip() for c in text.split(",") if c.strip()]
+        return choices.unique_choices(methods, tta_methods.known_methods(), "method")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -203,7 +204,7 @@ def _bench_fsdp(args: argparse.Namespace) -> int:
 
 def _bench_tta(args: argparse.Namespace) -> int:
     """``bench tta``: time to plain DDP's final accuracy on a shaped link, every method (sylvie_comm.bench.tta)."""
-    from sylvie_comm.bench import tta
+    from sylvie_comm.bench import tta, tta_report
 
     rec = _in_lab("tta", args, lambda: tta.run(
         args.link, args.workload, optimizer=args.optimizer, steps=args.steps, eval_every=args.eval_every,
@@ -211,9 +212,9 @@ def _bench_tta(args: argparse.Namespace) -> int:
         sync_every=args.sync_every, outer_lr=args.outer_lr, method_steps=args.method_steps))  # fmt: skip
     if rec is None:
         return 1
-    print(tta.format_table(rec))
+    print(tta_report.format_table(rec))
     if args.out:
-        path, message = tta.save(rec, args.out)
+        path, message = tta_report.save(rec, args.out)
         print(f"\nwrote {path}")
         print(message)
     return 1 if rec["failed"] else 0
