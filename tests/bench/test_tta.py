@@ -15,6 +15,7 @@ from torch import nn
 from sylvie_comm import cli
 from sylvie_comm.algorithms.registry import ALGORITHMS
 from sylvie_comm.bench import quality, tta, tta_methods, tta_report
+from sylvie_comm.bench.tta_report import error_line, reached
 from tests.bench.test_datasets import need
 from tests.lab_marks import needs_lab
 
@@ -40,7 +41,7 @@ def test_time_to_target_of_a_loss_is_at_or_below_it_and_nan_never_reaches():
     nan = [(1.0, float("nan")), (2.0, float("nan"))]
     assert tta_report.time_to_target(nan, 0.0, higher_is_better=True) is None
     assert tta_report.time_to_target(nan, 100.0, higher_is_better=False) is None
-    assert not tta_report.reached(math.nan, 1.0, True) and tta_report.reached(1.0, 1.0, False) and not tta_report.reached(1.1, 1.0, False)
+    assert not reached(math.nan, 1.0, True) and reached(1.0, 1.0, False) and not reached(1.1, 1.0, False)
 
 
 def test_time_to_target_refuses_a_nan_target_and_times_that_go_back():
@@ -344,8 +345,8 @@ def test_the_clock_stops_while_evaluating():
 
 def test_the_failed_line_names_the_error():
     text = "[rank0]: Traceback (most recent call last):\n[rank0]:   File x\n[rank0]: TypeError: no bf16 here\n"
-    assert tta_report.error_line(text) == "TypeError: no bf16 here"
-    assert tta_report.error_line("lab (100mbit): rank 0 failed (exit 1)\nsomething") == "lab (100mbit): rank 0 failed (exit 1)"
+    assert error_line(text) == "TypeError: no bf16 here"
+    assert error_line("lab (100mbit): rank 0 failed (exit 1)\nsomething") == "lab (100mbit): rank 0 failed (exit 1)"
 
 
 # ---------------------------------------------------------------------- one rank in this process
@@ -397,7 +398,8 @@ def test_a_method_runs_on_one_rank_from_the_seed():
 
 
 def test_diloco_methods_run_when_named():
-    assert not set(tta_methods.DILOCO) & (set(tta_methods.default_methods("sgd")) | set(tta_methods.default_methods("adamw")))
+    defaults = set(tta_methods.default_methods("sgd")) | set(tta_methods.default_methods("adamw"))
+    assert not set(tta_methods.DILOCO) & defaults
     assert tta_methods.check_methods(["diloco_qsgd2", "diloco"], "sgd") == ["plain", "diloco_qsgd2", "diloco"]
     assert "DiLoCo(sync_every=32, codec='qsgd', bits=2, block=1)" in tta_methods.label("diloco_qsgd2", 600, 32)
     assert "bits=8, error_feedback=False, block=1" in tta_methods.label("diloco_qsgd8_noef", 600)
