@@ -275,11 +275,7 @@ def run(
     check_ints("bench ddp --link", ("workers", workers, 1), ("steps", steps, 1), ("rank", rank, 1),
                ("warmup", warmup, 0), ("rounds", rounds, 1))  # fmt: skip
     check_timeout("bench ddp --link", timeout)
-    if warmup < HOOK_WARMUP + 1 and any(n not in ("ddp", "torch-fp16") for n in names):
-        raise ValueError(
-            f"bench ddp --link: warmup must be >= {HOOK_WARMUP + 1} (got {warmup}): the hooks send plain "
-            f"gradients for their first {HOOK_WARMUP} steps, which should not be measured"
-        )
+    _check_warmup(warmup, names)
     hvd_rows, hvd_skipped = _horovod_rows(horovod, horovod_rows, warmup)
     # A choosing algorithm's (auto's) steps before its choice settles are not in the total (see _run_codec).
     total = rounds * (len(names) + len(hvd_rows)) * (warmup + steps)
@@ -329,6 +325,15 @@ NOTES = [
     "aborts on gloo (its P and Q all-reduces start from callbacks on different threads)",
     "step time: barrier, then zero_grad + forward + backward (waits for the hook) + optimizer step; the slowest rank's",
 ]
+
+
+def _check_warmup(warmup: int, names: Sequence[str]) -> None:
+    """A ValueError where the warm-up would measure a hook's first, uncompressed steps."""
+    if warmup < HOOK_WARMUP + 1 and any(n not in ("ddp", "torch-fp16") for n in names):
+        raise ValueError(
+            f"bench ddp --link: warmup must be >= {HOOK_WARMUP + 1} (got {warmup}): the hooks send plain "
+            f"gradients for their first {HOOK_WARMUP} steps, which should not be measured"
+        )
 
 
 def _horovod_rows(horovod: bool | None, rows: Sequence[str] | None, warmup: int) -> tuple[list[str], str | None]:

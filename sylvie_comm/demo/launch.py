@@ -146,3 +146,17 @@ def run_worker(
             print(report(result))
             write_json(result, args.json_out)
     return result
+
+
+def worker_entry(
+    parse_args: Callable[[list[str] | None], Any],
+    train: Callable[[Any], dict[str, Any]],
+    report: Callable[[dict[str, Any]], str],
+) -> Callable[[list[str] | None], dict[str, Any]]:
+    """A demo worker module's ``main(argv=None)``: :func:`run_worker` with its parser, training and report."""
+
+    def main(argv: list[str] | None = None) -> dict[str, Any]:
+        """Parse ``argv`` and train (in a new process group unless one is initialized); rank 0 reports."""
+        return run_worker(argv, parse_args, train, report)
+
+    return main
