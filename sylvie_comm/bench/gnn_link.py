@@ -63,7 +63,7 @@ def check_links(links: Sequence[str] | str | None) -> list[str]:
 # ---------------------------------------------------------------------- worker side
 
 
-def _run_settings(cfg: dict[str, Any], rank: int, world: int, progress: Callable[[], None]) -> dict[str, Any]:
+def _run_settings(cfg: dict[str, Any], rank: int, world: int, progress: Callable[..., None]) -> dict[str, Any]:
     """Every setting in turn on this rank; every rank's figures of each."""
     import torch.distributed as dist
 
@@ -343,7 +343,6 @@ def plot(rec: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
     axes[0][0].set_ylabel("seconds per epoch")
     axes[0][-1].legend(fontsize=7)
     fig.suptitle(f"GNN, {rec['graph']['num_nodes']:,} nodes, {rec['workers']} workers")
-    fig.tight_layout()
     return save_figure(plt, fig, out)
 
 

@@ -184,7 +184,9 @@ def pyplot() -> Any:
 
 
 def save_figure(plt: Any, fig: Any, out: str | Path) -> tuple[Path, str]:
-    """Write ``fig`` to ``out`` (a PNG, its folder made) and close it; the path and a line saying so."""
+    """Lay ``fig`` out tight, write it to ``out`` (a PNG, its folder made) and close it; the path and a line saying
+    so."""
+    fig.tight_layout()
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -226,6 +228,16 @@ def bench_device(what: str, device: str | torch.device) -> torch.device:
             raise ValueError(f"{what}: device {str(device)!r} asked for, but this torch sees no CUDA GPU")
         dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
     return dev
+
+
+def print_and_write(result: dict[str, Any], text: str, out: str | Path | None,
+                    markdown: Callable[[dict[str, Any]], str]) -> int:  # fmt: skip
+    """A benchmark's end: print its report ``text`` and, given ``out``, write its record (:func:`write_record`);
+    exit status 0."""
+    print(text, end="")
+    if out:
+        write_record(out, result, markdown)
+    return 0
 
 
 def write_record(out: str | Path, result: dict[str, Any], markdown: Callable[[dict[str, Any]], str]) -> None:

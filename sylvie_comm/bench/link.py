@@ -463,7 +463,6 @@ def plot(rec: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
     ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
     ax.set_ylabel(f"speedup over S-SGD ({rec['baselines']['s-sgd']})" if key else "steps per second")
     ax.set_title(f"DDP, {rec['workers']} workers, link {rec['link'] if rec['lab']['shaped'] else 'loopback'}")
-    fig.tight_layout()
     return save_figure(plt, fig, out)
 
 

@@ -274,7 +274,6 @@ def plot(rec: Mapping[str, Any], out: str | Path) -> tuple[Path | None, str]:
     where = rec["link"] if rec["lab"]["shaped"] else "loopback"
     ax.set_title(f"{rec['workload']}, {rec['workers']} workers, link {where}, seed {rec['seed']}")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
     return save_figure(plt, fig, out)
 
 

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 
 def free_port() -> int:
@@ -148,11 +148,17 @@ def run_worker(
     return result
 
 
+class WorkerMain(Protocol):
+    """A demo worker module's ``main``."""
+
+    def __call__(self, argv: list[str] | None = None) -> dict[str, Any]: ...
+
+
 def worker_entry(
     parse_args: Callable[[list[str] | None], Any],
     train: Callable[[Any], dict[str, Any]],
     report: Callable[[dict[str, Any]], str],
-) -> Callable[[list[str] | None], dict[str, Any]]:
+) -> WorkerMain:
     """A demo worker module's ``main(argv=None)``: :func:`run_worker` with its parser, training and report."""
 
     def main(argv: list[str] | None = None) -> dict[str, Any]:
