@@ -83,7 +83,9 @@ def test_the_layout_names_pyproject_markers():
 
 def test_the_check_finds_a_module_left_out_and_a_folder_named_by_an_old_name():
     text = LAYOUT.read_text()
-    assert "sylvie_comm/algorithms/monitor.py" in missing(text.replace("monitor.py (the compression monitor around", ""))
+    assert "sylvie_comm/algorithms/monitor.py" in missing(
+        text.replace("monitor.py (the compression monitor around", "")
+    )
     without_triton = text.replace("  kernels/triton/ the GPU kernels", "  the GPU kernels")
     assert "folder sylvie_comm/kernels/triton/" in missing(without_triton)
     assert doc_markers("pytest markers: multiprocess, gpu, slow") != pyproject_markers()

@@ -21,7 +21,6 @@ on different threads, and ranks disagree on their order).
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from typing import Any
 
@@ -33,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from sylvie_comm.algorithms import ALGORITHMS
 from sylvie_comm.algorithms.delegating import takes_rank
 from sylvie_comm.bench import horovod
+from sylvie_comm.bench.kit import StepFigures
 from sylvie_comm.bench.workloads import fixed_batch
 from sylvie_comm.bench.workloads import mlp_17m as mlp_17m  # also read from here (its home is bench.workloads)
 
@@ -66,7 +66,7 @@ def _run_hook(name: str, rank: int, world: int, rank_r: int, steps: int, warmup:
         opts: dict[str, Any] = {"rank": rank_r} if takes_rank(ALGORITHMS[name]) else {}
         state = sylvie_comm.ddp.register(ddp, name, warmup_steps=warmup, **opts)
     x, y = fixed_batch(rank)
-    times, enc_dec, sent = [], [], []
+    figures = StepFigures()
     for step in range(warmup + steps):
         ddp.zero_grad()
         loss = F.cross_entropy(ddp(x), y)
@@ -75,23 +75,14 @@ def _run_hook(name: str, rank: int, world: int, rank_r: int, steps: int, warmup:
         loss.backward()  # type: ignore[no-untyped-call]
         dt = time.perf_counter() - t0
         if step >= warmup:
-            times.append(dt)
-            if state is not None:
-                last = state.stats()["last_step"]
-                enc_dec.append(last["encode_seconds"] + last["decode_seconds"])
-                sent.append(last["bytes_sent"])
+            figures.add(dt, state)
     if state is not None:
         memory = state.memory_bytes()
         state.close()
     else:
         assert ps_state is not None
         memory = _tensor_bytes([ps_state.error_dict, ps_state.p_memory_dict, ps_state.q_memory_dict])
-    return {
-        "backward_s": statistics.median(times),
-        "encode_decode_s": statistics.median(enc_dec) if enc_dec else None,
-        "bytes_sent": statistics.median(sent) if sent else None,
-        "memory_bytes": memory,
-    }
+    return {**figures.medians(), "memory_bytes": memory}
 
 
 def _worker(rank: int, world: int, port: int, rank_r: int, steps: int, warmup: int, queue: Any) -> None:

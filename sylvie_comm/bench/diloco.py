@@ -259,7 +259,6 @@ def plot(result: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
     right.legend(fontsize=7, ncol=2)
     fig.suptitle(f"DiLoCo against data parallel: {result['world']} replicas, {result['steps']} inner steps, "
                  f"seed {result.get('seed', 0)}", fontsize=10)  # fmt: skip
-    fig.tight_layout()
     return save_figure(plt, fig, out)
 
 

@@ -4,10 +4,10 @@ For the gradients of :func:`sylvie_comm.bench.ddp.mlp_17m` (fp32), one run times
 (``x.sum()``) and a read+write pass (``y.copy_(x)``) over every tensor, and from them the least time
 an algorithm's encode + decode can take when each byte it must touch moves once:
 
-* ``acpsgd`` / ``powersgd``: read the gradient M and the residual E, write E and the approximated
-  gradient: 2 reads + 2 writes of the matrices (the factors are small).
-* ``onebit``: the same on the worker side, plus the server side on ``1 / world`` of the values
-  (read and write its residual): ``2 + 1/w`` reads and writes.
+* a low-rank algorithm (``acpsgd``, ``powersgd``): read the gradient M and the residual E, write E and the
+  approximated gradient: 2 reads + 2 writes of the matrices (the factors are small).
+* an error-fed algorithm with a server phase (``onebit``): the same on the worker side, plus the server side on
+  ``1 / world`` of the values (read and write its residual): ``2 + 1/w`` reads and writes.
 
 Then it runs the algorithm on the same tensors, one rank in-process
 (:func:`sylvie_comm.collectives.local.run_local`), and reads each step's encode + decode seconds
@@ -29,16 +29,40 @@ from typing import Any
 
 import torch
 
-from sylvie_comm.algorithms import Group, Member, make_algorithm
+from sylvie_comm.algorithms import ALGORITHMS as REGISTERED
+from sylvie_comm.algorithms import Algorithm, Group, Member, make_algorithm
 from sylvie_comm.collectives import Stats
 from sylvie_comm.collectives.local import run_local
 
-ALGORITHMS = ("acpsgd", "powersgd", "onebit")
+# What an algorithm's floor counts, read from its class: ``low-rank`` (it sends factors of each matrix: the
+# matrix and its residual read, the residual and the approximation written), ``server`` (an error-fed algorithm
+# with a second dependent collective on values, not factors: one-bit's server phase, which keeps a residual of its
+# own on ``1 / world`` of the values). Other algorithms have no floor modelled here.
+KINDS = ("low-rank", "server")
+
+
+def floor_kind(cls: type[Algorithm]) -> str | None:
+    """Which of :data:`KINDS` algorithm class ``cls`` is (None: none)."""
+    if cls.record.low_rank:
+        return "low-rank"
+    if cls.record.serial and cls.record.error_feedback:
+        return "server"
+    return None
+
+
+# Every algorithm with a floor modelled: the low-rank ones, then those with a server phase (registry order within).
+ALGORITHMS = tuple(
+    sorted((n for n, cls in REGISTERED.items() if floor_kind(cls) is not None),
+           key=lambda n: KINDS.index(str(floor_kind(REGISTERED[n]))))
+)  # fmt: skip
 
 
 def _passes_of(name: str, world: int) -> tuple[float, float]:
     """Passes over the gradient's bytes at the floor: (reads, writes) per step at ``world`` ranks."""
-    if name == "onebit":
+    kind = floor_kind(REGISTERED[name])
+    if kind is None:
+        raise ValueError(f"bench floor: {name!r} has no floor modelled (valid: {', '.join(ALGORITHMS)})")
+    if kind == "server":
         return 2.0 + 1.0 / world, 2.0 + 1.0 / world
     return 2.0, 2.0
 

@@ -56,13 +56,15 @@ from sylvie_comm.bench.kit import (
     LR,
     MOMENTUM,
     WARMUP,
+    check_ints,
+    check_timeout,
     fmt_mb,
     fmt_x,
     machine,
     measure_steps,
     merge_rounds,
 )
-from sylvie_comm.bench.lab import Lab, ProgressBar, check_link, leave_worker, start_worker, worker_cli
+from sylvie_comm.bench.lab import Lab, ProgressBar, check_link, gather_ranks, serve_worker, worker_cli
 from sylvie_comm.bench.workloads import WORKLOADS
 from sylvie_comm.collectives import wire_bytes
 
@@ -70,14 +72,20 @@ FSDP_ROWS: dict[str, str] = {
     "fsdp2": "FSDP2 fully_shard, fp32 reduce-scatter",
     "fsdp2-bf16": "FSDP2, MixedPrecisionPolicy(reduce_dtype=bf16)",
 }
-# Ours: the algorithms with a reduce-scatter form, from the most wire bytes per element to the fewest (the registry's
-# order among equals), so the table reads from the least compressed to the most.
-OURS = tuple(
-    sorted(
-        (n for n, cls in ALGORITHMS.items() if cls.record.shards),
-        key=lambda n: -ALGORITHMS[n].record.payload_per_element({}),
+
+
+def shard_algorithms() -> tuple[str, ...]:
+    """The algorithms with a reduce-scatter form, from the most wire bytes per element to the fewest (the
+    registry's order among equals), so a table reads from the least compressed to the most."""
+    return tuple(
+        sorted(
+            (n for n, cls in ALGORITHMS.items() if cls.record.shards),
+            key=lambda n: -ALGORITHMS[n].record.payload_per_element({}),
+        )
     )
-)
+
+
+OURS = shard_algorithms()  # our rows
 BOUND = "no-comm"
 ROWS = (*FSDP_ROWS, *OURS, BOUND)
 BASELINE = "fsdp2"
@@ -240,22 +248,15 @@ def _run_row(name: str, cfg: dict[str, Any], rank: int, progress: Callable[[], N
     return rec
 
 
+def _run_row_here(cfg: dict[str, Any], rank: int, world: int, progress: Callable[[], None]) -> list[Any]:
+    """This worker's row, with its RSS at the start; every rank's figures."""
+    start = _rss_mib()
+    return gather_ranks({**_run_row(cfg["row"], cfg, rank, progress), "rss_start_mib": start})
+
+
 def worker_main(config_path: str) -> NoReturn:
     """One worker of one row (fresh processes per row); rank 0 writes every rank's figures."""
-    import torch.distributed as dist
-
-    cfg, rank, world, progress = start_worker(config_path)
-    try:
-        start = _rss_mib()
-        mine = {**_run_row(cfg["row"], cfg, rank, progress), "rss_start_mib": start}
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, mine)
-        if rank == 0:
-            Path(cfg["result"]).write_text(json.dumps(gathered))
-    finally:
-        progress.close()
-        dist.destroy_process_group()
-    leave_worker(0)
+    serve_worker(config_path, _run_row_here)
 
 
 # ---------------------------------------------------------------------- driver side
@@ -325,12 +326,8 @@ def run(
     check_link(link)
     names = check_rows(list(rows) if rows is not None else ROWS)
     check_model(model)
-    checks = (("workers", workers, 2), ("steps", steps, 1), ("warmup", warmup, 0), ("rounds", rounds, 1))
-    for what, value, low in checks:
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise ValueError(f"bench fsdp: {what} must be an integer >= {low}, got {value!r}")
-    if not timeout > 0:
-        raise ValueError(f"bench fsdp: timeout must be positive seconds, got {timeout!r}")
+    check_ints("bench fsdp", ("workers", workers, 2), ("steps", steps, 1), ("warmup", warmup, 0), ("rounds", rounds, 1))
+    check_timeout("bench fsdp", timeout)
     if warmup < HOOK_WARMUP + 1 and any(n in OURS for n in names):
         raise ValueError(f"bench fsdp: warmup must be >= {HOOK_WARMUP + 1} (got {warmup}): our rows send plain "
                          f"gradients for their first {HOOK_WARMUP} steps, which should not be measured")  # fmt: skip

@@ -43,7 +43,8 @@ from typing import Any, NoReturn
 
 from sylvie_comm.bench import gnn as bg
 from sylvie_comm.bench.choices import unique_choices
-from sylvie_comm.bench.lab import LINK_RATES_BPS, Lab, leave_worker, start_worker, worker_cli
+from sylvie_comm.bench.kit import check_ints, check_timeout
+from sylvie_comm.bench.lab import LINK_RATES_BPS, Lab, gather_ranks, serve_worker, worker_cli
 from sylvie_comm.bench.link import NO_MATPLOTLIB, machine, pyplot, save_figure
 
 DEFAULT_LINKS = ("100mbit", "1gbit", "none")
@@ -62,27 +63,21 @@ def check_links(links: Sequence[str] | str | None) -> list[str]:
 # ---------------------------------------------------------------------- worker side
 
 
-def worker_main(config_path: str) -> NoReturn:
-    """One worker: every setting in turn on one process group; rank 0 writes every rank's figures; exit 0."""
+def _run_settings(cfg: dict[str, Any], rank: int, world: int, progress: Callable[..., None]) -> dict[str, Any]:
+    """Every setting in turn on this rank; every rank's figures of each."""
     import torch.distributed as dist
 
-    cfg, rank, world, progress = start_worker(config_path)
+    results: dict[str, list[Any]] = {}
+    for name in cfg["settings"]:
+        dist.barrier()
+        mine = bg.train_rank(cfg["folder"], rank, bg.SETTINGS[name], cfg["model"], int(cfg["epochs"]), progress)
+        results[name] = gather_ranks(mine)
+    return results
 
-    try:
-        results: dict[str, list[Any]] = {}
-        for name in cfg["settings"]:
-            dist.barrier()
-            mine = bg.train_rank(cfg["folder"], rank, bg.SETTINGS[name], cfg["model"], int(cfg["epochs"]), progress)
-            gathered: list[Any] = [None] * world
-            dist.all_gather_object(gathered, mine)
-            results[name] = gathered
-        if rank == 0:
-            Path(cfg["result"]).write_text(json.dumps(results))
-        dist.barrier()  # the record is written: every rank may go
-    finally:
-        progress.close()
-        dist.destroy_process_group()
-    leave_worker(0)  # closed and written: skip the interpreter's teardown (see leave_worker)
+
+def worker_main(config_path: str) -> NoReturn:
+    """One worker: every setting in turn on one process group; rank 0 writes every rank's figures; exit 0."""
+    serve_worker(config_path, _run_settings)
 
 
 # ---------------------------------------------------------------------- driver side
@@ -164,21 +159,14 @@ def run(
     """
     link_names = check_links(links)
     names = bg.check_settings(settings)
-    checks = (("workers", workers, 1), ("epochs", epochs, 2), ("layers", layers, 2), ("hidden", hidden, 1),
-              ("features", features, 1), ("seed", seed, 0), ("rounds", rounds, 1))  # fmt: skip
-    for what, value, low in checks:
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"bench gnn --link: {what} must be an integer >= {low}, got {value!r}")
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < max(16, workers):
-        raise ValueError(f"bench gnn --link: nodes must be an integer >= {max(16, workers)}, got {nodes!r}")
-    if not timeout > 0:
-        raise ValueError(f"bench gnn --link: timeout must be positive seconds, got {timeout!r}")
+    check_ints("bench gnn --link", ("workers", workers, 1), ("epochs", epochs, 2), ("layers", layers, 2),
+               ("hidden", hidden, 1), ("features", features, 1), ("seed", seed, 0), ("rounds", rounds, 1),
+               ("nodes", nodes, max(16, workers)))  # fmt: skip
+    check_timeout("bench gnn --link", timeout)
     graph = bg.graph_config(nodes, features, degree, seed)
     model = bg.model_config(layers, hidden)
-    total = rounds * len(link_names) * len(names) * epochs
-    out: dict[str, Any] = {}
-    raw: dict[str, list[dict[str, Any]]] = {link: [] for link in link_names}
     t_start = time.perf_counter()
+    total = rounds * len(link_names) * len(names) * epochs
     bar = None
     if progress:
         from tqdm import tqdm
@@ -190,58 +178,22 @@ def run(
             t0 = time.perf_counter()
             sizes = bg.make_partitions(graph, workers, folder, seed)
             partition_s = time.perf_counter() - t0
-            done_before = 0
-            for rnd, link in ((r, link) for r in range(rounds) for link in link_names):
-                with Lab(workers, link, shaped=shaped, echo=echo) as lab:
-                    tag = f"{link}-{rnd}"
-                    cfg: dict[str, Any] = {"settings": names, "epochs": epochs, "model": model, "folder": str(folder),
-                           "collective_timeout": max(60.0, min(timeout, 900.0)),
-                           "progress": str(Path(tmp) / f"progress-{tag}"),
-                           "result": str(Path(tmp) / f"result-{tag}.json")}  # fmt: skip
-                    Path(cfg["progress"]).touch()
-                    cfg_path = Path(tmp) / f"config-{tag}.json"
-                    cfg_path.write_text(json.dumps(cfg))
-
-                    def poll(cfg: dict[str, Any] = cfg, base: int = done_before, link: str = link) -> None:
-                        if bar is not None:
-                            done = min(total, base + Path(cfg["progress"]).stat().st_size)
-                            if done > bar.n:
-                                bar.set_description(f"gnn on {link}")
-                                bar.update(done - bar.n)
-
-                    t0 = time.perf_counter()
-                    # Started as on N machines: torchrun, one node per namespace (see Lab.torchrun_command).
-                    lab.run([sys.executable, "-m", "sylvie_comm.bench.gnn_link", "--worker", str(cfg_path)],
-                            timeout=timeout, poll=poll, launcher="torchrun")  # fmt: skip
-                    wall = time.perf_counter() - t0
-                    raw[link].append(json.loads(Path(cfg["result"]).read_text()))
-                    lab_info = {"shaped": lab.shaped, "fallback_reason": lab.fallback_reason, "banner": lab.banner,
-                                "namespaces": lab.worker_namespaces if lab.shaped else None}  # fmt: skip
-                    if rnd == 0:
-                        out[link] = {"lab": lab_info, "rate_bps": LINK_RATES_BPS[link] if lab.shaped else None,
-                                     "wall_s": 0.0}  # fmt: skip
-                    out[link]["wall_s"] += wall
-                done_before += len(names) * epochs
+            base = {"settings": names, "epochs": epochs, "model": model, "folder": str(folder),
+                    "collective_timeout": max(60.0, min(timeout, 900.0))}  # fmt: skip
+            out, raw = _run_links(link_names, rounds, workers, base, Path(tmp), timeout, shaped, echo, bar, total)
     finally:
         if bar is not None:
             bar.close()
     for link in link_names:
         out[link]["settings"] = {name: _merge(name, [r[name] for r in raw[link]]) for name in names}
     _ratios(out)
-    shaped_all = all(rec["lab"]["shaped"] for rec in out.values())
-    goal = None
-    if GOAL_LINK in out and "none" in out and GOAL_SETTING in names:
-        ratio = out[GOAL_LINK]["settings"][GOAL_SETTING]["vs_unshaped"]
-        goal = {"setting": GOAL_SETTING, "link": GOAL_LINK, "target_ratio": GOAL_RATIO, "ratio": ratio,
-                "ratio_median": out[GOAL_LINK]["settings"][GOAL_SETTING]["vs_unshaped_median"],
-                "met": bool(ratio <= GOAL_RATIO) if out[GOAL_LINK]["lab"]["shaped"] else None}  # fmt: skip
     return {
         "benchmark": "gnn-link",
         "argv": list(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "links": link_names,
         "workers": workers,
-        "shaped": shaped_all,
+        "shaped": all(rec["lab"]["shaped"] for rec in out.values()),
         "fallback_reason": next((r["lab"]["fallback_reason"] for r in out.values() if not r["lab"]["shaped"]), None),
         "graph": graph,
         "partition": {"method": bg.PARTITION_METHOD, "seed": seed, **sizes, "seconds": partition_s},
@@ -251,17 +203,68 @@ def run(
         "rounds": rounds,
         "wall_s": time.perf_counter() - t_start,
         "machine": machine(),
-        "goal": goal,
-        "notes": [
-            "epoch_s: per epoch the slowest rank's seconds, mean over epochs 1..N-1 (epoch 0 is synchronous) "
-            "of every round",
-            "compute_s, halo_wait_s, halo_hidden_s: mean over ranks and epochs 1..N-1 of Trainer.train_epoch's "
-            "breakdown; compute_s includes the weight-gradient all-reduce (fp32, DDP)",
-            "halo_bytes_per_epoch: bytes each rank sent (mean over ranks and epochs); the link does not change it",
-            "vs_unshaped: this link's epoch_s / the same setting's epoch_s on link none (namespaces, not shaped)",
-        ],
+        "goal": _goal(out, names),
+        "notes": NOTES,
         "results": out,
     }
+
+
+NOTES = [
+    "epoch_s: per epoch the slowest rank's seconds, mean over epochs 1..N-1 (epoch 0 is synchronous) of every round",
+    "compute_s, halo_wait_s, halo_hidden_s: mean over ranks and epochs 1..N-1 of Trainer.train_epoch's "
+    "breakdown; compute_s includes the weight-gradient all-reduce (fp32, DDP)",
+    "halo_bytes_per_epoch: bytes each rank sent (mean over ranks and epochs); the link does not change it",
+    "vs_unshaped: this link's epoch_s / the same setting's epoch_s on link none (namespaces, not shaped)",
+]
+
+
+def _run_links(link_names: list[str], rounds: int, workers: int, base: dict[str, Any], tmp: Path, timeout: float,
+               shaped: bool | None, echo: Callable[[str], None] | None, bar: Any,
+               total: int) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:  # fmt: skip
+    """Every link ``rounds`` times, interleaved, a lab each time, started by torchrun as on N machines (one node
+    per namespace, see Lab.torchrun_command): each link's lab facts and wall time, and every round's figures."""
+    out: dict[str, Any] = {}
+    raw: dict[str, list[dict[str, Any]]] = {link: [] for link in link_names}
+    done_before = 0
+    for rnd, link in ((r, link) for r in range(rounds) for link in link_names):
+        with Lab(workers, link, shaped=shaped, echo=echo) as lab:
+            tag = f"{link}-{rnd}"
+            cfg = {**base, "progress": str(tmp / f"progress-{tag}"), "result": str(tmp / f"result-{tag}.json")}
+            Path(cfg["progress"]).touch()
+            cfg_path = tmp / f"config-{tag}.json"
+            cfg_path.write_text(json.dumps(cfg))
+
+            def poll(cfg: dict[str, Any] = cfg, done: int = done_before, link: str = link) -> None:
+                if bar is not None:
+                    now = min(total, done + Path(cfg["progress"]).stat().st_size)
+                    if now > bar.n:
+                        bar.set_description(f"gnn on {link}")
+                        bar.update(now - bar.n)
+
+            t0 = time.perf_counter()
+            lab.run([sys.executable, "-m", "sylvie_comm.bench.gnn_link", "--worker", str(cfg_path)],
+                    timeout=timeout, poll=poll, launcher="torchrun")  # fmt: skip
+            wall = time.perf_counter() - t0
+            raw[link].append(json.loads(Path(cfg["result"]).read_text()))
+            if rnd == 0:
+                lab_info = {"shaped": lab.shaped, "fallback_reason": lab.fallback_reason, "banner": lab.banner,
+                            "namespaces": lab.worker_namespaces if lab.shaped else None}  # fmt: skip
+                out[link] = {"lab": lab_info, "rate_bps": LINK_RATES_BPS[link] if lab.shaped else None, "wall_s": 0.0}
+            out[link]["wall_s"] += wall
+        done_before += len(base["settings"]) * base["epochs"]
+    return out, raw
+
+
+def _goal(out: dict[str, Any], names: Sequence[str]) -> dict[str, Any] | None:
+    """The goal's verdict: :data:`GOAL_SETTING` at :data:`GOAL_LINK` within :data:`GOAL_RATIO` of link none
+    (None where the run lacks either link or the setting; ``met`` None where the links were not shaped)."""
+    if GOAL_LINK not in out or "none" not in out or GOAL_SETTING not in names:
+        return None
+    setting = out[GOAL_LINK]["settings"][GOAL_SETTING]
+    ratio = setting["vs_unshaped"]
+    return {"setting": GOAL_SETTING, "link": GOAL_LINK, "target_ratio": GOAL_RATIO, "ratio": ratio,
+            "ratio_median": setting["vs_unshaped_median"],
+            "met": bool(ratio <= GOAL_RATIO) if out[GOAL_LINK]["lab"]["shaped"] else None}  # fmt: skip
 
 
 def _f(value: float | None, fmt: str = ".3f", suffix: str = "") -> str:
@@ -340,7 +343,6 @@ def plot(rec: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
     axes[0][0].set_ylabel("seconds per epoch")
     axes[0][-1].legend(fontsize=7)
     fig.suptitle(f"GNN, {rec['graph']['num_nodes']:,} nodes, {rec['workers']} workers")
-    fig.tight_layout()
     return save_figure(plt, fig, out)
 
 

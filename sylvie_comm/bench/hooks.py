@@ -45,7 +45,7 @@ from torch import nn
 
 from sylvie_comm.algorithms import ALGORITHMS
 from sylvie_comm.bench import hooks_fsdp, hooks_halo
-from sylvie_comm.bench.kit import bench_device, machine, write_record
+from sylvie_comm.bench.kit import bench_device, machine, print_and_write
 from sylvie_comm.bench.timing import sync
 
 # Every algorithm with an encoding of its own (``auto`` runs one of these per bucket).
@@ -276,10 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     result = measure(args.layers, args.steps, tuple(args.only) if args.only else None, args.device, args.width)
-    print(markdown(result), end="")
-    if args.out:
-        write_record(args.out, result, markdown)
-    return 0
+    return print_and_write(result, markdown(result), args.out, markdown)
 
 
 if __name__ == "__main__":

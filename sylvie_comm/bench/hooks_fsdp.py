@@ -45,8 +45,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sylvie_comm.bench.fsdp import shard_algorithms
+
 BASELINE = "fsdp2"
-OURS = ("none", "fp16", "qsgd", "onebit")
+OURS = shard_algorithms()  # every algorithm with a reduce-scatter form, as bench fsdp's rows
 ROWS = (BASELINE, *OURS)
 WARMUP = 4  # untimed steps: ours past their fixed warm-up (2 plain steps) into the compressed form
 WIDTH = 16  # each unit's Linear(WIDTH, WIDTH): 272 elements, nothing to compute

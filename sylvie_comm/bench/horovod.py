@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ import torch.nn.functional as F
 from sylvie_comm.algorithms import ALGORITHMS
 from sylvie_comm.algorithms.delegating import takes_rank
 from sylvie_comm.bench.choices import unique_choices
-from sylvie_comm.bench.kit import HOOK_WARMUP, LR, MOMENTUM, measure_steps, merge_rounds
+from sylvie_comm.bench.kit import HOOK_WARMUP, LR, MOMENTUM, StepFigures, measure_steps, merge_rounds
 from sylvie_comm.bench.workloads import WORKLOADS, fixed_batch, mlp_17m
 
 RUNS = ("hvd fp32", "hvd fp16", "hvd+acpsgd", "ours none", "ours acpsgd", "ours powersgd", "ours onebit")
@@ -55,6 +54,7 @@ LAB_ROWS: dict[str, str] = {
     "hvd-sylvie-powersgd": "sylvie_comm.horovod.DistributedOptimizer powersgd",
 }
 DEFAULT_LAB_ROWS = ("hvd-fp32", "hvd-fp16", "hvd-acpsgd", "hvd-sylvie-acpsgd", "hvd-sylvie-onebit")
+UNCOMPRESSED_LAB_ROWS = ("hvd-fp32", "hvd-fp16")  # no warm-up of plain gradients to leave unmeasured
 
 
 def _ranked(codec: str) -> bool:
@@ -170,7 +170,7 @@ def _measure(label: str, rank_r: int, steps: int, warmup: int) -> dict[str, Any]
         opts: dict[str, Any] = {"rank": rank_r} if _ranked(codec) else {}
         opt = stats = sh.DistributedOptimizer(base, model.named_parameters(), codec, warmup_steps=warmup, **opts)
     x, y = fixed_batch(hvd.rank())
-    times, enc_dec, sent = [], [], []
+    figures = StepFigures()
     for step in range(warmup + steps):
         opt.zero_grad()
         loss = F.cross_entropy(model(x), y)
@@ -182,18 +182,10 @@ def _measure(label: str, rank_r: int, steps: int, warmup: int) -> dict[str, Any]
         with opt.skip_synchronize() if label.startswith("hvd") else contextlib.nullcontext():
             opt.step()
         if step >= warmup:
-            times.append(dt)
-            if stats is not None:
-                last = stats.stats()["last_step"]
-                enc_dec.append(last["encode_seconds"] + last["decode_seconds"])
-                sent.append(last["bytes_sent"])
+            figures.add(dt, stats)
     if hasattr(opt, "close"):
         opt.close()
-    return {
-        "backward_s": statistics.median(times),
-        "encode_decode_s": statistics.median(enc_dec) if enc_dec else None,
-        "bytes_sent": statistics.median(sent) if sent else None,
-    }
+    return figures.medians()
 
 
 def main(out: str, rank_r: int, steps: int, warmup: int) -> None:

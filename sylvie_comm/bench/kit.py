@@ -45,6 +45,31 @@ def eth0_tx_bytes() -> int | None:
     return None
 
 
+class StepFigures:
+    """The measured steps' seconds and, where ``stats`` is given, what our algorithm reported for each in its
+    ``stats()["last_step"]``: encode + decode seconds and bytes sent (PyTorch's and Horovod's own report none)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self.encode_decode: list[float] = []
+        self.sent: list[int] = []
+
+    def add(self, seconds: float, stats: Any) -> None:
+        self.seconds.append(seconds)
+        if stats is not None:
+            last = stats.stats()["last_step"]
+            self.encode_decode.append(last["encode_seconds"] + last["decode_seconds"])
+            self.sent.append(int(last["bytes_sent"]))
+
+    def medians(self) -> dict[str, Any]:
+        """``backward_s``, ``encode_decode_s`` and ``bytes_sent``: medians over the steps (None: none reported)."""
+        return {
+            "backward_s": statistics.median(self.seconds),
+            "encode_decode_s": statistics.median(self.encode_decode) if self.encode_decode else None,
+            "bytes_sent": statistics.median(self.sent) if self.sent else None,
+        }
+
+
 def measure_steps(model: Any, opt: Any, work: Any, gen: torch.Generator, warmup: int, steps: int,
                   barrier: Callable[[], Any], stats: Any, progress: Callable[[], None]) -> dict[str, Any]:  # fmt: skip
     """``warmup + steps`` training steps, each after ``barrier()``; the figures of the last ``steps``.
@@ -53,9 +78,7 @@ def measure_steps(model: Any, opt: Any, work: Any, gen: torch.Generator, warmup:
     includes the wait for the averaged gradients). ``stats``: an object whose ``stats()["last_step"]``
     reports our encode/decode seconds and bytes (None for PyTorch's and Horovod's own).
     """
-    times: list[float] = []
-    enc_dec: list[float] = []
-    hook_bytes: list[int] = []
+    figures = StepFigures()
     losses: list[float] = []
     tx0 = None
     for step in range(warmup + steps):
@@ -71,18 +94,14 @@ def measure_steps(model: Any, opt: Any, work: Any, gen: torch.Generator, warmup:
         dt = time.perf_counter() - t0
         losses.append(float(loss))
         if step >= warmup:
-            times.append(dt)
-            if stats is not None:
-                last = stats.stats()["last_step"]
-                enc_dec.append(last["encode_seconds"] + last["decode_seconds"])
-                hook_bytes.append(int(last["bytes_sent"]))
+            figures.add(dt, stats)
         progress()
     barrier()
     tx1 = eth0_tx_bytes()
     return {
-        "step_s": times,
-        "encode_decode_s": statistics.median(enc_dec) if enc_dec else None,
-        "hook_bytes": statistics.fmean(hook_bytes) if hook_bytes else None,  # mean, as eth0's: total / steps
+        "step_s": figures.seconds,
+        "encode_decode_s": figures.medians()["encode_decode_s"],
+        "hook_bytes": statistics.fmean(figures.sent) if figures.sent else None,  # mean, as eth0's: total / steps
         "eth0_tx_bytes": None if tx0 is None or tx1 is None else (tx1 - tx0) / steps,
         "loss_first": losses[0],
         "loss_last": losses[-1],
@@ -165,7 +184,9 @@ def pyplot() -> Any:
 
 
 def save_figure(plt: Any, fig: Any, out: str | Path) -> tuple[Path, str]:
-    """Write ``fig`` to ``out`` (a PNG, its folder made) and close it; the path and a line saying so."""
+    """Lay ``fig`` out tight, write it to ``out`` (a PNG, its folder made) and close it; the path and a line saying
+    so."""
+    fig.tight_layout()
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -179,6 +200,9 @@ __all__ = [
     "MOMENTUM",
     "NO_MATPLOTLIB",
     "WARMUP",
+    "StepFigures",
+    "check_ints",
+    "check_timeout",
     "eth0_tx_bytes",
     "fmt_mb",
     "fmt_x",
@@ -206,8 +230,35 @@ def bench_device(what: str, device: str | torch.device) -> torch.device:
     return dev
 
 
+def print_and_write(result: dict[str, Any], text: str, out: str | Path | None,
+                    markdown: Callable[[dict[str, Any]], str]) -> int:  # fmt: skip
+    """A benchmark's end: print its report ``text`` and, given ``out``, write its record (:func:`write_record`);
+    exit status 0."""
+    print(text, end="")
+    if out:
+        write_record(out, result, markdown)
+    return 0
+
+
 def write_record(out: str | Path, result: dict[str, Any], markdown: Callable[[dict[str, Any]], str]) -> None:
     """``result`` as JSON at ``out`` and its tables (``markdown(result)``) beside it, as ``.md``."""
     path = Path(out)
     path.write_text(json.dumps(result, indent=2))
     path.with_suffix(".md").write_text(markdown(result))
+
+
+# ---------------------------------------------------------------------- arguments
+
+
+def check_ints(command: str, *checks: tuple[str, Any, int]) -> None:
+    """Each ``(what, value, low)``: ``value`` an integer (not a bool) >= ``low``; a ValueError
+    ``"COMMAND: WHAT must be an integer >= LOW, got VALUE"`` for the first that is not."""
+    for what, value, low in checks:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{command}: {what} must be an integer >= {low}, got {value!r}")
+
+
+def check_timeout(command: str, timeout: Any) -> None:
+    """``timeout`` positive seconds; a ValueError naming it otherwise."""
+    if not timeout > 0:
+        raise ValueError(f"{command}: timeout must be positive seconds, got {timeout!r}")

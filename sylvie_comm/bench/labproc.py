@@ -2,9 +2,9 @@
 
 Helpers of :class:`~sylvie_comm.bench.lab.Lab` that need no namespace: the launchers it knows
 (:data:`LAUNCHERS`), each worker's end (:class:`WorkerResult`), progress ticks and a clean exit
-for the workers themselves (:class:`ProgressTicks`, :func:`leave_worker`), the driver's bar over those ticks
-(:class:`ProgressBar`), horovodrun's output split by rank, and the process tree a launcher leaves
-(:func:`kill_tree`).
+for the workers themselves (:class:`ProgressTicks`, :func:`leave_worker`), a worker's whole life
+(:func:`serve_worker`), the driver's bar over those ticks (:class:`ProgressBar`), horovodrun's output split by rank,
+and the process tree a launcher leaves (:func:`kill_tree`).
 """
 
 from __future__ import annotations
@@ -112,6 +112,35 @@ def start_worker(config_path: str) -> tuple[dict[str, Any], int, int, ProgressTi
     dist.init_process_group("gloo", timeout=timedelta(seconds=cfg["collective_timeout"]))
     rank = dist.get_rank()
     return cfg, rank, dist.get_world_size(), ProgressTicks(cfg["progress"], rank == 0)
+
+
+def serve_worker(config_path: str, work: Callable[[dict[str, Any], int, int, ProgressTicks], Any]) -> NoReturn:
+    """A lab worker from start to end: :func:`start_worker`, ``work(config, rank, world, progress)``, rank 0 writes
+    what it returned to the configuration's ``result`` (JSON) and every rank waits for that write; the ticks and the
+    process group are closed whatever happens, then :func:`leave_worker`."""
+    import json
+
+    import torch.distributed as dist
+
+    cfg, rank, world, progress = start_worker(config_path)
+    try:
+        result = work(cfg, rank, world, progress)
+        if rank == 0:
+            Path(cfg["result"]).write_text(json.dumps(result))
+        dist.barrier()  # the record is written: every rank may go (torchrun ends the others with the first to exit)
+    finally:
+        progress.close()
+        dist.destroy_process_group()
+    leave_worker(0)  # written and closed: skip the interpreter's teardown (see leave_worker)
+
+
+def gather_ranks(mine: Any) -> list[Any]:
+    """Every rank's ``mine`` (picklable), in rank order, on every rank of the default group."""
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
 
 
 @dataclass

@@ -55,17 +55,28 @@ from typing import Any, NoReturn
 import torch
 
 from sylvie_comm.algorithms import ALGORITHMS
-from sylvie_comm.algorithms.delegating import takes_rank
+from sylvie_comm.algorithms.delegating import delegating, takes_rank
 from sylvie_comm.bench import horovod as bh
 from sylvie_comm.bench.choices import parse_spec, unique_choices
-from sylvie_comm.bench.kit import HOOK_WARMUP, LR, MOMENTUM, WARMUP, fmt_mb, fmt_x, measure_steps, merge_rounds
+from sylvie_comm.bench.kit import (
+    HOOK_WARMUP,
+    LR,
+    MOMENTUM,
+    WARMUP,
+    check_ints,
+    check_timeout,
+    fmt_mb,
+    fmt_x,
+    measure_steps,
+    merge_rounds,
+)
 
 # Also read from here by the benchmarks that plot or record the machine as this one does (their home is bench.kit).
 from sylvie_comm.bench.kit import NO_MATPLOTLIB as NO_MATPLOTLIB
 from sylvie_comm.bench.kit import machine as machine
 from sylvie_comm.bench.kit import pyplot as pyplot
 from sylvie_comm.bench.kit import save_figure as save_figure
-from sylvie_comm.bench.lab import Lab, LabError, ProgressBar, check_link, leave_worker, start_worker, worker_cli
+from sylvie_comm.bench.lab import Lab, LabError, ProgressBar, check_link, gather_ranks, serve_worker, worker_cli
 from sylvie_comm.bench.workloads import WORKLOADS, check_workload
 
 TORCH_CODECS: dict[str, str] = {
@@ -130,18 +141,11 @@ _no_comm_hook.__annotations__ = {"state": Any, "bucket": torch.distributed.GradB
                                  "return": torch.futures.Future[torch.Tensor]}  # fmt: skip
 
 
-def _run_codec(spec: str, cfg: dict[str, Any], rank: int, world: int, progress: Callable[[], None]) -> dict[str, Any]:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+def _attach(name: str, ddp: Any, r: int, given: dict[str, Any], timeout: float) -> Any:
+    """Codec ``name`` on ``ddp`` (``r``: the low-rank hooks' rank, ``given``: a sylvie algorithm's options); our
+    session for a sylvie algorithm, None for DDP's and PyTorch's own."""
     import sylvie_comm.ddp
 
-    r = int(cfg["rank"])
-    name, given = parse_spec(spec)
-    work = WORKLOADS[cfg["model"]]
-    model = work.model(0)  # same weights for every codec
-    ddp = DDP(model, bucket_cap_mb=1024 if name == "torch-powersgd" else 25)
-    state = None
     if name == "torch-fp16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -157,16 +161,43 @@ def _run_codec(spec: str, cfg: dict[str, Any], rank: int, world: int, progress: 
     elif name != "ddp":
         opts: dict[str, Any] = {"rank": r} if takes_rank(ALGORITHMS[name]) else {}
         opts.update(given)
-        state = sylvie_comm.ddp.register(ddp, name, warmup_steps=HOOK_WARMUP, timeout=cfg["collective_timeout"],
-                                         **opts)  # fmt: skip
+        return sylvie_comm.ddp.register(ddp, name, warmup_steps=HOOK_WARMUP, timeout=timeout, **opts)
+    return None
+
+
+def _ticks_after(skip: int, progress: Callable[[], None]) -> Callable[[], None]:
+    """``progress`` that ignores its first ``skip`` calls (steps the driver's bar does not count)."""
+    left = [skip]
+
+    def tick() -> None:
+        if left[0] > 0:
+            left[0] -= 1
+        else:
+            progress()
+
+    return tick
+
+
+def _run_codec(spec: str, cfg: dict[str, Any], rank: int, world: int, progress: Callable[[], None]) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    name, given = parse_spec(spec)
+    work = WORKLOADS[cfg["model"]]
+    model = work.model(0)  # same weights for every codec
+    ddp = DDP(model, bucket_cap_mb=1024 if name == "torch-powersgd" else 25)
+    state = _attach(name, ddp, int(cfg["rank"]), given, cfg["collective_timeout"])
     opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
     gen = torch.Generator().manual_seed(1000 + rank)  # same data for every codec
     warmup, steps = int(cfg["warmup"]), int(cfg["steps"])
-    if name == "auto" and state is not None:  # its probe steps are warm-up too: measure the choice it settles on
-        warmup += state.algorithm.options["probe_steps"] * len(state.algorithm.names)
+    chooser = delegating(state.algorithm) if state is not None else None
+    settling = chooser.settles_after() if chooser is not None else 0
+    # An algorithm that chooses while it runs (auto): the steps before its choice settles are warm-up too (not in
+    # the driver's progress total): measure the choice it settles on, and report its choices.
     try:
-        rec = measure_steps(ddp, opt, work, gen, warmup, steps, dist.barrier, state, progress)
-        extra = {"auto": state.stats()["auto"]} if name == "auto" and state is not None else {}
+        rec = measure_steps(ddp, opt, work, gen, warmup + settling, steps, dist.barrier, state,
+                            _ticks_after(settling, progress))  # fmt: skip
+        extra = {"auto": state.stats()["auto"]} if chooser is not None else {}
     finally:
         if state is not None:
             state.close()
@@ -178,30 +209,21 @@ def _merge(name: str, rounds: list[list[dict[str, Any]]], world: int, rank: int,
     return merge_rounds(rounds, world, batch, label(name, rank))
 
 
+def _run_codecs(cfg: dict[str, Any], rank: int, world: int, progress: Callable[[], None]) -> dict[str, Any]:
+    """Every codec of ``cfg`` in turn on this rank, ``rounds`` times; the merged record (the same on every rank)."""
+    # Rounds interleave the codecs (a b c a b c): a burst of load elsewhere on the machine
+    # lands on several codecs rather than on all steps of one.
+    rounds: dict[str, list[list[Any]]] = {name: [] for name in cfg["codecs"]}
+    for _ in range(int(cfg["rounds"])):
+        for name in cfg["codecs"]:
+            rounds[name].append(gather_ranks(_run_codec(name, cfg, rank, world, progress)))
+    batch = WORKLOADS[cfg["model"]].batch_size
+    return {name: _merge(name, rounds[name], world, int(cfg["rank"]), batch) for name in cfg["codecs"]}
+
+
 def worker_main(config_path: str) -> NoReturn:
     """One worker: every codec in turn on one process group; rank 0 writes the merged record."""
-    import torch.distributed as dist
-
-    cfg, rank, world, progress = start_worker(config_path)
-
-    try:
-        # Rounds interleave the codecs (a b c a b c): a burst of load elsewhere on the machine
-        # lands on several codecs rather than on all steps of one.
-        rounds: dict[str, list[list[Any]]] = {name: [] for name in cfg["codecs"]}
-        for _ in range(int(cfg["rounds"])):
-            for name in cfg["codecs"]:
-                mine = _run_codec(name, cfg, rank, world, progress)
-                gathered: list[Any] = [None] * world
-                dist.all_gather_object(gathered, mine)
-                rounds[name].append(gathered)
-        batch = WORKLOADS[cfg["model"]].batch_size
-        codecs = {name: _merge(name, rounds[name], world, int(cfg["rank"]), batch) for name in cfg["codecs"]}
-        if rank == 0:
-            Path(cfg["result"]).write_text(json.dumps(codecs))
-    finally:
-        progress.close()
-        dist.destroy_process_group()
-    leave_worker(0)  # closed and written: skip the interpreter's teardown (see leave_worker)
+    serve_worker(config_path, _run_codecs)
 
 
 # ---------------------------------------------------------------------- driver side
@@ -250,65 +272,29 @@ def run(
     check_link(link)
     names = check_codecs(list(codecs) if codecs is not None else all_codecs())
     check_model(model)
-    checks = (("workers", workers, 1), ("steps", steps, 1), ("rank", rank, 1), ("warmup", warmup, 0),
-              ("rounds", rounds, 1))  # fmt: skip
-    for what, value, low in checks:
-        if not isinstance(value, int) or value < low:
-            raise ValueError(f"bench ddp --link: {what} must be an integer >= {low}, got {value!r}")
-    if not timeout > 0:
-        raise ValueError(f"bench ddp --link: timeout must be positive seconds, got {timeout!r}")
-    if warmup < HOOK_WARMUP + 1 and any(n not in ("ddp", "torch-fp16") for n in names):
-        raise ValueError(
-            f"bench ddp --link: warmup must be >= {HOOK_WARMUP + 1} (got {warmup}): the hooks send plain "
-            f"gradients for their first {HOOK_WARMUP} steps, which should not be measured"
-        )
-    hvd_rows = bh.check_rows(list(horovod_rows) if horovod_rows is not None else bh.DEFAULT_LAB_ROWS)
-    hvd_skipped = "--no-horovod" if horovod is False else bh.available()
-    if horovod is True and hvd_skipped is not None:
-        raise ValueError(f"bench ddp --link --horovod: {hvd_skipped}")
-    if hvd_skipped is not None:
-        hvd_rows = []
-    elif warmup < HOOK_WARMUP + 1:  # as for the DDP hooks: the compressed rows' warm-up must not be measured
-        hvd_rows = [n for n in hvd_rows if n in ("hvd-fp32", "hvd-fp16")]
-    params = sum(p.numel() for p in WORKLOADS[model].model(0).parameters())
-    auto = ALGORITHMS["auto"].record.option_defaults
-    autos = sum(parse_spec(n)[0] == "auto" for n in names)
-    probes = autos * auto["probe_steps"] * len({"none", *auto["candidates"]})
-    total = rounds * ((len(names) + len(hvd_rows)) * (warmup + steps) + probes)
+    check_ints("bench ddp --link", ("workers", workers, 1), ("steps", steps, 1), ("rank", rank, 1),
+               ("warmup", warmup, 0), ("rounds", rounds, 1))  # fmt: skip
+    check_timeout("bench ddp --link", timeout)
+    _check_warmup(warmup, names)
+    hvd_rows, hvd_skipped = _horovod_rows(horovod, horovod_rows, warmup)
+    # A choosing algorithm's (auto's) steps before its choice settles are not in the total (see _run_codec).
+    total = rounds * (len(names) + len(hvd_rows)) * (warmup + steps)
     with tempfile.TemporaryDirectory(prefix="sylvie-link-") as tmp, Lab(workers, link, shaped=shaped, echo=echo) as lab:
         cfg: dict[str, Any] = {"codecs": names, "steps": steps, "warmup": warmup, "rounds": rounds, "model": model,
                "rank": rank,
                "collective_timeout": max(60.0, min(timeout, 600.0)),
                "progress": str(Path(tmp) / "progress"), "result": str(Path(tmp) / "result.json")}  # fmt: skip
-        cfg_path = Path(tmp) / "config.json"
-        cfg_path.write_text(json.dumps(cfg))
         t0 = time.perf_counter()
-        ddp_argv = [sys.executable, "-m", "sylvie_comm.bench.link", "--worker", str(cfg_path)]
-        hvd_argv = [sys.executable, "-m", "sylvie_comm.bench.horovod", "--lab-worker", str(Path(tmp) / "hvd.json")]
-        launch = {"torchrun": " ".join(lab.command(0, ddp_argv, "torchrun"))}
-        hvd_error = None
         with ProgressBar(cfg["progress"], total, f"ddp on {link}", "step", enabled=progress) as poll:
-            lab.run(ddp_argv, timeout=timeout, poll=poll, launcher="torchrun")
-            results = json.loads(Path(cfg["result"]).read_text())
-            for res in results.values():
-                res["launcher"] = "torchrun"
+            results, launch = _run_ddp_rows(lab, cfg, Path(tmp), timeout, poll)
+            hvd_error = None
             if hvd_rows:
-                hvd_cfg = {**cfg, "horovod": hvd_rows, "result": str(Path(tmp) / "result-hvd.json")}
-                Path(hvd_argv[-1]).write_text(json.dumps(hvd_cfg))
-                launch["horovodrun"] = " ".join(lab.command(0, hvd_argv, "horovodrun"))
-                try:
-                    left = max(1.0, timeout - (time.perf_counter() - t0))
-                    lab.run(hvd_argv, timeout=left, poll=poll, launcher="horovodrun")
-                    for name, res in json.loads(Path(hvd_cfg["result"]).read_text()).items():
-                        results[name] = {**res, "launcher": "horovodrun"}
-                except LabError as exc:
-                    if horovod is True:
-                        raise
-                    hvd_error = str(exc)
+                left = max(1.0, timeout - (time.perf_counter() - t0))
+                hvd_error = _run_horovod_rows(lab, {**cfg, "horovod": hvd_rows}, Path(tmp), left, poll, results,
+                                              launch, required=horovod is True)  # fmt: skip
         wall = time.perf_counter() - t0
         lab_info = {"shaped": lab.shaped, "fallback_reason": lab.fallback_reason, "banner": lab.banner,
                     "namespaces": lab.worker_namespaces if lab.shaped else None, "launch": launch}  # fmt: skip
-    baselines = _speedups(results)
     return {
         "benchmark": "ddp-link",
         "argv": list(sys.argv),
@@ -316,7 +302,7 @@ def run(
         "workers": workers,
         "lab": lab_info,
         "model": model,
-        "parameters": params,
+        "parameters": sum(p.numel() for p in WORKLOADS[model].model(0).parameters()),
         "batch_per_worker": WORKLOADS[model].batch_size,
         "workload": WORKLOADS[model].describe,
         "optimizer": f"SGD lr={LR} momentum={MOMENTUM}",
@@ -326,17 +312,75 @@ def run(
         "rounds": rounds,
         "wall_s": wall,
         "machine": machine(),
-        "baselines": baselines,
-        "notes": [
-            "torch-powersgd runs with one bucket (bucket_cap_mb=1024): with several buckets powerSGD_hook "
-            "aborts on gloo (its P and Q all-reduces start from callbacks on different threads)",
-            "step time: barrier, then zero_grad + forward + backward (waits for the hook) + optimizer step; "
-            "the slowest rank's",
-        ],
+        "baselines": _speedups(results),
+        "notes": NOTES,
         "codecs": results,
         "horovod_skipped": hvd_skipped,
         "horovod_error": hvd_error,
     }
+
+
+NOTES = [
+    "torch-powersgd runs with one bucket (bucket_cap_mb=1024): with several buckets powerSGD_hook "
+    "aborts on gloo (its P and Q all-reduces start from callbacks on different threads)",
+    "step time: barrier, then zero_grad + forward + backward (waits for the hook) + optimizer step; the slowest rank's",
+]
+
+
+def _check_warmup(warmup: int, names: Sequence[str]) -> None:
+    """A ValueError where the warm-up would measure a hook's first, uncompressed steps."""
+    if warmup < HOOK_WARMUP + 1 and any(n not in ("ddp", "torch-fp16") for n in names):
+        raise ValueError(
+            f"bench ddp --link: warmup must be >= {HOOK_WARMUP + 1} (got {warmup}): the hooks send plain "
+            f"gradients for their first {HOOK_WARMUP} steps, which should not be measured"
+        )
+
+
+def _horovod_rows(horovod: bool | None, rows: Sequence[str] | None, warmup: int) -> tuple[list[str], str | None]:
+    """The Horovod rows to run, and why none run (None when they do): ``horovod`` False, or Horovod missing (a
+    ValueError where ``horovod`` is True); with too short a warm-up only the uncompressed rows."""
+    hvd_rows = bh.check_rows(list(rows) if rows is not None else bh.DEFAULT_LAB_ROWS)
+    hvd_skipped = "--no-horovod" if horovod is False else bh.available()
+    if horovod is True and hvd_skipped is not None:
+        raise ValueError(f"bench ddp --link --horovod: {hvd_skipped}")
+    if hvd_skipped is not None:
+        return [], hvd_skipped
+    if warmup < HOOK_WARMUP + 1:  # as for the DDP hooks: the compressed rows' warm-up must not be measured
+        hvd_rows = [n for n in hvd_rows if n in bh.UNCOMPRESSED_LAB_ROWS]
+    return hvd_rows, None
+
+
+def _run_ddp_rows(lab: Lab, cfg: dict[str, Any], tmp: Path, timeout: float,
+                  poll: Callable[[], None]) -> tuple[dict[str, Any], dict[str, str]]:  # fmt: skip
+    """Every DDP codec, started by torchrun (one node per worker namespace): their rows and the launch command."""
+    cfg_path = tmp / "config.json"
+    cfg_path.write_text(json.dumps(cfg))
+    argv = [sys.executable, "-m", "sylvie_comm.bench.link", "--worker", str(cfg_path)]
+    launch = {"torchrun": " ".join(lab.command(0, argv, "torchrun"))}
+    lab.run(argv, timeout=timeout, poll=poll, launcher="torchrun")
+    results = json.loads(Path(cfg["result"]).read_text())
+    for res in results.values():
+        res["launcher"] = "torchrun"
+    return results, launch
+
+
+def _run_horovod_rows(lab: Lab, cfg: dict[str, Any], tmp: Path, timeout: float, poll: Callable[[], None],
+                      results: dict[str, Any], launch: dict[str, str], *, required: bool) -> str | None:  # fmt: skip
+    """The Horovod rows, started by horovodrun from worker 0, added to ``results`` (their command to ``launch``);
+    their failure as text (a LabError where they are ``required``)."""
+    hvd_cfg = {**cfg, "result": str(tmp / "result-hvd.json")}
+    argv = [sys.executable, "-m", "sylvie_comm.bench.horovod", "--lab-worker", str(tmp / "hvd.json")]
+    Path(argv[-1]).write_text(json.dumps(hvd_cfg))
+    launch["horovodrun"] = " ".join(lab.command(0, argv, "horovodrun"))
+    try:
+        lab.run(argv, timeout=timeout, poll=poll, launcher="horovodrun")
+    except LabError as exc:
+        if required:
+            raise
+        return str(exc)
+    for name, res in json.loads(Path(hvd_cfg["result"]).read_text()).items():
+        results[name] = {**res, "launcher": "horovodrun"}
+    return None
 
 
 def format_table(rec: dict[str, Any]) -> str:
@@ -419,7 +463,6 @@ def plot(rec: dict[str, Any], out: str | Path) -> tuple[Path | None, str]:
     ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
     ax.set_ylabel(f"speedup over S-SGD ({rec['baselines']['s-sgd']})" if key else "steps per second")
     ax.set_title(f"DDP, {rec['workers']} workers, link {rec['link'] if rec['lab']['shaped'] else 'loopback'}")
-    fig.tight_layout()
     return save_figure(plt, fig, out)
 
 

@@ -49,7 +49,7 @@ from torch.profiler import ProfilerActivity, record_function
 
 from sylvie_comm.bench import hooks
 from sylvie_comm.bench.hooks_bucket import _Bucket, _Rebuilt
-from sylvie_comm.bench.kit import bench_device, machine, write_record
+from sylvie_comm.bench.kit import bench_device, machine, print_and_write
 from sylvie_comm.bench.timing import _quiet_kineto, sync
 from sylvie_comm.collectives import transport
 
@@ -565,10 +565,7 @@ def main(argv: list[str] | None = None) -> int:
         result = measure(args.codec, args.layers, args.width, args.layout, args.calls, args.device, args.top)
     except ValueError as exc:
         parser.error(str(exc))
-    print(report(result), end="")
-    if args.out:
-        write_record(args.out, result, markdown)
-    return 0
+    return print_and_write(result, report(result), args.out, markdown)
 
 
 if __name__ == "__main__":

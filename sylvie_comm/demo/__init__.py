@@ -115,30 +115,52 @@ def run(
         ``{"ddp": [...], "gnn": [...], "lab": record}``: rank 0's results of each run, in order,
         and the lab's full record (``lab``: None when not run).
     """
-    from sylvie_comm.bench import link as bench_link
+    if lab:  # bad lab options fail before the first run, not after ten minutes of it
+        _check_lab(lab_link, lab_model, lab_workers, lab_steps)
+    results: dict[str, Any] = {
+        "ddp": _ddp_part(steps, nproc, echo),
+        "gnn": _gnn_part(epochs, gnn_nproc, echo),
+        "lab": None,
+    }
+    echo("\nMB: bytes rank 0 put on the wire (ring all-reduce/all-gather/all-to-all volumes).")
+    if lab:
+        results["lab"] = _lab_part(lab_link, lab_workers, lab_steps, lab_model, plot, echo)
+    return results
+
+
+def _check_lab(link: str, model: str, workers: int, steps: int) -> None:
+    """The lab part's options, checked: a ValueError naming a bad one."""
     from sylvie_comm.bench.lab import check_link
     from sylvie_comm.bench.workloads import check_workload
 
-    if lab:  # bad lab options fail before the first run, not after ten minutes of it
-        check_link(lab_link)
-        check_workload(lab_model)
-        for what, value in (("lab_workers", lab_workers), ("lab_steps", lab_steps)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"demo: {what} must be a positive integer, got {value!r}")
-    results: dict[str, Any] = {"ddp": [], "gnn": [], "lab": None}
+    check_link(link)
+    check_workload(model)
+    for what, value in (("lab_workers", workers), ("lab_steps", steps)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"demo: {what} must be a positive integer, got {value!r}")
+
+
+def _ddp_part(steps: int, nproc: int, echo: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Part 1: the DDP example under each hook (and under horovodrun where Horovod is installed); its table."""
+    runs: list[dict[str, Any]] = []
     echo(f"1) data-parallel training: {nproc} processes (gloo), scikit-learn digits, {steps} steps, "
          "the same model and data under three gradient hooks")  # fmt: skip
     for codec, extra in DDP_RUNS:
         echo(f"   running {codec} ...")
-        results["ddp"].append(torchrun(DDP_MODULE, nproc, ["--codec", codec, *extra, "--steps", str(steps)]))
+        runs.append(torchrun(DDP_MODULE, nproc, ["--codec", codec, *extra, "--steps", str(steps)]))
     codec, extra = HOROVOD_RUN
     if shutil.which("horovodrun") is not None:
         echo(f"   running {codec} under horovodrun (Horovod's collectives, sylvie_comm.horovod's optimizer) ...")
-        results["ddp"].append(horovodrun(DDP_MODULE, nproc, ["--codec", codec, *extra, "--steps", str(steps)]))
+        runs.append(horovodrun(DDP_MODULE, nproc, ["--codec", codec, *extra, "--steps", str(steps)]))
     else:
         echo("   (Horovod is not installed, so no horovodrun run: scripts/horovod.sh builds and installs it)")
-    echo("\n" + ddp_table(results["ddp"]))
+    echo("\n" + ddp_table(runs))
+    return runs
 
+
+def _gnn_part(epochs: int, gnn_nproc: int, echo: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Part 2: the full-graph GNN example under each halo setting, on one partition of the graph; its table."""
+    runs: list[dict[str, Any]] = []
     echo(f"\n2) full-graph GNN: {gnn_nproc} processes, generated CSBM graph ({GNN_NODES} nodes), GraphSAGE, "
          f"{epochs} epochs; halo exchange fp32 synchronous vs 1-bit with staleness 1")  # fmt: skip
     echo(f"   partitioner: {GNN_PARTITION} (greedy BFS region growing and balanced refinement, plain torch, "
@@ -148,21 +170,23 @@ def run(
             echo(f"   running {label} ...")
             cmd = [*extra, "--nodes", str(GNN_NODES), "--epochs", str(epochs), "--partition", GNN_PARTITION,
                    "--parts-dir", parts]  # fmt: skip
-            r = torchrun(GNN_MODULE, gnn_nproc, cmd)
-            results["gnn"].append({"label": label, **r})
-    echo("\n" + gnn_table(results["gnn"]))
-    echo("\nMB: bytes rank 0 put on the wire (ring all-reduce/all-gather/all-to-all volumes).")
-    if not lab:
-        return results
+            runs.append({"label": label, **torchrun(GNN_MODULE, gnn_nproc, cmd)})
+    echo("\n" + gnn_table(runs))
+    return runs
 
-    echo(f"\n3) the same kind of training where the network is the bottleneck: {lab_workers} workers on a "
-         f"{lab_link} link, {lab_model}, S-SGD vs {', '.join(LAB_CODECS[1:])}")  # fmt: skip
-    rec = bench_link.run(lab_link, workers=lab_workers, steps=lab_steps, codecs=LAB_CODECS, model=lab_model,
+
+def _lab_part(link: str, workers: int, steps: int, model: str, plot: str | Path | None,
+              echo: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    """Part 3: DDP on a shaped link (sylvie_comm.bench.link), S-SGD against our codecs; its table and plot."""
+    from sylvie_comm.bench import link as bench_link
+
+    echo(f"\n3) the same kind of training where the network is the bottleneck: {workers} workers on a "
+         f"{link} link, {model}, S-SGD vs {', '.join(LAB_CODECS[1:])}")  # fmt: skip
+    rec = bench_link.run(link, workers=workers, steps=steps, codecs=LAB_CODECS, model=model,
                          horovod=False, echo=lambda line: echo("   " + line), progress=False)  # fmt: skip
-    results["lab"] = rec
     echo("\n" + lab_table(rec))
     echo(
-        f"\n   step s: median of {lab_steps} steps after warm-up, the slowest worker's; MB/step: bytes that "
+        f"\n   step s: median of {steps} steps after warm-up, the slowest worker's; MB/step: bytes that "
         "left each worker's network interface per step (lab) or that the hook sent (loopback);"
     )
     echo(
@@ -174,4 +198,4 @@ def run(
         path, said = bench_link.plot(rec, plot)
         rec["plot"] = None if path is None else str(path)
         echo(f"   {said}")
-    return results
+    return rec

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 import sylvie_comm
 import sylvie_comm.ddp
-from sylvie_comm.demo.launch import rank_and_size, run_worker, under_horovodrun
+from sylvie_comm.demo.launch import rank_and_size, under_horovodrun, worker_entry
 
 Split = tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -137,9 +137,7 @@ def report(result: dict[str, Any]) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Parse ``argv`` and train (in a new process group unless one is initialized); rank 0 reports."""
-    return run_worker(argv, parse_args, train, report)
+main = worker_entry(parse_args, train, report)  # main(argv=None): parse, train; rank 0 reports
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from sylvie_comm.demo.launch import rank_and_size, run_worker
+from sylvie_comm.demo.launch import rank_and_size, worker_entry
 from sylvie_comm.gnn import data as gdata
 from sylvie_comm.gnn.halo import parse_precision
 from sylvie_comm.gnn.models import LAYERS
@@ -237,9 +237,7 @@ def report(result: dict[str, Any]) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Parse ``argv`` and train (in a new process group unless one is initialized); rank 0 reports."""
-    return run_worker(argv, parse_args, train, report)
+main = worker_entry(parse_args, train, report)  # main(argv=None): parse, train; rank 0 reports
 
 
 if __name__ == "__main__":

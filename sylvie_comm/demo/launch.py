@@ -16,7 +16,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 
 def free_port() -> int:
@@ -146,3 +146,23 @@ def run_worker(
             print(report(result))
             write_json(result, args.json_out)
     return result
+
+
+class WorkerMain(Protocol):
+    """A demo worker module's ``main``."""
+
+    def __call__(self, argv: list[str] | None = None) -> dict[str, Any]: ...
+
+
+def worker_entry(
+    parse_args: Callable[[list[str] | None], Any],
+    train: Callable[[Any], dict[str, Any]],
+    report: Callable[[dict[str, Any]], str],
+) -> WorkerMain:
+    """A demo worker module's ``main(argv=None)``: :func:`run_worker` with its parser, training and report."""
+
+    def main(argv: list[str] | None = None) -> dict[str, Any]:
+        """Parse ``argv`` and train (in a new process group unless one is initialized); rank 0 reports."""
+        return run_worker(argv, parse_args, train, report)
+
+    return main

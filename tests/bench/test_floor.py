@@ -34,3 +34,15 @@ def test_floor_reports_pairs_of_steps_and_both_kinds():
 def test_floor_rejects_bad_counts():
     with pytest.raises(ValueError, match="repeats must be >= 1 and warmup >= 0, got repeats=0, warmup=0"):
         floor.run(("acpsgd",), repeats=0, warmup=0, model=small())
+
+
+def test_the_floor_of_an_algorithm_is_read_from_its_class():
+    """Low-rank algorithms first, then the error-fed ones with a server phase; the others have no floor modelled."""
+    from sylvie_comm.algorithms import ALGORITHMS as REGISTERED
+
+    assert floor.ALGORITHMS == ("acpsgd", "powersgd", "onebit")
+    assert [floor.floor_kind(REGISTERED[n]) for n in floor.ALGORITHMS] == ["low-rank", "low-rank", "server"]
+    assert floor._passes_of("onebit", 4) == (2.25, 2.25) and floor._passes_of("powersgd", 4) == (2.0, 2.0)
+    assert all(floor.floor_kind(REGISTERED[n]) is None for n in ("none", "qsgd", "topk", "auto"))
+    with pytest.raises(ValueError, match="'qsgd' has no floor modelled"):
+        floor._passes_of("qsgd", 1)

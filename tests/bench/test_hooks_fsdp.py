@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from sylvie_comm.algorithms import ALGORITHMS
 from sylvie_comm.bench import hooks_fsdp as hf
 
 
@@ -16,7 +17,10 @@ def test_the_rows_of_one_size_time_every_units_call_against_fsdp2s_own():
     assert not dist.is_initialized()
     rows = hf.fsdp_rows(2, 2)
     assert not dist.is_initialized()  # the group it set up is gone again
-    assert [r["row"] for r in rows] == ["fsdp2", "none", "fp16", "qsgd", "onebit"]
+    # Every algorithm with a reduce-scatter form, as bench fsdp's rows: none, fp16, bf16, qsgd and onebit today.
+    sharded = [name for name, cls in ALGORITHMS.items() if cls.record.shards]
+    assert [r["row"] for r in rows] == ["fsdp2", *hf.OURS] and sorted(hf.OURS) == sorted(sharded)
+    assert {"none", "fp16", "bf16", "qsgd", "onebit"} <= set(hf.OURS)
     base = rows[0]
     assert base["x_fsdp2"] == base["x_fsdp2_step"] == 1.0
     for r in rows:
@@ -37,8 +41,10 @@ def test_the_record_at_two_sizes_and_its_table():
     lines = hf.table(record).splitlines()
     assert lines[0].startswith("host time of one FSDP2 unit's reduce-scatter, Linear(16, 16) units, median of 1 ")
     assert lines[1].split()[:4] == ["row", "us/unit", "@1", "x"]
-    assert [line.split()[0] for line in lines[2:7]] == list(hf.ROWS)
-    assert lines[7] == "(linear in units: a step's total grows 2.00x from 1 to 2 units, as fsdp2's: 1.00 over it)"
+    rows = len(hf.ROWS)
+    assert [line.split()[0] for line in lines[2 : 2 + rows]] == list(hf.ROWS)
+    growth = "(linear in units: a step's total grows 2.00x from 1 to 2 units, as fsdp2's: 1.00 over it)"
+    assert lines[2 + rows] == growth
 
 
 def test_bad_arguments_are_refused_naming_the_value():
@@ -46,8 +52,8 @@ def test_bad_arguments_are_refused_naming_the_value():
         hf.fsdp_rows(0, 2)
     with pytest.raises(ValueError, match="steps must be an integer >= 1, got True"):
         hf.fsdp_rows(2, True)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"rows must be 'fsdp2' followed by distinct rows of none, fp16, qsgd, "
-                                         r"onebit, got \['none'\]"):  # fmt: skip
+    with pytest.raises(ValueError, match=rf"rows must be 'fsdp2' followed by distinct rows of {', '.join(hf.OURS)}, "
+                                         r"got \['none'\]"):  # fmt: skip
         hf.fsdp_rows(2, 2, ("none",))
     assert not dist.is_initialized()
 

@@ -14,7 +14,8 @@ from torch import nn
 
 from sylvie_comm import cli
 from sylvie_comm.algorithms.registry import ALGORITHMS
-from sylvie_comm.bench import quality, tta
+from sylvie_comm.bench import quality, tta, tta_methods, tta_report
+from sylvie_comm.bench.tta_report import error_line, reached
 from tests.bench.test_datasets import need
 from tests.lab_marks import needs_lab
 
@@ -23,56 +24,56 @@ from tests.lab_marks import needs_lab
 
 def test_time_to_target_is_the_first_evaluation_at_or_past_it():
     acc = [(0.0, 10.0), (2.0, 60.0), (4.0, 79.9), (6.0, 80.0), (8.0, 85.0)]
-    assert tta.time_to_target(acc, 80.0, higher_is_better=True) == 6.0  # equal counts; no interpolation
-    assert tta.time_to_target(acc, 70.0, higher_is_better=True) == 4.0  # the evaluation past it, not 3.0
-    assert tta.time_to_target(acc, 85.1, higher_is_better=True) is None  # never
-    assert tta.time_to_target(acc, 5.0, higher_is_better=True) == 0.0
+    assert tta_report.time_to_target(acc, 80.0, higher_is_better=True) == 6.0  # equal counts; no interpolation
+    assert tta_report.time_to_target(acc, 70.0, higher_is_better=True) == 4.0  # the evaluation past it, not 3.0
+    assert tta_report.time_to_target(acc, 85.1, higher_is_better=True) is None  # never
+    assert tta_report.time_to_target(acc, 5.0, higher_is_better=True) == 0.0
     dips = [(0.0, 10.0), (6.0, 80.0), (9.0, 79.0)]
-    assert tta.time_to_target(dips, 80.0, higher_is_better=True) == 6.0  # a later dip does not undo it
-    assert tta.time_to_target([], 80.0, higher_is_better=True) is None
+    assert tta_report.time_to_target(dips, 80.0, higher_is_better=True) == 6.0  # a later dip does not undo it
+    assert tta_report.time_to_target([], 80.0, higher_is_better=True) is None
 
 
 def test_time_to_target_of_a_loss_is_at_or_below_it_and_nan_never_reaches():
     loss = [(0.0, 5.5), (1.0, 3.0), (2.0, float("nan")), (3.0, 2.4), (4.0, 2.5)]
-    assert tta.time_to_target(loss, 2.5, higher_is_better=False) == 3.0
-    assert tta.time_to_target(loss, 3.0, higher_is_better=False) == 1.0
-    assert tta.time_to_target(loss, 2.0, higher_is_better=False) is None
+    assert tta_report.time_to_target(loss, 2.5, higher_is_better=False) == 3.0
+    assert tta_report.time_to_target(loss, 3.0, higher_is_better=False) == 1.0
+    assert tta_report.time_to_target(loss, 2.0, higher_is_better=False) is None
     nan = [(1.0, float("nan")), (2.0, float("nan"))]
-    assert tta.time_to_target(nan, 0.0, higher_is_better=True) is None
-    assert tta.time_to_target(nan, 100.0, higher_is_better=False) is None
-    assert not tta.reached(math.nan, 1.0, True) and tta.reached(1.0, 1.0, False) and not tta.reached(1.1, 1.0, False)
+    assert tta_report.time_to_target(nan, 0.0, higher_is_better=True) is None
+    assert tta_report.time_to_target(nan, 100.0, higher_is_better=False) is None
+    assert not reached(math.nan, 1.0, True) and reached(1.0, 1.0, False) and not reached(1.1, 1.0, False)
 
 
 def test_time_to_target_refuses_a_nan_target_and_times_that_go_back():
     with pytest.raises(ValueError, match="target is NaN"):
-        tta.time_to_target([(0.0, 1.0)], float("nan"), True)
+        tta_report.time_to_target([(0.0, 1.0)], float("nan"), True)
     with pytest.raises(ValueError, match=r"must not decrease, got 1\.0 after 2\.0"):
-        tta.time_to_target([(2.0, 1.0), (1.0, 2.0)], 5.0, True)
+        tta_report.time_to_target([(2.0, 1.0), (1.0, 2.0)], 5.0, True)
 
 
 # ---------------------------------------------------------------------- names and bad input
 
 
 def test_the_methods_plain_first_then_pytorchs_hooks_every_algorithm_and_the_optimizer_of_the_workload():
-    sgd, adamw = tta.default_methods("sgd"), tta.default_methods("adamw")
+    sgd, adamw = tta_methods.default_methods("sgd"), tta_methods.default_methods("adamw")
     hooks = ["bf16_hook", "fp16_hook", "powersgd_hook"]
     assert sgd == ["plain", *hooks, *ALGORITHMS, "csgd"] and adamw == ["plain", *hooks, *ALGORITHMS, "cadamw"]
     assert "auto" in sgd
-    assert tta.check_methods(["qsgd", "plain", "qsgd"], "sgd") == ["plain", "qsgd"]
-    assert tta.check_methods(["onebit"], "sgd") == ["plain", "onebit"]  # plain sets the target: always run
+    assert tta_methods.check_methods(["qsgd", "plain", "qsgd"], "sgd") == ["plain", "qsgd"]
+    assert tta_methods.check_methods(["onebit"], "sgd") == ["plain", "onebit"]  # plain sets the target: always run
     with pytest.raises(ValueError, match=r"unknown method 'zip'; valid: plain, bf16_hook, fp16_hook, powersgd_hook"):
-        tta.check_methods(["zip"], "sgd")
+        tta_methods.check_methods(["zip"], "sgd")
     with pytest.raises(ValueError, match="method 'cadamw' replaces adamw and this workload trains with sgd"):
-        tta.check_methods(["cadamw"], "sgd")
+        tta_methods.check_methods(["cadamw"], "sgd")
     with pytest.raises(ValueError, match="method 'csgd' replaces sgd and this workload trains with adamw"):
-        tta.check_methods(["csgd"], "adamw")
+        tta_methods.check_methods(["csgd"], "adamw")
     assert tta.check_optimizer("cnn", None) == "sgd" and tta.check_optimizer("lm", None) == "adamw"
     with pytest.raises(ValueError, match="workload lm trains with adamw, not 'sgd'"):
         tta.check_optimizer("lm", "sgd")
     with pytest.raises(ValueError, match="unknown workload 'vit'; valid: cnn, lm"):
         tta.check_optimizer("vit", None)
-    assert tta.powersgd_start(600) == 60 and tta.powersgd_start(10) == 2  # 10 %, at least 2
-    assert "start_powerSGD_iter=30" in tta.label("powersgd_hook", 300)
+    assert tta_methods.powersgd_start(600) == 60 and tta_methods.powersgd_start(10) == 2  # 10 %, at least 2
+    assert "start_powerSGD_iter=30" in tta_methods.label("powersgd_hook", 300)
 
 
 @pytest.mark.parametrize(
@@ -202,7 +203,7 @@ def _record(raw: dict[str, list[dict]], **kw: Any) -> dict:
     args: dict[str, Any] = {"link": "100mbit", "workload": "cnn", "optimizer": "sgd", "steps": 4, "eval_every": 2,
                             "seed": 0, "eval_size": None, "parameters": 225034, "lab_info": lab, "failed": {},
                             "skipped": {}, "wall": 30.0, **kw}  # fmt: skip
-    return tta.record(raw, **args)
+    return tta_report.record(raw, **args)
 
 
 def test_each_method_against_plain_in_the_same_run():
@@ -231,7 +232,7 @@ def test_each_method_against_plain_in_the_same_run():
 def test_a_method_given_its_own_steps_says_so():
     rec = _record(_raw(), method_steps={"qsgd": 8})
     assert rec["methods"]["qsgd"]["steps"] == 8 and rec["methods"]["plain"]["steps"] == rec["steps"] == 4
-    rows = tta.format_table(rec).splitlines()
+    rows = tta_report.format_table(rec).splitlines()
     assert next(r for r in rows if r.startswith("| qsgd |")).endswith("| 8 |")
     assert next(r for r in rows if r.startswith("| plain |")).endswith("| 4 |")
 
@@ -246,16 +247,16 @@ def test_a_loss_is_lower_is_better():
     assert not rec["higher_is_better"] and rec["target"] == pytest.approx(1.25)
     assert rec["methods"]["qsgd"]["time_to_target_s"] == 1.0 and rec["methods"]["onebit"]["time_to_target_s"] is None
     assert rec["methods"]["onebit"]["gap"] == pytest.approx(100 / 75 - 1.25)  # positive: worse
-    assert "| plain | 1.2500 | - | 8.0 | 1.00x |" in tta.format_table(rec)
+    assert "| plain | 1.2500 | - | 8.0 | 1.00x |" in tta_report.format_table(rec)
 
 
 def test_the_bound_check_warns_below_twice_the_bound():
-    assert tta.bound_check(0.2, 0.1, "1gbit")["at_least_factor"]  # 2x exactly is enough
-    check = tta.bound_check(0.15, 0.1, "1gbit")
+    assert tta_report.bound_check(0.2, 0.1, "1gbit")["at_least_factor"]  # 2x exactly is enough
+    check = tta_report.bound_check(0.15, 0.1, "1gbit")
     assert not check["at_least_factor"] and check["ratio"] == pytest.approx(1.5)
     assert check["warning"].startswith("WARNING: plain DDP's step (150.0 ms) is only 1.50x the no-comm bound")
     assert "on link 1gbit, below 2x" in check["warning"]
-    table = tta.format_table(_record(_raw(bound_step=1.5)))
+    table = tta_report.format_table(_record(_raw(bound_step=1.5)))
     assert "plain DDP's step (2000.0 ms) is 1.33x the no-comm bound (1500.0 ms): below 2x" in table
     assert "WARNING: plain DDP's step" in table
 
@@ -263,7 +264,7 @@ def test_the_bound_check_warns_below_twice_the_bound():
 def test_the_table_from_fabricated_figures(tmp_path):
     rec = _record(_raw(), skipped={"csgd": "sylvie_comm.optim has no CompressedSGD"},
                   failed={"sign": "[rank0]: Traceback\n[rank0]: RuntimeError: gloo broke\n--- rank 1"})  # fmt: skip
-    table = tta.format_table(rec)
+    table = tta_report.format_table(rec)
     lines = table.splitlines()
     assert lines[0].startswith("Time to plain DDP's final test accuracy % on link 100mbit, 2 workers, cnn/")
     assert (
@@ -280,10 +281,10 @@ def test_the_table_from_fabricated_figures(tmp_path):
     assert "plain DDP's step (2000.0 ms) is 40.00x the no-comm bound (50.0 ms): at least 2x, the link is the " in table
     assert "skipped csgd: sylvie_comm.optim has no CompressedSGD" in table
     assert "FAILED sign: RuntimeError: gloo broke (the workers' output in the JSON: failed)" in table
-    path, message = tta.save(rec, tmp_path / "run.json")  # OUT may end in .json
+    path, message = tta_report.save(rec, tmp_path / "run.json")  # OUT may end in .json
     assert path == tmp_path / "run.json" and json.loads(path.read_text()) == rec
     assert message == f"wrote {tmp_path / 'run.png'}" and (tmp_path / "run.png").stat().st_size > 0
-    loop = tta.format_table(_record(_raw(shaped=False), shaped=False))
+    loop = tta_report.format_table(_record(_raw(shaped=False), shaped=False))
     assert "| plain | 80.00 | - | 8.0 | 1.00x | -/- |" in loop and "LOOPBACK" in loop
 
 
@@ -344,8 +345,8 @@ def test_the_clock_stops_while_evaluating():
 
 def test_the_failed_line_names_the_error():
     text = "[rank0]: Traceback (most recent call last):\n[rank0]:   File x\n[rank0]: TypeError: no bf16 here\n"
-    assert tta.error_line(text) == "TypeError: no bf16 here"
-    assert tta.error_line("lab (100mbit): rank 0 failed (exit 1)\nsomething") == "lab (100mbit): rank 0 failed (exit 1)"
+    assert error_line(text) == "TypeError: no bf16 here"
+    assert error_line("lab (100mbit): rank 0 failed (exit 1)\nsomething") == "lab (100mbit): rank 0 failed (exit 1)"
 
 
 # ---------------------------------------------------------------------- one rank in this process
@@ -397,11 +398,12 @@ def test_a_method_runs_on_one_rank_from_the_seed():
 
 
 def test_diloco_methods_run_when_named():
-    assert not set(tta.DILOCO) & (set(tta.default_methods("sgd")) | set(tta.default_methods("adamw")))
-    assert tta.check_methods(["diloco_qsgd2", "diloco"], "sgd") == ["plain", "diloco_qsgd2", "diloco"]
-    assert "DiLoCo(sync_every=32, codec='qsgd', bits=2, block=1)" in tta.label("diloco_qsgd2", 600, 32)
-    assert "bits=8, error_feedback=False, block=1" in tta.label("diloco_qsgd8_noef", 600)
-    assert "(lr 0.35, momentum 0.9)" in tta.label("diloco", 600, 16, 0.35)
+    defaults = set(tta_methods.default_methods("sgd")) | set(tta_methods.default_methods("adamw"))
+    assert not set(tta_methods.DILOCO) & defaults
+    assert tta_methods.check_methods(["diloco_qsgd2", "diloco"], "sgd") == ["plain", "diloco_qsgd2", "diloco"]
+    assert "DiLoCo(sync_every=32, codec='qsgd', bits=2, block=1)" in tta_methods.label("diloco_qsgd2", 600, 32)
+    assert "bits=8, error_feedback=False, block=1" in tta_methods.label("diloco_qsgd8_noef", 600)
+    assert "(lr 0.35, momentum 0.9)" in tta_methods.label("diloco", 600, 16, 0.35)
 
 
 @pytest.mark.usefixtures("one_workload")
@@ -445,4 +447,4 @@ def test_two_methods_and_the_bound_in_the_lab():
     assert max(qsgd["bytes_sent"]) < min(plain["bytes_sent"]) / 3  # 4 bits after 2 fp32 warm-up steps, 32 steps
     assert max(bound["bytes_sent"]) < 100_000 and bound["median_step_s"] < plain["median_step_s"]
     assert rec["bound_check"]["ratio"] == pytest.approx(plain["median_step_s"] / bound["median_step_s"])
-    assert "| qsgd |" in tta.format_table(rec) and tta.format_table(rec).count(f"| {steps} |") >= 2
+    assert "| qsgd |" in tta_report.format_table(rec) and tta_report.format_table(rec).count(f"| {steps} |") >= 2
