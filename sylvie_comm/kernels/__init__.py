@@ -23,6 +23,7 @@ import torch
 
 from sylvie_comm.kernels import checks, compiled, reference
 from sylvie_comm.kernels import triton as _triton
+from sylvie_comm.kernels.opdecl import DECLS
 
 __all__ = [
     "backend",
@@ -126,26 +127,26 @@ def uses_extension(t: torch.Tensor) -> bool:
     return _ops_for(t.device) is not None
 
 
+def _run(ns: Any, name: str, *args: Any) -> Any:
+    """Op ``name`` on ``args`` (its declared arguments) by the kernels of the namespace ``ns``, or, where ``ns`` is
+    None (no kernels for this device, or arguments they do not take), by its declared reference
+    (:data:`sylvie_comm.kernels.opdecl.DECLS`)."""
+    if ns is None:
+        return DECLS[name].reference(*args)
+    return getattr(ns, name)(*args)
+
+
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
-    ns = _ops_for(values.device)
-    if ns is not None:
-        return ns.pack_bits(values, bits)  # type: ignore[no-any-return]
-    return reference.pack_bits(values, bits)
+    return _run(_ops_for(values.device), "pack_bits", values, bits)  # type: ignore[no-any-return]
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
-    ns = _ops_for(packed.device)
-    if ns is not None:
-        return ns.unpack_bits(packed, bits, cols)  # type: ignore[no-any-return]
-    return reference.unpack_bits(packed, bits, cols)
+    return _run(_ops_for(packed.device), "unpack_bits", packed, bits, cols)  # type: ignore[no-any-return]
 
 
 def onebit_encode(x: torch.Tensor, chunk_size: int, norm_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    ns = _ops_for(x.device)
-    if ns is not None:
-        packed, scales = ns.onebit_encode(x, chunk_size, norm_scale)
-        return packed, scales
-    return reference.onebit_encode(x, chunk_size, norm_scale)
+    packed, scales = _run(_ops_for(x.device), "onebit_encode", x, chunk_size, norm_scale)
+    return packed, scales
 
 
 def onebit_decode(
@@ -161,13 +162,8 @@ def onebit_decode(
     if out is not None and ns is not None and out.is_contiguous():
         ns.onebit_decode_into(packed, scales, chunk_size, out.view(-1))
         return out
-    if ns is not None:
-        result = ns.onebit_decode(packed, scales, numel, chunk_size, dtype)
-    else:
-        result = reference.onebit_decode(packed, scales, numel, chunk_size, dtype)
-    if out is None:
-        return result  # type: ignore[no-any-return]
-    return out.copy_(result.view(out.shape))
+    result = _run(ns, "onebit_decode", packed, scales, numel, chunk_size, dtype)
+    return result if out is None else out.copy_(result.view(out.shape))
 
 
 def qbit_encode(
@@ -185,10 +181,10 @@ def qbit_encode(
         packed, scale, minimum = raw(x, bits, _as_int64(seed), _as_int64(offset), meta_dtype)
         return packed, scale, minimum
     ns = _ops_for(x.device)
-    if ns is not None:
-        packed, scale, minimum = ns.qbit_encode(x, bits, _as_int64(seed), _as_int64(offset), meta_dtype)
-        return packed, scale, minimum
-    return reference.qbit_encode(x, bits, seed, offset, meta_dtype)
+    if ns is not None:  # (the schema's seed and offset are int64; the reference takes any integer)
+        seed, offset = _as_int64(seed), _as_int64(offset)
+    packed, scale, minimum = _run(ns, "qbit_encode", x, bits, seed, offset, meta_dtype)
+    return packed, scale, minimum
 
 
 def qbit_decode(
@@ -213,13 +209,8 @@ def qbit_decode(
     if out is not None and ns is not None and out.is_contiguous() and out.dim() == 2:
         ns.qbit_decode_into(packed, scale, minimum, bits, out)
         return out
-    if ns is not None:
-        result = ns.qbit_decode(packed, scale, minimum, bits, cols, dtype)
-    else:
-        result = reference.qbit_decode(packed, scale, minimum, bits, cols, dtype)
-    if out is None:
-        return result  # type: ignore[no-any-return]
-    return out.copy_(result.view(out.shape))
+    result = _run(ns, "qbit_decode", packed, scale, minimum, bits, cols, dtype)
+    return result if out is None else out.copy_(result.view(out.shape))
 
 
 def _fused(*tensors: torch.Tensor | None) -> Any:
@@ -252,14 +243,9 @@ def onebit_feedback_encode(
     With ``saved`` (as many fp32 elements) the residual as it was is written there in the same pass (what a
     step skipped for a non-finite input restores; the same for the residual-updating ops below)."""
     ns = _fused(residual, scales, saved)
-    if grad is not None and not (
-        grad.device == residual.device and grad.dtype in checks.FLOATS and grad.is_contiguous()
-    ):
-        ns = None
-    if ns is not None and packed.is_contiguous():
-        ns.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales, saved)
-    else:
-        reference.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales, saved)
+    grad_ok = grad is None or (grad.device == residual.device and grad.dtype in checks.FLOATS and grad.is_contiguous())
+    ns = ns if grad_ok and packed.is_contiguous() else None
+    _run(ns, "onebit_feedback_encode", residual, grad, chunk_size, norm_scale, packed, scales, saved)
 
 
 def onebit_mean_feedback_encode(
@@ -277,15 +263,9 @@ def onebit_mean_feedback_encode(
     rows_ok = parts_packed.dim() == 2 and parts_scales.dim() == 2
     rows_ok = rows_ok and parts_packed.stride(-1) == 1 and parts_scales.stride(-1) == 1
     same = parts_packed.device == residual.device and parts_scales.device == residual.device
-    ns = _fused(residual, scales, saved)
-    if rows_ok and same and ns is not None and packed.is_contiguous():
-        ns.onebit_mean_feedback_encode(
-            residual, parts_packed, parts_scales, chunk_size, norm_scale, packed, scales, saved
-        )
-    else:
-        reference.onebit_mean_feedback_encode(
-            residual, parts_packed, parts_scales, chunk_size, norm_scale, packed, scales, saved
-        )
+    ns = _fused(residual, scales, saved) if rows_ok and same and packed.is_contiguous() else None
+    args = (residual, parts_packed, parts_scales, chunk_size, norm_scale, packed, scales, saved)
+    _run(ns, "onebit_mean_feedback_encode", *args)
 
 
 def lowrank_project(
@@ -336,11 +316,7 @@ def lowrank_gram(
     if raw is not None:
         raw(residual, grad, p, q, saved)
         return
-    ns = _fused(residual, grad, p, q, saved)
-    if ns is not None:
-        ns.lowrank_gram(residual, grad, p, q, saved)
-    else:
-        reference.lowrank_gram(residual, grad, p, q, saved)
+    _run(_fused(residual, grad, p, q, saved), "lowrank_gram", residual, grad, p, q, saved)
 
 
 def lowrank_outer_into(
@@ -362,11 +338,8 @@ def lowrank_outer_into(
     if raw is not None:
         raw(out, p, q, alpha, accumulate, when)
         return
-    ns = _fused(out, p, q)
-    if ns is not None and (when is None or _flag_on(when, out)):
-        ns.lowrank_outer_into(out, p, q, alpha, accumulate, when)
-    else:
-        reference.lowrank_outer_into(out, p, q, alpha, accumulate, when)
+    ns = _fused(out, p, q) if when is None or _flag_on(when, out) else None
+    _run(ns, "lowrank_outer_into", out, p, q, alpha, accumulate, when)
 
 
 def _flag_on(flag: torch.Tensor, like: torch.Tensor) -> bool:
@@ -381,11 +354,8 @@ def copy_if(dst: torch.Tensor, src: torch.Tensor | None, flag: torch.Tensor) -> 
     same = src is None or (
         src.device == dst.device and src.dtype == dst.dtype and src.shape == dst.shape and src.is_contiguous()
     )
-    ns = _ops_for(dst.device)
-    if ns is not None and dst.is_contiguous() and same and _flag_on(flag, dst):
-        ns.copy_if(dst, src, flag)
-    else:
-        reference.copy_if(dst, src, flag)
+    _run(_ops_for(dst.device) if dst.is_contiguous() and same and _flag_on(flag, dst) else None, "copy_if", dst, src,
+         flag)  # fmt: skip
 
 
 def copy_if_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor | None]], flag: torch.Tensor) -> None:

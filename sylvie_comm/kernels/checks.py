@@ -1,10 +1,10 @@
 """The argument checks of every kernel op, in one place: run in Python before any kernel is entered.
 
-Each op has one check here, taking the op's own arguments (as its schema in ``csrc/ops/ops.cpp`` names them) after
-``device_type``, the kind of device its kernels run on (``"cpu"`` for the C++ kernels, ``"cuda"`` or, under Triton's
-interpreter, ``"cpu"`` for the Triton ones). A failed check raises ``RuntimeError`` with the message of the rule in
-``csrc/ops/checks.h`` (dtypes, devices and shapes printed as c10 prints them), so every device and both op sets
-accept the same inputs and say the same thing about the rest.
+Each op has one check here, taking the op's own arguments (as its declared schema names them:
+:mod:`sylvie_comm.kernels.opdecl`) after ``device_type``, the kind of device its kernels run on (``"cpu"`` for the
+C++ kernels, ``"cuda"`` or, under Triton's interpreter, ``"cpu"`` for the Triton ones). A failed check raises
+``RuntimeError`` with the message of the rule in ``csrc/ops/checks.h`` (dtypes, devices and shapes printed as c10
+prints them), so every device and both op sets accept the same inputs and say the same thing about the rest.
 
 Why in Python: a C++ exception thrown for a bad argument has to unwind through the extension's frames into torch's,
 and an extension built by another compiler than torch's (the user's own, as a source install is) may not survive

@@ -198,6 +198,11 @@ def onebit_decode(
     return out.to(dtype)
 
 
+def onebit_decode_into(packed: torch.Tensor, scales: torch.Tensor, chunk_size: int, out: torch.Tensor) -> None:
+    """:func:`onebit_decode` of ``out.numel()`` values into ``out``, in its dtype."""
+    out.copy_(onebit_decode(packed, scales, out.numel(), chunk_size, out.dtype).view(out.shape))
+
+
 def round_bf16(x: torch.Tensor, up: bool) -> torch.Tensor:
     """Round fp32 values to bf16-representable fp32 values, toward +inf (``up``) or -inf.
 
@@ -275,6 +280,12 @@ def qbit_decode(
     """``q * scale + min`` per row (fp32 multiply, then fp32 add), cast to ``dtype``."""
     q = unpack_bits(packed, bits, cols).to(torch.float32)
     return (q * scale.to(torch.float32)[:, None] + minimum.to(torch.float32)[:, None]).to(dtype)
+
+
+def qbit_decode_into(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
+                     out: torch.Tensor) -> None:  # fmt: skip
+    """:func:`qbit_decode` into the 2-D ``out``, in its dtype."""
+    out.copy_(qbit_decode(packed, scale, minimum, bits, out.shape[1], out.dtype))
 
 
 # ---------------------------------------------------------------- error feedback and low rank

@@ -28,10 +28,8 @@ without CUDA); on a CUDA machine they compile for the GPU and run on CUDA tensor
 
 from __future__ import annotations
 
-import re
 import struct
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -39,6 +37,7 @@ import torch
 from sylvie_comm import _ops
 from sylvie_comm.kernels import ordered
 from sylvie_comm.kernels import reference as ref
+from sylvie_comm.kernels.opdecl import DECLS
 from sylvie_comm.kernels.triton import NAMESPACE, interpreted, unavailable_reason
 
 _REASON = unavailable_reason()
@@ -54,7 +53,6 @@ if _REASON is None:
 DEVICE = "cuda" if torch.cuda.is_available() and not interpreted() else "cpu"
 U = 2.0**-24
 TINY = 2.0**-149
-ROOT = Path(__file__).resolve().parents[2]
 
 # (n, k, r): one element; tiny; rank 1; a row of three lane tiles, the last one cut (k > PROJECT_LANES = 1024);
 # lanes of two terms and more for the gram (n > GRAM_LANES = 512); a rank above the gram kernel's rank block (4:
@@ -239,22 +237,13 @@ def test_ordered_matches_the_reference_within_the_bound() -> None:
 # ---------------------------------------------------------------------------------------------------- schemas
 
 
-def _compiled_schemas() -> dict[str, str]:
-    """The ``m.def`` strings of csrc/ops/ops.cpp (adjacent C string literals joined)."""
-    src = (ROOT / "csrc" / "ops" / "ops.cpp").read_text()
-    schemas = {}
-    for literals in re.findall(r'm\.def\(((?:\s*"[^"]*")+)\s*\)', src):
-        schema = "".join(re.findall(r'"([^"]*)"', literals))
-        schemas[schema.split("(", 1)[0]] = schema
-    return schemas
+LOWRANK_OPS = sorted(name for name, decl in DECLS.items() if decl.family == "lowrank")
 
 
-def test_schemas_are_the_compiled_ops() -> None:
-    compiled = _compiled_schemas()
-    for name, schema in tlr.SCHEMAS.items():
-        assert schema == compiled[name], name
+def test_schemas_are_the_declared_ones() -> None:
+    for name in LOWRANK_OPS:
         got = str(getattr(OPS, name).default._schema)
-        assert got.startswith(f"{NAMESPACE}::{name}(")
+        assert got == f"{NAMESPACE}::{DECLS[name].definition}", name
         if _ops.HAS_EXTENSION:
             want = str(getattr(torch.ops.sylvie_comm, name).default._schema)
             assert got.split("::", 1)[1] == want.split("::", 1)[1], name
@@ -616,13 +605,13 @@ def _op_cases() -> dict[str, tuple[object, ...]]:
     }
 
 
-@pytest.mark.parametrize("name", sorted(tlr.SCHEMAS) if _REASON is None else [])
+@pytest.mark.parametrize("name", LOWRANK_OPS if _REASON is None else [])
 def test_opcheck(name: str) -> None:
     """Schema (declared mutations), fake, autograd registration and AOT dispatch, as for the compiled ops."""
     torch.library.opcheck(getattr(OPS, name), _op_cases()[name])
 
 
-@pytest.mark.parametrize("name", sorted(tlr.SCHEMAS) if _REASON is None else [])
+@pytest.mark.parametrize("name", LOWRANK_OPS if _REASON is None else [])
 def test_ops_run_on_fake_tensors(name: str) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -1,6 +1,7 @@
 """Low-rank kernels of ACP-SGD and PowerSGD in Triton: ``lowrank_project``, ``lowrank_gram`` and
-``lowrank_outer_into`` under ``torch.ops.sylvie_comm_triton``, with the schemas of the compiled ``sylvie_comm`` ops
-and their argument checks (:mod:`sylvie_comm.kernels.checks`, which the compiled ops run too).
+``lowrank_outer_into`` under ``torch.ops.sylvie_comm_triton``, registered against their declarations
+(:mod:`sylvie_comm.kernels.opdecl`: the compiled ``sylvie_comm`` ops' schemas, argument checks and fakes;
+:func:`sylvie_comm.kernels.triton.register`).
 
 They return the bits of :mod:`sylvie_comm.kernels.ordered`, not those of :mod:`~sylvie_comm.kernels.reference`
 (whose ``torch.matmul`` has no defined summation order, so no kernel can match it): fp32 products, each rounded; a
@@ -77,11 +78,10 @@ import torch
 import triton
 import triton.language as tl
 
-from sylvie_comm.kernels import checks
 from sylvie_comm.kernels.ordered import GRAM_LANES, PROJECT_LANES, as_fp32
-from sylvie_comm.kernels.triton import NAMESPACE, interpreted, launch_context
+from sylvie_comm.kernels.triton import launch_context, register
 
-__all__ = ["SCHEMAS", "lowrank_gram", "lowrank_outer_into", "lowrank_project"]
+__all__ = ["lowrank_gram", "lowrank_outer_into", "lowrank_project"]
 
 # Tiles and launches (none changes a bit; tests/kernels/test_triton_lowrank.py runs several).
 PROJECT_WARPS = 8  # 8 warps of 32 threads, 4 columns each: one tile of PROJECT_LANES columns per row
@@ -102,16 +102,6 @@ OUTER_BLOCK_N = 8
 OUTER_BLOCK_K = 128 * OUTER_WARPS
 # Programs per streaming multiprocessor below which the gram kernel narrows its column blocks.
 PROGRAMS_PER_SM = 4
-
-# The schemas of csrc/ops/ops.cpp, word for word.
-SCHEMAS = {
-    "lowrank_project": "lowrank_project(Tensor(a!) residual, Tensor? grad, Tensor q, Tensor(b!) p, bool subtract, "
-    "Tensor? pending_p=None, Tensor? pending_q=None, Tensor(c!)? saved=None) -> ()",
-    "lowrank_gram": "lowrank_gram(Tensor(a!) residual, Tensor? grad, Tensor p, Tensor(b!) q, "
-    "Tensor(c!)? saved=None) -> ()",
-    "lowrank_outer_into": "lowrank_outer_into(Tensor(a!) out, Tensor p, Tensor q, float alpha, bool accumulate, "
-    "Tensor? when=None) -> ()",
-}
 
 
 # ---------------------------------------------------------------------------------------------------- device code
@@ -402,21 +392,6 @@ def _outer_kernel(o_ptr, p_ptr, qat_ptr, when_ptr, n, k, r, col_blocks, HAS_WHEN
 # ---------------------------------------------------------------------------------------------------- host code
 
 
-def _check_device(t: torch.Tensor, op: str, name: str) -> str:
-    """The device type the op runs on, from its main tensor ``name``: CUDA, or CPU under the interpreter."""
-    if t.device.type == "cuda":
-        return "cuda"
-    if t.device.type == "cpu":
-        if not interpreted():
-            checks.fail(op, name, " is a CPU tensor, which the Triton kernels take only under Triton's interpreter "
-                        "(TRITON_INTERPRET=1 set before the kernel modules are imported); use torch.ops.sylvie_comm "
-                        "for CPU tensors")  # fmt: skip
-        return "cpu"
-    checks.fail(
-        op, name, " is on ", t.device, "; the Triton kernels take CUDA tensors (CPU ones under the interpreter)"
-    )
-
-
 def _check_block(value: int | None, name: str, at_most: int) -> None:
     if value is not None and (value < 1 or value & (value - 1) or value > at_most):
         raise ValueError(f"{name} must be a power of two in [1, {at_most}], got {value}")
@@ -480,7 +455,7 @@ def _transposed(x: torch.Tensor) -> torch.Tensor:
     return torch.empty((x.shape[1], x.shape[0]), dtype=x.dtype, device=x.device).copy_(x.t())
 
 
-def lowrank_project(
+def _lowrank_project(
     residual: torch.Tensor,
     grad: torch.Tensor | None,
     q: torch.Tensor,
@@ -493,16 +468,12 @@ def lowrank_project(
     block_n: int | None = None,
     stream: bool | None = None,
     rank_block: int | None = None,
-    checked: bool = True,
 ) -> None:
     """``torch.ops.sylvie_comm_triton.lowrank_project``: :func:`sylvie_comm.kernels.ordered.lowrank_project`'s
     bits. The keywords override the host's choices, which change no bits (for tests): ``block_n`` rows per
     program; ``stream`` the rows streamed tile by tile instead of kept in registers (what rows longer than
     :data:`PROJECT_RESIDENT` take: then ``subtract`` is :func:`lowrank_outer_into` ``(residual, p, q, -1, True)``,
     a second kernel), ``rank_block`` the columns of ``p`` summed at once (at most 4 when kept in registers)."""
-    if checked:  # (``checked=False``: a plan's call, its arguments made by it; see sylvie_comm.kernels.direct)
-        device_type = _check_device(residual, "lowrank_project", "residual")
-        checks.lowrank_project(device_type, residual, grad, q, p, subtract, pending_p, pending_q, saved)
     n, k = residual.shape
     _check_block(block_n, "block_n", 1024)
     _check_block(rank_block, "rank_block", 64)
@@ -560,7 +531,7 @@ def lowrank_project(
         lowrank_outer_into(residual, p, q, -1.0, True)
 
 
-def lowrank_gram(
+def _lowrank_gram(
     residual: torch.Tensor,
     grad: torch.Tensor | None,
     p: torch.Tensor,
@@ -571,14 +542,11 @@ def lowrank_gram(
     block_k: int | None = None,
     rank_block: int | None = None,
     unroll: int | None = None,
-    checked: bool = True,
 ) -> None:
     """``torch.ops.sylvie_comm_triton.lowrank_gram``: :func:`sylvie_comm.kernels.ordered.lowrank_gram`'s bits.
     The keywords override the host's choices, which change no bits (for tests): ``block_n`` lanes per program
     (fewer than the sum's lanes: the programs' subtrees added by a second kernel), ``block_k`` columns per program,
     ``rank_block`` columns of ``q`` per pass over the rows, ``unroll`` steps down the rows loaded together."""
-    if checked:
-        checks.lowrank_gram(_check_device(residual, "lowrank_gram", "residual"), residual, grad, p, q, saved)
     n, k = residual.shape
     _check_block(block_n, "block_n", GRAM_LANES)
     _check_block(block_k, "block_k", 1024)
@@ -629,7 +597,7 @@ def lowrank_gram(
             )  # fmt: skip
 
 
-def lowrank_outer_into(
+def _lowrank_outer_into(
     out: torch.Tensor,
     p: torch.Tensor,
     q: torch.Tensor,
@@ -639,13 +607,10 @@ def lowrank_outer_into(
     *,
     block_n: int | None = None,
     block_k: int | None = None,
-    checked: bool = True,
 ) -> None:
     """``torch.ops.sylvie_comm_triton.lowrank_outer_into``: :func:`sylvie_comm.kernels.ordered.lowrank_outer_into`'s
     bits; ``when`` is read by the kernel, never by the host. ``block_n`` and ``block_k`` override the tile, which
     changes no bits (for tests)."""
-    if checked:
-        checks.lowrank_outer_into(_check_device(out, "lowrank_outer_into", "out"), out, p, q, alpha, accumulate, when)
     n, k = out.shape
     _check_block(block_n, "block_n", 256)
     _check_block(block_k, "block_k", 1024)
@@ -672,17 +637,9 @@ def lowrank_outer_into(
 
 # ---------------------------------------------------------------------------------------------------- registration
 
-
-def _no_output(*args: object, **kwargs: object) -> None:
-    """The fake of an op that writes into its arguments only."""
-    return None
-
-
-_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
-for _name, _schema in SCHEMAS.items():
-    _LIB.define(_schema)
-    _impl = {"lowrank_project": lowrank_project, "lowrank_gram": lowrank_gram,
-             "lowrank_outer_into": lowrank_outer_into}[_name]  # fmt: skip
-    for _key in ("CPU", "CUDA"):
-        _LIB.impl(_name, _impl, _key)
-    torch.library.register_fake(f"{NAMESPACE}::{_name}", _no_output, lib=_LIB)
+# The checked ops (``checked=False``: a plan's call, its arguments made by it; see sylvie_comm.kernels.direct). The
+# keywords of the host code (tile overrides) pass through.
+_OPS = register({"lowrank_project": _lowrank_project, "lowrank_gram": _lowrank_gram,
+                 "lowrank_outer_into": _lowrank_outer_into})  # fmt: skip
+lowrank_project, lowrank_gram, lowrank_outer_into = (_OPS[n] for n in ("lowrank_project", "lowrank_gram",
+                                                                       "lowrank_outer_into"))  # fmt: skip

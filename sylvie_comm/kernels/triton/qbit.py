@@ -1,8 +1,8 @@
 """The q-bit codec in Triton: per-row stochastic quantization to 1, 2, 4 or 8 bits, and its decode.
 
-Registers ``sylvie_comm_triton::qbit_encode``, ``qbit_decode`` and ``qbit_decode_into`` with the schemas of the
-compiled ``sylvie_comm`` ops (``csrc/ops/ops.cpp``), their argument checks (:mod:`sylvie_comm.kernels.checks`, which
-the compiled ops run too: the same messages, as ``RuntimeError``) and fake implementations. Every output has the
+Registers ``sylvie_comm_triton::qbit_encode``, ``qbit_decode`` and ``qbit_decode_into`` against their declarations
+(:mod:`sylvie_comm.kernels.opdecl`: the compiled ``sylvie_comm`` ops' schemas, argument checks and fakes;
+:func:`sylvie_comm.kernels.triton.register`). Every output has the
 bits of :func:`sylvie_comm.kernels.reference.qbit_encode` / :func:`~sylvie_comm.kernels.reference.qbit_decode` run
 on the same device: packed bytes, scale and minimum (fp32 or bf16 metadata), and the decoded values. Nothing here
 sums floating-point values (min and max are exact), so the bits are the reference's on the interpreter and on a
@@ -67,21 +67,16 @@ has run on a GPU yet.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from sylvie_comm.kernels import checks, reference
-from sylvie_comm.kernels.triton import NAMESPACE, interpreted, launch_context
+from sylvie_comm.kernels.triton import launch_context, register
 from sylvie_comm.kernels.triton.bits import as_unit, from_unit, pack_fields, unpack_fields
 
 __all__ = ["qbit_decode", "qbit_decode_into", "qbit_encode"]
-
-# Whether the kernels were wrapped for Triton's interpreter (``triton.jit`` reads TRITON_INTERPRET once, at import).
-_INTERPRETED = interpreted()
 
 # Rows of up to this many columns are encoded in one pass, whole rows per program, held in registers.
 _ROW_COLS = 16384
@@ -561,20 +556,6 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _check_device(t: torch.Tensor, op: str, what: str) -> str:
-    """The device type the op runs on, from its main tensor ``what``: CUDA, or CPU under the interpreter."""
-    if t.device.type == "cuda":
-        return "cuda"
-    if t.device.type == "cpu":
-        if _INTERPRETED:
-            return "cpu"
-        raise RuntimeError(
-            f"{op}: {what} is a CPU tensor, which the Triton kernels take only under Triton's interpreter "
-            "(TRITON_INTERPRET=1 set before sylvie_comm.kernels.triton is imported)"
-        )
-    raise RuntimeError(f"{op}: expected a CUDA tensor (or a CPU one under Triton's interpreter), got device {t.device}")
-
-
 _FLOATS = checks.FLOATS
 # The view a kernel takes of each float dtype: element by element (bf16 as its bits), and two at a time.
 _ELEMENT_VIEW = {torch.float32: torch.float32, torch.float16: torch.float16, torch.bfloat16: torch.int16}
@@ -612,20 +593,13 @@ def _counters(offset: int, rows: int, cols: int) -> dict[str, int | bool]:
     return {"ODD": offset & 1 if cols % 2 == 0 or rows == 1 else 2, "WRAP": offset >> 33 != last >> 33}
 
 
-def _check_encode(x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype) -> None:
-    op = "qbit_encode"
-    checks.qbit_encode(_check_device(x, op, "x"), x, bits, seed, offset, meta_dtype)
-    if x.shape[1] >= 1 << 31:  # the kernels' own limit (int32 column indices)
-        raise RuntimeError(f"{op}: rows of at most 2**31 - 1 columns, got {x.shape[1]}")
-
-
-def qbit_encode(
-    x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype, *, checked: bool = True
+def _qbit_encode(
+    x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sylvie_comm_triton::qbit_encode``: reference.qbit_encode's bits (``seed`` and ``offset`` int64, each the
-    two's complement of a uint64). ``checked=False``: a plan's call (see :func:`sylvie_comm.kernels.direct`)."""
-    if checked:
-        _check_encode(x, bits, seed, offset, meta_dtype)
+    two's complement of a uint64)."""
+    if x.shape[1] >= 1 << 31:  # the kernels' own limit (int32 column indices)
+        raise RuntimeError(f"qbit_encode: rows of at most 2**31 - 1 columns, got {x.shape[1]}")
     x = x.contiguous()
     rows, cols = x.shape
     pcols = reference.packed_cols(cols, bits)
@@ -700,25 +674,10 @@ def _warps(elements: int) -> int:
     return max(4, min(16, elements // (32 * 32)))
 
 
-def qbit_decode_into(
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    minimum: torch.Tensor,
-    bits: int,
-    out: torch.Tensor,
-    *,
-    checked: bool = True,
-) -> None:
-    """``sylvie_comm_triton::qbit_decode_into``: reference.qbit_decode's values written into ``out``."""
-    if checked:
-        checks.qbit_decode_into(_check_device(out, "qbit_decode_into", "out"), packed, scale, minimum, bits, out)
-    _decode_into(packed, scale, minimum, bits, out)
-
-
-def _decode_into(
+def _qbit_decode_into(
     packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, out: torch.Tensor
 ) -> None:
-    """The launch of :func:`qbit_decode_into` (checked arguments)."""
+    """``sylvie_comm_triton::qbit_decode_into``: reference.qbit_decode's values written into ``out``."""
     rows, cols = out.shape
     if not rows or not cols:
         return
@@ -739,59 +698,17 @@ def _decode_into(
         )  # fmt: skip
 
 
-def qbit_decode(
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    minimum: torch.Tensor,
-    bits: int,
-    cols: int,
-    dtype: torch.dtype,
-    *,
-    checked: bool = True,
+def _qbit_decode(
+    packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, cols: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """``sylvie_comm_triton::qbit_decode``: a new ``(rows, cols)`` tensor of ``dtype``."""
-    if checked:
-        checks.qbit_decode(_check_device(packed, "qbit_decode", "packed"), packed, scale, minimum, bits, cols,
-                           dtype)  # fmt: skip
     out = torch.empty((packed.shape[0], cols), dtype=dtype, device=packed.device)
-    _decode_into(packed, scale, minimum, bits, out)
+    _qbit_decode_into(packed, scale, minimum, bits, out)
     return out
 
 
 # ---------------------------------------------------------------- registration
 
-# The schemas of csrc/ops/ops.cpp. The CPU kernels are the interpreter's (a CPU tensor is refused without it).
-_SCHEMAS = {
-    "qbit_encode": "(Tensor x, int bits, int seed, int offset, ScalarType meta_dtype) -> (Tensor, Tensor, Tensor)",
-    "qbit_decode": "(Tensor packed, Tensor scale, Tensor minimum, int bits, int cols, ScalarType dtype) -> Tensor",
-    "qbit_decode_into": "(Tensor packed, Tensor scale, Tensor minimum, int bits, Tensor(a!) out) -> ()",
-}
-
-
-def _qbit_encode_fake(
-    x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows, cols = x.shape
-    packed = x.new_empty((rows, reference.packed_cols(cols, bits)), dtype=torch.uint8)
-    return packed, x.new_empty((rows,), dtype=meta_dtype), x.new_empty((rows,), dtype=meta_dtype)
-
-
-def _qbit_decode_fake(
-    packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, cols: int, dtype: torch.dtype
-) -> torch.Tensor:
-    return packed.new_empty((packed.shape[0], cols), dtype=dtype)
-
-
-def _qbit_decode_into_fake(*args: Any) -> None:  # writes into its argument only
-    return None
-
-
-_OPS: dict[str, tuple[Callable[..., object], Callable[..., object]]] = {  # name -> (kernel, fake)
-    "qbit_encode": (qbit_encode, _qbit_encode_fake),
-    "qbit_decode": (qbit_decode, _qbit_decode_fake),
-    "qbit_decode_into": (qbit_decode_into, _qbit_decode_into_fake),
-}
-for _name, (_kernel, _fake) in _OPS.items():
-    torch.library.define(f"{NAMESPACE}::{_name}", _SCHEMAS[_name])
-    torch.library.impl(f"{NAMESPACE}::{_name}", ("CPU", "CUDA"), _kernel)
-    torch.library.register_fake(f"{NAMESPACE}::{_name}")(_fake)
+# The checked ops (``checked=False``: a plan's call, see :func:`sylvie_comm.kernels.direct`).
+_OPS = register({"qbit_encode": _qbit_encode, "qbit_decode": _qbit_decode, "qbit_decode_into": _qbit_decode_into})
+qbit_encode, qbit_decode, qbit_decode_into = _OPS["qbit_encode"], _OPS["qbit_decode"], _OPS["qbit_decode_into"]
