@@ -87,23 +87,8 @@ _SIGN = tl.constexpr(0x80000000)
 
 
 @triton.jit
-def _feedback_value(
-    res_ptr,
-    grad_ptr,
-    parts_ptr,
-    parts_stride,
-    pscales_ptr,
-    pscales_stride,
-    w,
-    wf,
-    e,
-    chunk,
-    mask,
-    MODE: tl.constexpr,
-    DIVIDE: tl.constexpr,
-    PWORD: tl.constexpr,
-    GKIND: tl.constexpr,
-):
+def _feedback_value(res_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, e, chunk, mask,
+                    MODE: tl.constexpr, DIVIDE: tl.constexpr, PWORD: tl.constexpr, GKIND: tl.constexpr):  # fmt: skip
     """``residual[e]`` plus what the op adds: ``grad[e]`` (widened to fp32 exactly, then one fp32 add), or the mean
     of the ``w`` one-bit rows decoded at ``e`` (row 0, + row 1, ..., + row w - 1 in fp32, then ``/ w`` rounded to
     nearest when w > 1); the rows' bits read as ``PWORD``-bit words (``parts_stride`` counts words)."""
@@ -160,41 +145,35 @@ def _scale_bits(total, count, NORM: tl.constexpr):
 
 
 @triton.jit
-def _encode_kernel(
-    x_ptr,
-    grad_ptr,
-    parts_ptr,
-    parts_stride,
-    pscales_ptr,
-    pscales_stride,
-    w,
-    wf,
-    saved_ptr,
-    packed_ptr,
-    scales_ptr,
-    partial_ptr,
-    first,
-    count,
-    length,
-    length_f,
-    chunk_size,
-    pieces,
-    piece_len,
-    KIND: tl.constexpr,
-    MODE: tl.constexpr,
-    DIVIDE: tl.constexpr,
-    SAVE: tl.constexpr,
-    NORM: tl.constexpr,
-    SINGLE: tl.constexpr,
-    KEEP: tl.constexpr,
-    MASK: tl.constexpr,
-    ROWS: tl.constexpr,
-    L: tl.constexpr,
-    LOG2_L: tl.constexpr,
-    WORD: tl.constexpr,
-    PWORD: tl.constexpr,
-    GKIND: tl.constexpr,
-):
+def _write_residual(x_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, u, v, start, row_ok,
+                    elems, chunk, steps, MODE: tl.constexpr, DIVIDE: tl.constexpr, KEEP: tl.constexpr,
+                    MASK: tl.constexpr, ROWS: tl.constexpr, L: tl.constexpr, PWORD: tl.constexpr,
+                    GKIND: tl.constexpr):  # fmt: skip
+    """The error-fed modes' residual, once the chunks' scales (``u``, fp32 bits) are known: value - decode, with the
+    sign that chose the bit; from ``v``, the registers of the one step (KEEP), else each step's value again."""
+    lanes = tl.arange(0, L)
+    if KEEP:
+        mask = row_ok[:, None] & (lanes < elems)[None, :] if MASK else tl.broadcast_to(row_ok[:, None], [ROWS, L])
+        decoded = tl.where(v >= 0.0, u[:, None], u[:, None] ^ _SIGN).to(tl.float32, bitcast=True)
+        tl.store(x_ptr + start[:, None] + lanes[None, :], v - decoded, mask=mask)
+    else:
+        for step in range(steps):
+            k = step * L + lanes
+            mask = row_ok[:, None] & (k < elems)[None, :] if MASK else tl.broadcast_to(row_ok[:, None], [ROWS, L])
+            e = start[:, None] + k[None, :]
+            v = _feedback_value(x_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, e, chunk,
+                                mask, MODE, DIVIDE, PWORD, GKIND)  # fmt: skip
+            decoded = tl.where(v >= 0.0, u[:, None], u[:, None] ^ _SIGN).to(tl.float32, bitcast=True)
+            tl.store(x_ptr + e, v - decoded, mask=mask)
+
+
+@triton.jit
+def _encode_kernel(x_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, saved_ptr,
+                   packed_ptr, scales_ptr, partial_ptr, first, count, length, length_f, chunk_size, pieces, piece_len,
+                   KIND: tl.constexpr, MODE: tl.constexpr, DIVIDE: tl.constexpr, SAVE: tl.constexpr,
+                   NORM: tl.constexpr, SINGLE: tl.constexpr, KEEP: tl.constexpr, MASK: tl.constexpr,
+                   ROWS: tl.constexpr, L: tl.constexpr, LOG2_L: tl.constexpr, WORD: tl.constexpr, PWORD: tl.constexpr,
+                   GKIND: tl.constexpr):  # fmt: skip
     """Program (i, p): piece p of chunks ``first + [i * ROWS, (i + 1) * ROWS)`` (all ``length`` long, at most
     ``count`` of them). Packs the signs into ``WORD``-bit words, adds each element's ``|v|`` (or ``v * v``) into fp32
     lane ``k % L`` and sums the lanes by the fixed tree; SINGLE (the piece is the whole chunk): writes the scale and
@@ -249,26 +228,8 @@ def _encode_kernel(
         u = _scale_bits(total, length_f, NORM)
         tl.store(scales_ptr + rows, u.to(tl.float32, bitcast=True), mask=row_ok)
         if MODE != 0:
-            # The residual, once: value - decode, with the sign that chose the bit.
-            if KEEP:
-                k = lanes
-                mask = row_ok[:, None] & (k < elems)[None, :] if MASK else tl.broadcast_to(row_ok[:, None], [ROWS, L])
-                decoded = tl.where(v >= 0.0, u[:, None], u[:, None] ^ _SIGN).to(tl.float32, bitcast=True)
-                tl.store(x_ptr + start[:, None] + k[None, :], v - decoded, mask=mask)
-            else:
-                for step in range(steps):
-                    k = step * L + lanes
-                    if MASK:
-                        mask = row_ok[:, None] & (k < elems)[None, :]
-                    else:
-                        mask = tl.broadcast_to(row_ok[:, None], [ROWS, L])
-                    e = start[:, None] + k[None, :]
-                    v = _feedback_value(
-                        x_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, e, chunk,
-                        mask, MODE, DIVIDE, PWORD, GKIND,
-                    )  # fmt: skip
-                    decoded = tl.where(v >= 0.0, u[:, None], u[:, None] ^ _SIGN).to(tl.float32, bitcast=True)
-                    tl.store(x_ptr + e, v - decoded, mask=mask)
+            _write_residual(x_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, u, v, start,
+                            row_ok, elems, chunk, steps, MODE, DIVIDE, KEEP, MASK, ROWS, L, PWORD, GKIND)  # fmt: skip
     else:
         tl.store(partial_ptr + rows * pieces + tl.program_id(1), total, mask=row_ok)
 
@@ -288,24 +249,9 @@ def _reduce_kernel(partial_ptr, scales_ptr, n, chunk_size, chunks, pieces, NORM:
 
 
 @triton.jit
-def _residual_kernel(
-    res_ptr,
-    grad_ptr,
-    parts_ptr,
-    parts_stride,
-    pscales_ptr,
-    pscales_stride,
-    w,
-    wf,
-    scales_ptr,
-    n,
-    chunk_size,
-    MODE: tl.constexpr,
-    DIVIDE: tl.constexpr,
-    PWORD: tl.constexpr,
-    GKIND: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _residual_kernel(res_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, scales_ptr, n,
+                     chunk_size, MODE: tl.constexpr, DIVIDE: tl.constexpr, PWORD: tl.constexpr, GKIND: tl.constexpr,
+                     BLOCK: tl.constexpr):  # fmt: skip
     """``residual = value - decode`` element-wise, once the scales of chunks summed in pieces are known."""
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = e < n
@@ -319,20 +265,8 @@ def _residual_kernel(
 
 
 @triton.jit
-def _decode_kernel(
-    packed_ptr,
-    scales_ptr,
-    out_ptr,
-    first,
-    count,
-    n,
-    chunk_size,
-    KIND: tl.constexpr,
-    WORD: tl.constexpr,
-    UNITS: tl.constexpr,
-    PER_UNIT: tl.constexpr,
-    TAIL: tl.constexpr,
-):
+def _decode_kernel(packed_ptr, scales_ptr, out_ptr, first, count, n, chunk_size, KIND: tl.constexpr,
+                   WORD: tl.constexpr, UNITS: tl.constexpr, PER_UNIT: tl.constexpr, TAIL: tl.constexpr):  # fmt: skip
     """``+scale`` where the bit is set, ``-scale`` elsewhere, in the output's type (bf16 written as int16). A program
     decodes ``UNITS`` packed ``WORD``-bit words (``first + [i * UNITS, (i + 1) * UNITS)``, at most ``count``): one
     load per word, and (PER_UNIT: ``chunk_size`` a multiple of ``WORD``) one scale per word. TAIL: the last,
