@@ -149,14 +149,8 @@ def onebit_encode(x: torch.Tensor, chunk_size: int, norm_scale: bool) -> tuple[t
     return packed, scales
 
 
-def onebit_decode(
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    numel: int,
-    chunk_size: int,
-    dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def onebit_decode(packed: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int, dtype: torch.dtype,
+                  out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Decode into a new flat tensor, or into ``out`` (contiguous, ``numel`` elements)."""
     ns = _ops_for(packed.device)
     if out is not None and ns is not None and out.is_contiguous():
@@ -166,15 +160,8 @@ def onebit_decode(
     return result if out is None else out.copy_(result.view(out.shape))
 
 
-def qbit_encode(
-    x: torch.Tensor,
-    bits: int,
-    seed: int,
-    offset: int,
-    meta_dtype: torch.dtype = torch.float32,
-    *,
-    checked: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qbit_encode(x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype = torch.float32, *,
+                checked: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Packed codes, scales and minimums of ``x``'s rows (``checked=False``: as :func:`lowrank_project`)."""
     raw = None if checked else direct("qbit_encode", x.device)
     if raw is not None:
@@ -187,17 +174,9 @@ def qbit_encode(
     return packed, scale, minimum
 
 
-def qbit_decode(
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    minimum: torch.Tensor,
-    bits: int,
-    cols: int,
-    dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-    *,
-    checked: bool = True,
-) -> torch.Tensor:
+def qbit_decode(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, cols: int,
+                dtype: torch.dtype, out: torch.Tensor | None = None, *, checked: bool = True
+                ) -> torch.Tensor:  # fmt: skip
     """Decode into a new ``(rows, cols)`` tensor, or into ``out`` of that shape (``checked=False``: as
     :func:`lowrank_project`)."""
     if not checked and direct("qbit_decode", packed.device) is not None:
@@ -228,15 +207,9 @@ def _fused(*tensors: torch.Tensor | None) -> Any:
     return ns if ok else None
 
 
-def onebit_feedback_encode(
-    residual: torch.Tensor,
-    grad: torch.Tensor | None,
-    chunk_size: int,
-    norm_scale: bool,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    saved: torch.Tensor | None = None,
-) -> None:
+def onebit_feedback_encode(residual: torch.Tensor, grad: torch.Tensor | None, chunk_size: int, norm_scale: bool,
+                           packed: torch.Tensor, scales: torch.Tensor, saved: torch.Tensor | None = None
+                           ) -> None:  # fmt: skip
     """``residual += grad`` (``grad`` fp32, fp16 or bf16, widened to fp32); encode it into ``packed``/``scales``
     (contiguous); ``residual -= decode``: one pass.
 
@@ -248,16 +221,9 @@ def onebit_feedback_encode(
     _run(ns, "onebit_feedback_encode", residual, grad, chunk_size, norm_scale, packed, scales, saved)
 
 
-def onebit_mean_feedback_encode(
-    residual: torch.Tensor,
-    parts_packed: torch.Tensor,
-    parts_scales: torch.Tensor,
-    chunk_size: int,
-    norm_scale: bool,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    saved: torch.Tensor | None = None,
-) -> None:
+def onebit_mean_feedback_encode(residual: torch.Tensor, parts_packed: torch.Tensor, parts_scales: torch.Tensor,
+                                chunk_size: int, norm_scale: bool, packed: torch.Tensor, scales: torch.Tensor,
+                                saved: torch.Tensor | None = None) -> None:  # fmt: skip
     """``residual +=`` the mean of ``w`` one-bit rows, then as :func:`onebit_feedback_encode`: one pass over the
     residual, the rows decoded in registers (no decoded copy of them is ever written)."""
     rows_ok = parts_packed.dim() == 2 and parts_scales.dim() == 2
@@ -268,17 +234,9 @@ def onebit_mean_feedback_encode(
     _run(ns, "onebit_mean_feedback_encode", *args)
 
 
-def lowrank_project(
-    residual: torch.Tensor,
-    grad: torch.Tensor | None,
-    q: torch.Tensor,
-    p: torch.Tensor,
-    subtract: bool,
-    pending: tuple[torch.Tensor, torch.Tensor] | None = None,
-    saved: torch.Tensor | None = None,
-    *,
-    checked: bool = True,
-) -> None:
+def lowrank_project(residual: torch.Tensor, grad: torch.Tensor | None, q: torch.Tensor, p: torch.Tensor,
+                    subtract: bool, pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    saved: torch.Tensor | None = None, *, checked: bool = True) -> None:  # fmt: skip
     """``residual -= P' Q'^T`` (``pending = (P', Q')``), ``residual += grad``, ``p = residual q`` and
     (``subtract``) ``residual -= p q^T``: one pass. ``saved``: the residual before all of it. ``checked=False``: the
     caller vouches for the arguments (:func:`direct`; the low-rank ops take it likewise).
@@ -295,22 +253,12 @@ def lowrank_project(
     if ns is not None:
         ns.lowrank_project(residual, grad, q, p, subtract, pp, pq, saved)
         return
-    if saved is not None:
-        saved.view(-1).copy_(residual.view(-1))
-    if pending is not None:
-        lowrank_outer_into(residual, pending[0], pending[1], -1.0, accumulate=True)
+    reference.compensate(residual, None, saved, pending, lowrank_outer_into)  # (the pending update routed)
     reference.lowrank_project(residual, grad, q, p, subtract)
 
 
-def lowrank_gram(
-    residual: torch.Tensor,
-    grad: torch.Tensor | None,
-    p: torch.Tensor,
-    q: torch.Tensor,
-    saved: torch.Tensor | None = None,
-    *,
-    checked: bool = True,
-) -> None:
+def lowrank_gram(residual: torch.Tensor, grad: torch.Tensor | None, p: torch.Tensor, q: torch.Tensor,
+                 saved: torch.Tensor | None = None, *, checked: bool = True) -> None:  # fmt: skip
     """``residual += grad``, ``q = residual^T p``: one pass (``saved``: the residual before)."""
     raw = None if checked else direct("lowrank_gram", residual.device)
     if raw is not None:
@@ -319,16 +267,8 @@ def lowrank_gram(
     _run(_fused(residual, grad, p, q, saved), "lowrank_gram", residual, grad, p, q, saved)
 
 
-def lowrank_outer_into(
-    out: torch.Tensor,
-    p: torch.Tensor,
-    q: torch.Tensor,
-    alpha: float,
-    accumulate: bool,
-    when: torch.Tensor | None = None,
-    *,
-    checked: bool = True,
-) -> None:
+def lowrank_outer_into(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor, alpha: float, accumulate: bool,
+                       when: torch.Tensor | None = None, *, checked: bool = True) -> None:  # fmt: skip
     """``out = p (alpha q)^T`` (or ``+=`` with ``accumulate``), written in place: one pass.
 
     With ``when`` (a one-element bool tensor on ``out``'s device) nothing changes unless it is true; the

@@ -257,24 +257,23 @@ def _device_flag(flag: torch.Tensor, ref: torch.Tensor, what: str, op: str) -> N
 # ---------------------------------------------------------------- one check per op, taking the op's arguments
 
 
-def pack_bits(device_type: str, values: torch.Tensor, bits: int) -> None:
-    op = "pack_bits"
+def _byte_rows(t: torch.Tensor, bits: int, device_type: str, op: str, what: str) -> None:
+    """The rows of the bit ops: ``bits`` one of 1, 2, 4, 8, and ``t`` a 2-D uint8 tensor on ``device_type``."""
     _bits(bits, op)
-    _on_device(values, device_type, op)
-    if values.dim() != 2:
-        fail(op, "expected a 2-D tensor, got ", values.dim(), " dimensions")
-    if values.dtype is not _U8:
-        fail(op, "expected uint8 values, got ", dtype_name(values.dtype))
+    _on_device(t, device_type, op)
+    if t.dim() != 2:
+        fail(op, "expected a 2-D tensor, got ", t.dim(), " dimensions")
+    if t.dtype is not _U8:
+        fail(op, "expected uint8", what, ", got ", dtype_name(t.dtype))
+
+
+def pack_bits(device_type: str, values: torch.Tensor, bits: int) -> None:
+    _byte_rows(values, bits, device_type, "pack_bits", " values")
 
 
 def unpack_bits(device_type: str, packed: torch.Tensor, bits: int, cols: int) -> None:
     op = "unpack_bits"
-    _bits(bits, op)
-    _on_device(packed, device_type, op)
-    if packed.dim() != 2:
-        fail(op, "expected a 2-D tensor, got ", packed.dim(), " dimensions")
-    if packed.dtype is not _U8:
-        fail(op, "expected uint8, got ", dtype_name(packed.dtype))
+    _byte_rows(packed, bits, device_type, op, "")
     if cols < 0:
         fail(op, "cols must be >= 0, got ", cols)
     pc = packed_cols(cols, bits)

@@ -330,20 +330,10 @@ def _transposed(x: torch.Tensor) -> torch.Tensor:
     return torch.empty((x.shape[1], x.shape[0]), dtype=x.dtype, device=x.device).copy_(x.t())
 
 
-def _lowrank_project(
-    residual: torch.Tensor,
-    grad: torch.Tensor | None,
-    q: torch.Tensor,
-    p: torch.Tensor,
-    subtract: bool,
-    pending_p: torch.Tensor | None = None,
-    pending_q: torch.Tensor | None = None,
-    saved: torch.Tensor | None = None,
-    *,
-    block_n: int | None = None,
-    stream: bool | None = None,
-    rank_block: int | None = None,
-) -> None:
+def _lowrank_project(residual: torch.Tensor, grad: torch.Tensor | None, q: torch.Tensor, p: torch.Tensor,
+                     subtract: bool, pending_p: torch.Tensor | None = None, pending_q: torch.Tensor | None = None,
+                     saved: torch.Tensor | None = None, *, block_n: int | None = None, stream: bool | None = None,
+                     rank_block: int | None = None) -> None:  # fmt: skip
     """``torch.ops.sylvie_comm_triton.lowrank_project``: :func:`sylvie_comm.kernels.ordered.lowrank_project`'s
     bits. The keywords override the host's choices, which change no bits (for tests): ``block_n`` rows per
     program; ``stream`` the rows streamed tile by tile instead of kept in registers (what rows longer than
@@ -406,18 +396,9 @@ def _lowrank_project(
         lowrank_outer_into(residual, p, q, -1.0, True)
 
 
-def _lowrank_gram(
-    residual: torch.Tensor,
-    grad: torch.Tensor | None,
-    p: torch.Tensor,
-    q: torch.Tensor,
-    saved: torch.Tensor | None = None,
-    *,
-    block_n: int | None = None,
-    block_k: int | None = None,
-    rank_block: int | None = None,
-    unroll: int | None = None,
-) -> None:
+def _lowrank_gram(residual: torch.Tensor, grad: torch.Tensor | None, p: torch.Tensor, q: torch.Tensor,
+                  saved: torch.Tensor | None = None, *, block_n: int | None = None, block_k: int | None = None,
+                  rank_block: int | None = None, unroll: int | None = None) -> None:  # fmt: skip
     """``torch.ops.sylvie_comm_triton.lowrank_gram``: :func:`sylvie_comm.kernels.ordered.lowrank_gram`'s bits.
     The keywords override the host's choices, which change no bits (for tests): ``block_n`` lanes per program
     (fewer than the sum's lanes: the programs' subtrees added by a second kernel), ``block_k`` columns per program,
@@ -472,17 +453,9 @@ def _lowrank_gram(
             )  # fmt: skip
 
 
-def _lowrank_outer_into(
-    out: torch.Tensor,
-    p: torch.Tensor,
-    q: torch.Tensor,
-    alpha: float,
-    accumulate: bool,
-    when: torch.Tensor | None = None,
-    *,
-    block_n: int | None = None,
-    block_k: int | None = None,
-) -> None:
+def _lowrank_outer_into(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor, alpha: float, accumulate: bool,
+                        when: torch.Tensor | None = None, *, block_n: int | None = None, block_k: int | None = None
+                        ) -> None:  # fmt: skip
     """``torch.ops.sylvie_comm_triton.lowrank_outer_into``: :func:`sylvie_comm.kernels.ordered.lowrank_outer_into`'s
     bits; ``when`` is read by the kernel, never by the host. ``block_n`` and ``block_k`` override the tile, which
     changes no bits (for tests)."""

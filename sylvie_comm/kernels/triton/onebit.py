@@ -310,19 +310,10 @@ def _word(t: torch.Tensor, *strides: int) -> int:
     return 32 if t.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in strides) else 8
 
 
-def _encode_launch(
-    x: torch.Tensor,
-    kind: int,
-    mode: int,
-    n: int,
-    chunk_size: int,
-    norm_scale: bool,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    grad: torch.Tensor | None = None,
-    parts: tuple[torch.Tensor, torch.Tensor] | None = None,
-    saved: torch.Tensor | None = None,
-) -> None:
+def _encode_launch(x: torch.Tensor, kind: int, mode: int, n: int, chunk_size: int, norm_scale: bool,
+                   packed: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor | None = None,
+                   parts: tuple[torch.Tensor, torch.Tensor] | None = None, saved: torch.Tensor | None = None
+                   ) -> None:  # fmt: skip
     """Encode (and for the error-fed modes update the residual ``x`` in place): every flat tensor contiguous.
 
     Two launches at most: the chunks of ``chunk_size`` elements (unmasked columns when the chunk is a whole number
@@ -446,15 +437,9 @@ def _onebit_decode(
     return out
 
 
-def _onebit_feedback_encode(
-    residual: torch.Tensor,
-    grad: torch.Tensor | None,
-    chunk_size: int,
-    norm_scale: bool,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    saved: torch.Tensor | None = None,
-) -> None:
+def _onebit_feedback_encode(residual: torch.Tensor, grad: torch.Tensor | None, chunk_size: int, norm_scale: bool,
+                            packed: torch.Tensor, scales: torch.Tensor, saved: torch.Tensor | None = None
+                            ) -> None:  # fmt: skip
     """``residual += grad`` (when given), encode it into ``packed`` and ``scales``, ``residual -= decode``; the
     residual as it was into ``saved`` (when given) (:func:`sylvie_comm.kernels.reference.onebit_feedback_encode`)."""
     n = residual.numel()
@@ -468,16 +453,9 @@ def _onebit_feedback_encode(
         )  # fmt: skip
 
 
-def _onebit_mean_feedback_encode(
-    residual: torch.Tensor,
-    parts_packed: torch.Tensor,
-    parts_scales: torch.Tensor,
-    chunk_size: int,
-    norm_scale: bool,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    saved: torch.Tensor | None = None,
-) -> None:
+def _onebit_mean_feedback_encode(residual: torch.Tensor, parts_packed: torch.Tensor, parts_scales: torch.Tensor,
+                                 chunk_size: int, norm_scale: bool, packed: torch.Tensor, scales: torch.Tensor,
+                                 saved: torch.Tensor | None = None) -> None:  # fmt: skip
     """:func:`onebit_feedback_encode` with ``grad`` the mean of the ``w`` one-bit rows ``parts_packed`` ``(w,
     ceil(n / 8))`` and ``parts_scales`` ``(w, chunks)`` (each row contiguous, any row stride), decoded in registers
     and added in row order (:func:`sylvie_comm.kernels.reference.mean_in_rank_order`)."""

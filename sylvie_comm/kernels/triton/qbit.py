@@ -381,16 +381,8 @@ def _qbit_encode(
     return packed, scale.to(meta_dtype), minimum.to(meta_dtype)
 
 
-def _encode(
-    x: torch.Tensor,
-    bits: int,
-    counter: tuple[int, ...],
-    counters: dict[str, int | bool],
-    bf16_meta: bool,
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    minimum: torch.Tensor,
-) -> None:
+def _encode(x: torch.Tensor, bits: int, counter: tuple[int, ...], counters: dict[str, int | bool], bf16_meta: bool,
+            packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:  # fmt: skip
     rows, cols = x.shape
     kind = _FLOATS.index(x.dtype)
     xk, paired = _as_pairs(x)
