@@ -12,6 +12,10 @@ Triton); any other tensor, or a machine without them, takes the references. The 
 
 ``SYLVIE_COMM_TRITON_CPU=1`` (or :func:`route_cpu_through_triton`) sends CPU tensors through the Triton kernels
 as well, run by Triton's interpreter: the GPU code path, executed on a machine without a GPU.
+
+Each op is declared once (:data:`sylvie_comm.kernels.opdecl.DECLS`: schema, check, fake, reference); an entry point
+here chooses the namespace whose kernels take its tensors (:func:`_ops_for`, :func:`_fused`) and :func:`_run` calls
+the op there, or the declared reference where none does.
 """
 
 from __future__ import annotations
