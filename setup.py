@@ -26,7 +26,7 @@ CSRC = Path("csrc")
 
 
 def _extension():
-    sources = [str(CSRC / "module.cpp"), str(CSRC / "ops" / "ops.cpp"), str(CSRC / "cpu" / "kernels.cpp")]
+    sources = [str(CSRC / "module.cpp"), str(CSRC / "cpu" / "kernels.cpp")]
     # No FMA contraction: the kernels must round exactly like the pure-torch reference.
     # -fopenmp: at::parallel_for is inlined from ATen's OpenMP header; without it the loops run serially.
     # No -std: BuildExtension passes the C++ standard torch was built with (C++20 from torch 2.10, C++17 before).

@@ -4,7 +4,7 @@
 // instruction-set switch the tests use to check every code path. None of these
 // functions throws (an unknown name is a False, raised as ValueError in Python:
 // sylvie_comm/_ops.py), so no C++ exception crosses pybind11's boundary, for the
-// reason csrc/ops/ops.cpp gives for the ops.
+// reason csrc/cpu/kernels.cpp gives for the ops.
 #include <torch/extension.h>
 
 #include "cpu/isa.h"

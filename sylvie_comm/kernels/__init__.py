@@ -12,6 +12,10 @@ Triton); any other tensor, or a machine without them, takes the references. The 
 
 ``SYLVIE_COMM_TRITON_CPU=1`` (or :func:`route_cpu_through_triton`) sends CPU tensors through the Triton kernels
 as well, run by Triton's interpreter: the GPU code path, executed on a machine without a GPU.
+
+Each op is declared once (:data:`sylvie_comm.kernels.opdecl.DECLS`: schema, check, fake, reference); an entry point
+here chooses the namespace whose kernels take its tensors (:func:`_ops_for`, :func:`_fused`) and :func:`_run` calls
+the op there, or the declared reference where none does.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from sylvie_comm.kernels import checks, compiled, reference
 from sylvie_comm.kernels import triton as _triton
+from sylvie_comm.kernels.opdecl import DECLS
 
 __all__ = [
     "backend",
@@ -126,82 +131,56 @@ def uses_extension(t: torch.Tensor) -> bool:
     return _ops_for(t.device) is not None
 
 
+def _run(ns: Any, name: str, *args: Any) -> Any:
+    """Op ``name`` on ``args`` (its declared arguments) by the kernels of the namespace ``ns``, or, where ``ns`` is
+    None (no kernels for this device, or arguments they do not take), by its declared reference
+    (:data:`sylvie_comm.kernels.opdecl.DECLS`)."""
+    if ns is None:
+        return DECLS[name].reference(*args)
+    return getattr(ns, name)(*args)
+
+
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
-    ns = _ops_for(values.device)
-    if ns is not None:
-        return ns.pack_bits(values, bits)  # type: ignore[no-any-return]
-    return reference.pack_bits(values, bits)
+    return _run(_ops_for(values.device), "pack_bits", values, bits)  # type: ignore[no-any-return]
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
-    ns = _ops_for(packed.device)
-    if ns is not None:
-        return ns.unpack_bits(packed, bits, cols)  # type: ignore[no-any-return]
-    return reference.unpack_bits(packed, bits, cols)
+    return _run(_ops_for(packed.device), "unpack_bits", packed, bits, cols)  # type: ignore[no-any-return]
 
 
 def onebit_encode(x: torch.Tensor, chunk_size: int, norm_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    ns = _ops_for(x.device)
-    if ns is not None:
-        packed, scales = ns.onebit_encode(x, chunk_size, norm_scale)
-        return packed, scales
-    return reference.onebit_encode(x, chunk_size, norm_scale)
+    packed, scales = _run(_ops_for(x.device), "onebit_encode", x, chunk_size, norm_scale)
+    return packed, scales
 
 
-def onebit_decode(
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    numel: int,
-    chunk_size: int,
-    dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def onebit_decode(packed: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int, dtype: torch.dtype,
+                  out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Decode into a new flat tensor, or into ``out`` (contiguous, ``numel`` elements)."""
     ns = _ops_for(packed.device)
     if out is not None and ns is not None and out.is_contiguous():
         ns.onebit_decode_into(packed, scales, chunk_size, out.view(-1))
         return out
-    if ns is not None:
-        result = ns.onebit_decode(packed, scales, numel, chunk_size, dtype)
-    else:
-        result = reference.onebit_decode(packed, scales, numel, chunk_size, dtype)
-    if out is None:
-        return result  # type: ignore[no-any-return]
-    return out.copy_(result.view(out.shape))
+    result = _run(ns, "onebit_decode", packed, scales, numel, chunk_size, dtype)
+    return result if out is None else out.copy_(result.view(out.shape))
 
 
-def qbit_encode(
-    x: torch.Tensor,
-    bits: int,
-    seed: int,
-    offset: int,
-    meta_dtype: torch.dtype = torch.float32,
-    *,
-    checked: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qbit_encode(x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype = torch.float32, *,
+                checked: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Packed codes, scales and minimums of ``x``'s rows (``checked=False``: as :func:`lowrank_project`)."""
     raw = None if checked else direct("qbit_encode", x.device)
     if raw is not None:
         packed, scale, minimum = raw(x, bits, _as_int64(seed), _as_int64(offset), meta_dtype)
         return packed, scale, minimum
     ns = _ops_for(x.device)
-    if ns is not None:
-        packed, scale, minimum = ns.qbit_encode(x, bits, _as_int64(seed), _as_int64(offset), meta_dtype)
-        return packed, scale, minimum
-    return reference.qbit_encode(x, bits, seed, offset, meta_dtype)
+    if ns is not None:  # (the schema's seed and offset are int64; the reference takes any integer)
+        seed, offset = _as_int64(seed), _as_int64(offset)
+    packed, scale, minimum = _run(ns, "qbit_encode", x, bits, seed, offset, meta_dtype)
+    return packed, scale, minimum
 
 
-def qbit_decode(
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    minimum: torch.Tensor,
-    bits: int,
-    cols: int,
-    dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-    *,
-    checked: bool = True,
-) -> torch.Tensor:
+def qbit_decode(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, cols: int,
+                dtype: torch.dtype, out: torch.Tensor | None = None, *, checked: bool = True
+                ) -> torch.Tensor:  # fmt: skip
     """Decode into a new ``(rows, cols)`` tensor, or into ``out`` of that shape (``checked=False``: as
     :func:`lowrank_project`)."""
     if not checked and direct("qbit_decode", packed.device) is not None:
@@ -213,13 +192,8 @@ def qbit_decode(
     if out is not None and ns is not None and out.is_contiguous() and out.dim() == 2:
         ns.qbit_decode_into(packed, scale, minimum, bits, out)
         return out
-    if ns is not None:
-        result = ns.qbit_decode(packed, scale, minimum, bits, cols, dtype)
-    else:
-        result = reference.qbit_decode(packed, scale, minimum, bits, cols, dtype)
-    if out is None:
-        return result  # type: ignore[no-any-return]
-    return out.copy_(result.view(out.shape))
+    result = _run(ns, "qbit_decode", packed, scale, minimum, bits, cols, dtype)
+    return result if out is None else out.copy_(result.view(out.shape))
 
 
 def _fused(*tensors: torch.Tensor | None) -> Any:
@@ -237,68 +211,36 @@ def _fused(*tensors: torch.Tensor | None) -> Any:
     return ns if ok else None
 
 
-def onebit_feedback_encode(
-    residual: torch.Tensor,
-    grad: torch.Tensor | None,
-    chunk_size: int,
-    norm_scale: bool,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    saved: torch.Tensor | None = None,
-) -> None:
+def onebit_feedback_encode(residual: torch.Tensor, grad: torch.Tensor | None, chunk_size: int, norm_scale: bool,
+                           packed: torch.Tensor, scales: torch.Tensor, saved: torch.Tensor | None = None
+                           ) -> None:  # fmt: skip
     """``residual += grad`` (``grad`` fp32, fp16 or bf16, widened to fp32); encode it into ``packed``/``scales``
     (contiguous); ``residual -= decode``: one pass.
 
     With ``saved`` (as many fp32 elements) the residual as it was is written there in the same pass (what a
     step skipped for a non-finite input restores; the same for the residual-updating ops below)."""
     ns = _fused(residual, scales, saved)
-    if grad is not None and not (
-        grad.device == residual.device and grad.dtype in checks.FLOATS and grad.is_contiguous()
-    ):
-        ns = None
-    if ns is not None and packed.is_contiguous():
-        ns.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales, saved)
-    else:
-        reference.onebit_feedback_encode(residual, grad, chunk_size, norm_scale, packed, scales, saved)
+    grad_ok = grad is None or (grad.device == residual.device and grad.dtype in checks.FLOATS and grad.is_contiguous())
+    ns = ns if grad_ok and packed.is_contiguous() else None
+    _run(ns, "onebit_feedback_encode", residual, grad, chunk_size, norm_scale, packed, scales, saved)
 
 
-def onebit_mean_feedback_encode(
-    residual: torch.Tensor,
-    parts_packed: torch.Tensor,
-    parts_scales: torch.Tensor,
-    chunk_size: int,
-    norm_scale: bool,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    saved: torch.Tensor | None = None,
-) -> None:
+def onebit_mean_feedback_encode(residual: torch.Tensor, parts_packed: torch.Tensor, parts_scales: torch.Tensor,
+                                chunk_size: int, norm_scale: bool, packed: torch.Tensor, scales: torch.Tensor,
+                                saved: torch.Tensor | None = None) -> None:  # fmt: skip
     """``residual +=`` the mean of ``w`` one-bit rows, then as :func:`onebit_feedback_encode`: one pass over the
     residual, the rows decoded in registers (no decoded copy of them is ever written)."""
     rows_ok = parts_packed.dim() == 2 and parts_scales.dim() == 2
     rows_ok = rows_ok and parts_packed.stride(-1) == 1 and parts_scales.stride(-1) == 1
     same = parts_packed.device == residual.device and parts_scales.device == residual.device
-    ns = _fused(residual, scales, saved)
-    if rows_ok and same and ns is not None and packed.is_contiguous():
-        ns.onebit_mean_feedback_encode(
-            residual, parts_packed, parts_scales, chunk_size, norm_scale, packed, scales, saved
-        )
-    else:
-        reference.onebit_mean_feedback_encode(
-            residual, parts_packed, parts_scales, chunk_size, norm_scale, packed, scales, saved
-        )
+    ns = _fused(residual, scales, saved) if rows_ok and same and packed.is_contiguous() else None
+    args = (residual, parts_packed, parts_scales, chunk_size, norm_scale, packed, scales, saved)
+    _run(ns, "onebit_mean_feedback_encode", *args)
 
 
-def lowrank_project(
-    residual: torch.Tensor,
-    grad: torch.Tensor | None,
-    q: torch.Tensor,
-    p: torch.Tensor,
-    subtract: bool,
-    pending: tuple[torch.Tensor, torch.Tensor] | None = None,
-    saved: torch.Tensor | None = None,
-    *,
-    checked: bool = True,
-) -> None:
+def lowrank_project(residual: torch.Tensor, grad: torch.Tensor | None, q: torch.Tensor, p: torch.Tensor,
+                    subtract: bool, pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    saved: torch.Tensor | None = None, *, checked: bool = True) -> None:  # fmt: skip
     """``residual -= P' Q'^T`` (``pending = (P', Q')``), ``residual += grad``, ``p = residual q`` and
     (``subtract``) ``residual -= p q^T``: one pass. ``saved``: the residual before all of it. ``checked=False``: the
     caller vouches for the arguments (:func:`direct`; the low-rank ops take it likewise).
@@ -315,44 +257,22 @@ def lowrank_project(
     if ns is not None:
         ns.lowrank_project(residual, grad, q, p, subtract, pp, pq, saved)
         return
-    if saved is not None:
-        saved.view(-1).copy_(residual.view(-1))
-    if pending is not None:
-        lowrank_outer_into(residual, pending[0], pending[1], -1.0, accumulate=True)
+    reference.compensate(residual, None, saved, pending, lowrank_outer_into)  # (the pending update routed)
     reference.lowrank_project(residual, grad, q, p, subtract)
 
 
-def lowrank_gram(
-    residual: torch.Tensor,
-    grad: torch.Tensor | None,
-    p: torch.Tensor,
-    q: torch.Tensor,
-    saved: torch.Tensor | None = None,
-    *,
-    checked: bool = True,
-) -> None:
+def lowrank_gram(residual: torch.Tensor, grad: torch.Tensor | None, p: torch.Tensor, q: torch.Tensor,
+                 saved: torch.Tensor | None = None, *, checked: bool = True) -> None:  # fmt: skip
     """``residual += grad``, ``q = residual^T p``: one pass (``saved``: the residual before)."""
     raw = None if checked else direct("lowrank_gram", residual.device)
     if raw is not None:
         raw(residual, grad, p, q, saved)
         return
-    ns = _fused(residual, grad, p, q, saved)
-    if ns is not None:
-        ns.lowrank_gram(residual, grad, p, q, saved)
-    else:
-        reference.lowrank_gram(residual, grad, p, q, saved)
+    _run(_fused(residual, grad, p, q, saved), "lowrank_gram", residual, grad, p, q, saved)
 
 
-def lowrank_outer_into(
-    out: torch.Tensor,
-    p: torch.Tensor,
-    q: torch.Tensor,
-    alpha: float,
-    accumulate: bool,
-    when: torch.Tensor | None = None,
-    *,
-    checked: bool = True,
-) -> None:
+def lowrank_outer_into(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor, alpha: float, accumulate: bool,
+                       when: torch.Tensor | None = None, *, checked: bool = True) -> None:  # fmt: skip
     """``out = p (alpha q)^T`` (or ``+=`` with ``accumulate``), written in place: one pass.
 
     With ``when`` (a one-element bool tensor on ``out``'s device) nothing changes unless it is true; the
@@ -362,11 +282,8 @@ def lowrank_outer_into(
     if raw is not None:
         raw(out, p, q, alpha, accumulate, when)
         return
-    ns = _fused(out, p, q)
-    if ns is not None and (when is None or _flag_on(when, out)):
-        ns.lowrank_outer_into(out, p, q, alpha, accumulate, when)
-    else:
-        reference.lowrank_outer_into(out, p, q, alpha, accumulate, when)
+    ns = _fused(out, p, q) if when is None or _flag_on(when, out) else None
+    _run(ns, "lowrank_outer_into", out, p, q, alpha, accumulate, when)
 
 
 def _flag_on(flag: torch.Tensor, like: torch.Tensor) -> bool:
@@ -381,11 +298,8 @@ def copy_if(dst: torch.Tensor, src: torch.Tensor | None, flag: torch.Tensor) -> 
     same = src is None or (
         src.device == dst.device and src.dtype == dst.dtype and src.shape == dst.shape and src.is_contiguous()
     )
-    ns = _ops_for(dst.device)
-    if ns is not None and dst.is_contiguous() and same and _flag_on(flag, dst):
-        ns.copy_if(dst, src, flag)
-    else:
-        reference.copy_if(dst, src, flag)
+    _run(_ops_for(dst.device) if dst.is_contiguous() and same and _flag_on(flag, dst) else None, "copy_if", dst, src,
+         flag)  # fmt: skip
 
 
 def copy_if_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor | None]], flag: torch.Tensor) -> None:

@@ -1,10 +1,10 @@
 """The argument checks of every kernel op, in one place: run in Python before any kernel is entered.
 
-Each op has one check here, taking the op's own arguments (as its schema in ``csrc/ops/ops.cpp`` names them) after
-``device_type``, the kind of device its kernels run on (``"cpu"`` for the C++ kernels, ``"cuda"`` or, under Triton's
-interpreter, ``"cpu"`` for the Triton ones). A failed check raises ``RuntimeError`` with the message of the rule in
-``csrc/ops/checks.h`` (dtypes, devices and shapes printed as c10 prints them), so every device and both op sets
-accept the same inputs and say the same thing about the rest.
+Each op has one check here, taking the op's own arguments (as its declared schema names them:
+:mod:`sylvie_comm.kernels.opdecl`) after ``device_type``, the kind of device its kernels run on (``"cpu"`` for the
+C++ kernels, ``"cuda"`` or, under Triton's interpreter, ``"cpu"`` for the Triton ones). A failed check raises
+``RuntimeError`` with the message of the rule in ``csrc/ops/checks.h`` (dtypes, devices and shapes printed as c10
+prints them), so every device and both op sets accept the same inputs and say the same thing about the rest.
 
 Why in Python: a C++ exception thrown for a bad argument has to unwind through the extension's frames into torch's,
 and an extension built by another compiler than torch's (the user's own, as a source install is) may not survive
@@ -257,24 +257,23 @@ def _device_flag(flag: torch.Tensor, ref: torch.Tensor, what: str, op: str) -> N
 # ---------------------------------------------------------------- one check per op, taking the op's arguments
 
 
-def pack_bits(device_type: str, values: torch.Tensor, bits: int) -> None:
-    op = "pack_bits"
+def _byte_rows(t: torch.Tensor, bits: int, device_type: str, op: str, what: str) -> None:
+    """The rows of the bit ops: ``bits`` one of 1, 2, 4, 8, and ``t`` a 2-D uint8 tensor on ``device_type``."""
     _bits(bits, op)
-    _on_device(values, device_type, op)
-    if values.dim() != 2:
-        fail(op, "expected a 2-D tensor, got ", values.dim(), " dimensions")
-    if values.dtype is not _U8:
-        fail(op, "expected uint8 values, got ", dtype_name(values.dtype))
+    _on_device(t, device_type, op)
+    if t.dim() != 2:
+        fail(op, "expected a 2-D tensor, got ", t.dim(), " dimensions")
+    if t.dtype is not _U8:
+        fail(op, "expected uint8", what, ", got ", dtype_name(t.dtype))
+
+
+def pack_bits(device_type: str, values: torch.Tensor, bits: int) -> None:
+    _byte_rows(values, bits, device_type, "pack_bits", " values")
 
 
 def unpack_bits(device_type: str, packed: torch.Tensor, bits: int, cols: int) -> None:
     op = "unpack_bits"
-    _bits(bits, op)
-    _on_device(packed, device_type, op)
-    if packed.dim() != 2:
-        fail(op, "expected a 2-D tensor, got ", packed.dim(), " dimensions")
-    if packed.dtype is not _U8:
-        fail(op, "expected uint8, got ", dtype_name(packed.dtype))
+    _byte_rows(packed, bits, device_type, op, "")
     if cols < 0:
         fail(op, "cols must be >= 0, got ", cols)
     pc = packed_cols(cols, bits)

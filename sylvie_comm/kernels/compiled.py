@@ -1,8 +1,9 @@
 """The compiled CPU kernels (``csrc/``, the extension ``sylvie_comm._C``), entered only through their Python checks.
 
-The extension declares every op twice from one list (``csrc/ops/ops.cpp``): ``torch.ops.sylvie_comm.*``, the public
-ops, and ``torch.ops.sylvie_comm_cpu.*``, under which it registers its C++ CPU kernels. This module registers the CPU
-kernel of each public op: the op's check (:mod:`sylvie_comm.kernels.checks`), then the C++ kernel. So a bad argument
+The extension registers its C++ CPU kernels under ``torch.ops.sylvie_comm_cpu.*`` (implementations only). This module
+defines, from each op's declaration (:mod:`sylvie_comm.kernels.opdecl`), that namespace's schemas and fakes and the
+public ops ``torch.ops.sylvie_comm.*``, whose CPU kernel it registers: the op's declared check
+(:mod:`sylvie_comm.kernels.checks`), then the C++ kernel. So a bad argument
 is a Python ``RuntimeError`` raised before any C++ code runs, from the entry points of :mod:`sylvie_comm.kernels` and
 from a direct caller of ``torch.ops.sylvie_comm.*`` alike, and the C++ ``TORCH_CHECK``s are a second line that no bad
 argument reaches. A C++ exception would have to unwind through the extension into torch, which an extension built
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from sylvie_comm import _ops
-from sylvie_comm.kernels import checks
+from sylvie_comm.kernels.opdecl import DECLS, define
 
 __all__ = ["KERNELS", "OPS", "namespace"]
 
@@ -36,7 +37,7 @@ KERNELS: dict[str, Callable[..., Any]] = {}
 
 def _checked(name: str) -> Callable[..., Any]:
     """The CPU kernel of ``torch.ops.sylvie_comm.<name>``: its check, then the C++ kernel."""
-    check = checks.CHECKS[name]
+    check = DECLS[name].check
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         check("cpu", *args, **kwargs)
@@ -50,15 +51,14 @@ def _checked(name: str) -> Callable[..., Any]:
 
 # The checked CPU kernels, as an op namespace (OPS.onebit_encode(...)); None without the extension.
 OPS: Any = None
-_LIB: Any = None  # the registration, kept alive with the module
+_LIBS: tuple[Any, ...] = ()  # the registrations, kept alive with the module
 
 if _ops.HAS_EXTENSION:
+    _LIBS = (define(_ops.CPU_NAMESPACE),)  # the C++ kernels, registered by the extension, get their schemas
     _native = getattr(torch.ops, _ops.CPU_NAMESPACE)
-    KERNELS.update({name: getattr(_native, name).default for name in checks.CHECKS})
-    OPS = SimpleNamespace(**{name: _checked(name) for name in checks.CHECKS})
-    _LIB = torch.library.Library("sylvie_comm", "IMPL")  # type: ignore[no-untyped-call]
-    for _name in checks.CHECKS:
-        _LIB.impl(_name, getattr(OPS, _name), "CPU")
+    KERNELS.update({name: getattr(_native, name).default for name in DECLS})
+    OPS = SimpleNamespace(**{name: _checked(name) for name in DECLS})
+    _LIBS += (define("sylvie_comm", vars(OPS)),)
 
 
 def namespace() -> Any:

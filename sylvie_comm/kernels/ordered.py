@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import torch
 
+from sylvie_comm.kernels.reference import compensate
+
 __all__ = [
     "GRAM_LANES",
     "PROJECT_LANES",
@@ -106,58 +108,30 @@ def ordered_outer(p: torch.Tensor, q: torch.Tensor, alpha: float, base: torch.Te
     return s if base is None else base + s
 
 
-def _save(saved: torch.Tensor | None, residual: torch.Tensor) -> None:
-    if saved is not None:
-        saved.view(-1).copy_(residual.view(-1))
-
-
-def lowrank_project(
-    residual: torch.Tensor,
-    grad: torch.Tensor | None,
-    q: torch.Tensor,
-    p: torch.Tensor,
-    subtract: bool,
-    pending: tuple[torch.Tensor, torch.Tensor] | None = None,
-    saved: torch.Tensor | None = None,
-) -> None:
+def lowrank_project(residual: torch.Tensor, grad: torch.Tensor | None, q: torch.Tensor, p: torch.Tensor,
+                    subtract: bool, pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    saved: torch.Tensor | None = None) -> None:  # fmt: skip
     """:func:`sylvie_comm.kernels.reference.lowrank_project` in the kernels' order: ``saved <- residual``;
     ``residual -= P' Q'^T`` as :func:`lowrank_outer_into` ``(residual, P', Q', -1, True)``; ``residual += grad``
     (fp32); ``p = residual q`` (:func:`ordered_matmul` over :data:`PROJECT_LANES` lanes); with ``subtract``,
     ``residual -= p q^T`` as :func:`lowrank_outer_into` ``(residual, p, q, -1, True)`` with the ``p`` just written."""
-    _save(saved, residual)
-    if pending is not None:
-        lowrank_outer_into(residual, pending[0], pending[1], -1.0, True)
-    if grad is not None:
-        residual.add_(grad.view(residual.shape))
+    compensate(residual, grad, saved, pending, lowrank_outer_into)
     p.copy_(ordered_matmul(residual, q, PROJECT_LANES))
     if subtract:
         lowrank_outer_into(residual, p, q, -1.0, True)
 
 
-def lowrank_gram(
-    residual: torch.Tensor,
-    grad: torch.Tensor | None,
-    p: torch.Tensor,
-    q: torch.Tensor,
-    saved: torch.Tensor | None = None,
-) -> None:
+def lowrank_gram(residual: torch.Tensor, grad: torch.Tensor | None, p: torch.Tensor, q: torch.Tensor,
+                 saved: torch.Tensor | None = None) -> None:  # fmt: skip
     """:func:`sylvie_comm.kernels.reference.lowrank_gram` in the kernels' order: ``saved <- residual``,
     ``residual += grad`` (fp32), ``q = residual^T p`` summed over the rows by :func:`ordered_matmul` over
     :data:`GRAM_LANES` lanes."""
-    _save(saved, residual)
-    if grad is not None:
-        residual.add_(grad.view(residual.shape))
+    compensate(residual, grad, saved)
     q.copy_(ordered_matmul(residual.T, p, GRAM_LANES))
 
 
-def lowrank_outer_into(
-    out: torch.Tensor,
-    p: torch.Tensor,
-    q: torch.Tensor,
-    alpha: float,
-    accumulate: bool,
-    when: torch.Tensor | None = None,
-) -> None:
+def lowrank_outer_into(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor, alpha: float, accumulate: bool,
+                       when: torch.Tensor | None = None) -> None:  # fmt: skip
     """:func:`sylvie_comm.kernels.reference.lowrank_outer_into` in the kernels' order (:func:`ordered_outer`):
     ``out = p (alpha q)^T`` or, with ``accumulate``, ``out + p (alpha q)^T``; with ``when`` (a one-element bool
     tensor) ``out`` changes only if it is true, decided on its device."""

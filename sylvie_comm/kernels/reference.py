@@ -21,6 +21,8 @@ Conventions shared with ``csrc/common/sc_math.h``:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -198,6 +200,11 @@ def onebit_decode(
     return out.to(dtype)
 
 
+def onebit_decode_into(packed: torch.Tensor, scales: torch.Tensor, chunk_size: int, out: torch.Tensor) -> None:
+    """:func:`onebit_decode` of ``out.numel()`` values into ``out``, in its dtype."""
+    out.copy_(onebit_decode(packed, scales, out.numel(), chunk_size, out.dtype).view(out.shape))
+
+
 def round_bf16(x: torch.Tensor, up: bool) -> torch.Tensor:
     """Round fp32 values to bf16-representable fp32 values, toward +inf (``up``) or -inf.
 
@@ -277,6 +284,12 @@ def qbit_decode(
     return (q * scale.to(torch.float32)[:, None] + minimum.to(torch.float32)[:, None]).to(dtype)
 
 
+def qbit_decode_into(packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int,
+                     out: torch.Tensor) -> None:  # fmt: skip
+    """:func:`qbit_decode` into the 2-D ``out``, in its dtype."""
+    out.copy_(qbit_decode(packed, scale, minimum, bits, out.shape[1], out.dtype))
+
+
 # ---------------------------------------------------------------- error feedback and low rank
 # The compiled CPU kernels of these ops fuse the steps into one pass over the matrix; they sum in a
 # fixed order of their own (16 interleaved partial sums for ``residual @ q``, rows in order for
@@ -284,15 +297,9 @@ def qbit_decode(
 # rounding, not bit for bit (tests/kernels/test_fused.py states the bound).
 
 
-def onebit_feedback_encode(
-    residual: torch.Tensor,
-    grad: torch.Tensor | None,
-    chunk_size: int,
-    norm_scale: bool,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    saved: torch.Tensor | None = None,
-) -> None:
+def onebit_feedback_encode(residual: torch.Tensor, grad: torch.Tensor | None, chunk_size: int, norm_scale: bool,
+                           packed: torch.Tensor, scales: torch.Tensor, saved: torch.Tensor | None = None
+                           ) -> None:  # fmt: skip
     """Error-fed one-bit encode in place: ``residual += grad`` (when given), encode ``residual`` into
     ``packed`` and ``scales`` (as :func:`onebit_encode`), then ``residual -= decode``. Flat tensors.
 
@@ -311,6 +318,21 @@ def onebit_feedback_encode(
 def _save(saved: torch.Tensor | None, residual: torch.Tensor) -> None:
     if saved is not None:
         saved.view(-1).copy_(residual.view(-1))
+
+
+def compensate(residual: torch.Tensor, grad: torch.Tensor | None, saved: torch.Tensor | None = None,
+               pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+               outer: Callable[..., None] | None = None) -> None:  # fmt: skip
+    """What every low-rank op does to the residual before its product, in this order: ``saved <- residual``
+    (when given), ``residual -= P' Q'^T`` (``pending = (P', Q')``, as ``outer(residual, P', Q', -1.0, True)``,
+    :func:`lowrank_outer_into` by default), ``residual += grad`` (when given, one fp32 add). Shared by the
+    references here, the ordered ones (:mod:`sylvie_comm.kernels.ordered`, with their outer product) and the entry
+    point's fallback (with its routed one)."""
+    _save(saved, residual)
+    if pending is not None:
+        (outer or lowrank_outer_into)(residual, pending[0], pending[1], -1.0, True)
+    if grad is not None:
+        residual.add_(grad.view(residual.shape))
 
 
 def mean_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
@@ -333,16 +355,9 @@ def onebit_mean(parts_packed: torch.Tensor, parts_scales: torch.Tensor, numel: i
     return mean_in_rank_order(torch.stack(rows))
 
 
-def onebit_mean_feedback_encode(
-    residual: torch.Tensor,
-    parts_packed: torch.Tensor,
-    parts_scales: torch.Tensor,
-    chunk_size: int,
-    norm_scale: bool,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    saved: torch.Tensor | None = None,
-) -> None:
+def onebit_mean_feedback_encode(residual: torch.Tensor, parts_packed: torch.Tensor, parts_scales: torch.Tensor,
+                                chunk_size: int, norm_scale: bool, packed: torch.Tensor, scales: torch.Tensor,
+                                saved: torch.Tensor | None = None) -> None:  # fmt: skip
     """:func:`onebit_feedback_encode` with ``grad`` the :func:`onebit_mean` of ``w`` one-bit rows
     (the server side of the two-phase one-bit all-reduce: average what the ranks sent, compensate,
     encode)."""
@@ -350,52 +365,29 @@ def onebit_mean_feedback_encode(
     onebit_feedback_encode(residual, mean, chunk_size, norm_scale, packed, scales, saved)
 
 
-def lowrank_project(
-    residual: torch.Tensor,
-    grad: torch.Tensor | None,
-    q: torch.Tensor,
-    p: torch.Tensor,
-    subtract: bool,
-    pending: tuple[torch.Tensor, torch.Tensor] | None = None,
-    saved: torch.Tensor | None = None,
-) -> None:
+def lowrank_project(residual: torch.Tensor, grad: torch.Tensor | None, q: torch.Tensor, p: torch.Tensor,
+                    subtract: bool, pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    saved: torch.Tensor | None = None) -> None:  # fmt: skip
     """``residual -= P' Q'^T`` (``pending = (P', Q')``, as :func:`lowrank_outer_into` with ``alpha=-1``
     and ``accumulate``), ``residual += grad`` (when given), ``p = residual q``; with ``subtract``,
     ``residual -= p q^T``. ``saved``: the residual before all of it."""
-    _save(saved, residual)
-    if pending is not None:
-        lowrank_outer_into(residual, pending[0], pending[1], -1.0, True)
-    if grad is not None:
-        residual.add_(grad.view(residual.shape))
+    compensate(residual, grad, saved, pending)
     torch.matmul(residual, q, out=p)
     if subtract:
         residual.sub_(torch.matmul(p, q.T))
 
 
-def lowrank_gram(
-    residual: torch.Tensor,
-    grad: torch.Tensor | None,
-    p: torch.Tensor,
-    q: torch.Tensor,
-    saved: torch.Tensor | None = None,
-) -> None:
+def lowrank_gram(residual: torch.Tensor, grad: torch.Tensor | None, p: torch.Tensor, q: torch.Tensor,
+                 saved: torch.Tensor | None = None) -> None:  # fmt: skip
     """``residual += grad`` (when given), ``q = residual^T p``; ``saved``: the residual before."""
-    _save(saved, residual)
-    if grad is not None:
-        residual.add_(grad.view(residual.shape))
+    compensate(residual, grad, saved)
     # (p^T residual)^T: the product streams the residual's rows (residual^T p reads it column-wise,
     # about 10x slower on the CPU).
     q.copy_(torch.mm(p.T, residual).T)
 
 
-def lowrank_outer_into(
-    out: torch.Tensor,
-    p: torch.Tensor,
-    q: torch.Tensor,
-    alpha: float,
-    accumulate: bool,
-    when: torch.Tensor | None = None,
-) -> None:
+def lowrank_outer_into(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor, alpha: float, accumulate: bool,
+                       when: torch.Tensor | None = None) -> None:  # fmt: skip
     """``out = p (alpha q)^T``, or ``out += p (alpha q)^T`` with ``accumulate``; ``out`` is 2-D.
 
     With ``when`` (a one-element bool tensor) ``out`` changes only if it is true, decided on its device.

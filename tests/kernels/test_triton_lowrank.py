@@ -28,10 +28,8 @@ without CUDA); on a CUDA machine they compile for the GPU and run on CUDA tensor
 
 from __future__ import annotations
 
-import re
 import struct
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -39,7 +37,19 @@ import torch
 from sylvie_comm import _ops
 from sylvie_comm.kernels import ordered
 from sylvie_comm.kernels import reference as ref
+from sylvie_comm.kernels.opdecl import DECLS
 from sylvie_comm.kernels.triton import NAMESPACE, interpreted, unavailable_reason
+from tests.kernels.lowrank_cases import (
+    DEVICE,
+    assert_same_bits,
+    bits,
+    data,
+    dot_bound,
+    empty,
+    outer_bound,
+    randn,
+    within,
+)
 
 _REASON = unavailable_reason()
 if _REASON is None and not torch.cuda.is_available() and not interpreted():
@@ -51,122 +61,11 @@ if _REASON is None:
 
     OPS = getattr(torch.ops, NAMESPACE)
 
-DEVICE = "cuda" if torch.cuda.is_available() and not interpreted() else "cpu"
-U = 2.0**-24
-TINY = 2.0**-149
-ROOT = Path(__file__).resolve().parents[2]
 
 # (n, k, r): one element; tiny; rank 1; a row of three lane tiles, the last one cut (k > PROJECT_LANES = 1024);
 # lanes of two terms and more for the gram (n > GRAM_LANES = 512); a rank above the gram kernel's rank block (4:
 # five passes); rows past one program.
 SHAPES = [(1, 1, 1), (7, 5, 2), (40, 40, 1), (33, 70, 4), (3, 2100, 2), (1100, 9, 3), (5, 20, 17), (130, 17, 5)]
-
-
-# ---------------------------------------------------------------------------------------------------- helpers
-
-
-def g32(d: int) -> float:
-    return d * U / (1 - d * U)
-
-
-def roundings(m: int, lanes: int) -> int:
-    """The most roundings a term of an ``m``-term ordered sum over ``lanes`` lanes passes through: its product,
-    its lane's adds, the tree's levels."""
-    return 1 + -(-m // lanes) + lanes.bit_length() - 1
-
-
-def slack(m: int) -> float:
-    """The most a bound computed in float64 (sums of ``m`` terms) can fall short of its exact value."""
-    return 1 + (m + 8) * 2.0**-52
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
-
-
-def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
-    """Equal bits, NaN for NaN (a NaN's payload is the one thing the devices may choose differently)."""
-    assert got.shape == want.shape and got.dtype == want.dtype, what
-    nan = torch.isnan(want)
-    assert torch.equal(torch.isnan(got), nan), f"{what}: NaN in different places"
-    g, w = got.masked_fill(nan, 0.0), want.masked_fill(nan, 0.0)
-    if not torch.equal(bits(g), bits(w)):
-        idx = (bits(g) != bits(w)).nonzero()[0].tolist()
-        raise AssertionError(
-            f"{what}: bits differ first at {idx}: {g[tuple(idx)].item()!r} != {w[tuple(idx)].item()!r}"
-        )
-
-
-def within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, what: str = "") -> None:
-    diff = (got.double() - want.double()).abs()
-    excess = diff - bound
-    assert bool((excess <= 0).all()), f"{what}: exceeds its bound by {float(excess.max())!r}"
-
-
-def dot_bound(
-    ours: torch.Tensor, a_ours: torch.Tensor, a_ref: torch.Tensor, b: torch.Tensor, lanes: int
-) -> torch.Tensor:
-    """``|ours - reference|`` at most, for ``ours`` = the ordered ``a_ours @ b`` over ``lanes`` lanes and the
-    reference ``torch.matmul(a_ref, b)`` in fp32 (module docstring)."""
-    m = a_ours.shape[1]
-    ab, bb = a_ours.double().abs(), b.double().abs()
-    t_ours, t_ref = ab @ bb, a_ref.double().abs() @ bb
-    moved = (a_ours.double() - a_ref.double()).abs() @ bb
-    bound = g32(roundings(m, lanes)) * t_ours + g32(m) * t_ref + moved + (m + 1) * TINY
-    return bound * slack(m)
-
-
-def outer_bound(
-    ours: torch.Tensor,
-    theirs: torch.Tensor,
-    base_ours: torch.Tensor | None,
-    base_ref: torch.Tensor | None,
-    p_ours: torch.Tensor,
-    p_ref: torch.Tensor,
-    qa_ours: torch.Tensor,
-    qa_ref: torch.Tensor,
-) -> torch.Tensor:
-    """``|ours - theirs|`` at most, for ``ours = base + (+0.0 + sum_t p qa)`` (fp32, in order: no term through
-    more than ``r + 1`` roundings) and ``theirs = fp32(base + fp32(torch.matmul(p, qa^T)))`` (without ``base``:
-    ``theirs = fp32(matmul)``)."""
-    r = p_ours.shape[1]
-    pa, qa = p_ours.double().abs(), qa_ours.double().abs()
-    t_ours, t_ref = pa @ qa.T, p_ref.double().abs() @ qa_ref.double().abs().T
-    moved = (p_ours.double() - p_ref.double()).abs() @ qa.T
-    moved += p_ref.double().abs() @ (qa_ours.double() - qa_ref.double()).abs().T
-    bound = g32(r) * t_ref + moved + (r + 2) * TINY
-    if base_ours is None or base_ref is None:
-        bound += g32(r) * t_ours
-    else:
-        bound += g32(r + 1) * (base_ours.double().abs() + t_ours)
-        bound += U * theirs.double().abs() + (base_ours.double() - base_ref.double()).abs()
-    return bound * slack(r)
-
-
-def randn(*shape: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(DEVICE)
-
-
-def data(n: int, k: int, r: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Residual, gradient, factors and a pending update (rank 2) of mixed magnitudes."""
-    e = randn(n, k, seed=seed)
-    if n * k:  # magnitudes across six orders in every row and column: sums with cancellation
-        perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed))
-        e = e * torch.logspace(-3, 3, n * k, dtype=torch.float32).view(n, k)[:, perm].to(DEVICE)
-    return {
-        "e": e,
-        "g": randn(n, k, seed=seed + 1),
-        "q": randn(k, r, seed=seed + 2),
-        "p": randn(n, r, seed=seed + 3),
-        "pp": randn(n, 2, seed=seed + 4),
-        "pq": randn(k, 2, seed=seed + 5),
-    }
-
-
-def empty(*shape: int) -> torch.Tensor:
-    """Filled with NaN: an element the kernel forgets to write shows."""
-    return torch.full(shape, float("nan"), device=DEVICE)
 
 
 # ---------------------------------------------------------------------------------------------------- ordered
@@ -239,22 +138,13 @@ def test_ordered_matches_the_reference_within_the_bound() -> None:
 # ---------------------------------------------------------------------------------------------------- schemas
 
 
-def _compiled_schemas() -> dict[str, str]:
-    """The ``m.def`` strings of csrc/ops/ops.cpp (adjacent C string literals joined)."""
-    src = (ROOT / "csrc" / "ops" / "ops.cpp").read_text()
-    schemas = {}
-    for literals in re.findall(r'm\.def\(((?:\s*"[^"]*")+)\s*\)', src):
-        schema = "".join(re.findall(r'"([^"]*)"', literals))
-        schemas[schema.split("(", 1)[0]] = schema
-    return schemas
+LOWRANK_OPS = sorted(name for name, decl in DECLS.items() if decl.family == "lowrank")
 
 
-def test_schemas_are_the_compiled_ops() -> None:
-    compiled = _compiled_schemas()
-    for name, schema in tlr.SCHEMAS.items():
-        assert schema == compiled[name], name
+def test_schemas_are_the_declared_ones() -> None:
+    for name in LOWRANK_OPS:
         got = str(getattr(OPS, name).default._schema)
-        assert got.startswith(f"{NAMESPACE}::{name}(")
+        assert got == f"{NAMESPACE}::{DECLS[name].definition}", name
         if _ops.HAS_EXTENSION:
             want = str(getattr(torch.ops.sylvie_comm, name).default._schema)
             assert got.split("::", 1)[1] == want.split("::", 1)[1], name
@@ -616,13 +506,13 @@ def _op_cases() -> dict[str, tuple[object, ...]]:
     }
 
 
-@pytest.mark.parametrize("name", sorted(tlr.SCHEMAS) if _REASON is None else [])
+@pytest.mark.parametrize("name", LOWRANK_OPS if _REASON is None else [])
 def test_opcheck(name: str) -> None:
     """Schema (declared mutations), fake, autograd registration and AOT dispatch, as for the compiled ops."""
     torch.library.opcheck(getattr(OPS, name), _op_cases()[name])
 
 
-@pytest.mark.parametrize("name", sorted(tlr.SCHEMAS) if _REASON is None else [])
+@pytest.mark.parametrize("name", LOWRANK_OPS if _REASON is None else [])
 def test_ops_run_on_fake_tensors(name: str) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 

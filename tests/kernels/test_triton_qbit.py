@@ -16,6 +16,7 @@ from sylvie_comm.kernels import reference as ref
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
+from sylvie_comm.kernels.triton import interpreted
 from sylvie_comm.kernels.triton import qbit as tq  # registers the ops
 
 OPS = torch.ops.sylvie_comm_triton
@@ -33,7 +34,7 @@ _INT_VIEW = {
 
 @pytest.fixture(autouse=True)
 def _kernels_can_run() -> None:
-    if DEVICE == "cpu" and not tq._INTERPRETED:
+    if DEVICE == "cpu" and not interpreted():
         pytest.skip("no GPU, and TRITON_INTERPRET is not set for Triton's interpreter")
 
 
@@ -410,7 +411,7 @@ def test_checks_name_the_value(call, message):
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
-    monkeypatch.setattr(tq, "_INTERPRETED", False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         OPS.qbit_encode(torch.randn(2, 3), 2, 0, 0, torch.float32)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):

@@ -2,10 +2,11 @@
 Triton's own compiler (no CUDA toolkit on the user's machine), and executed on CPU tensors by Triton's
 interpreter (``TRITON_INTERPRET=1``, set before these modules are imported), which is how CI runs them.
 
-Each family module (:mod:`.bits`, :mod:`.onebit`, :mod:`.qbit`, :mod:`.lowrank`) registers torch ops under the
-``sylvie_comm_triton`` namespace with the schemas of the compiled ``sylvie_comm`` ops and fake (meta)
-implementations, and its kernels return the bits of :mod:`sylvie_comm.kernels.reference` (the low-rank ones those of
-:mod:`sylvie_comm.kernels.ordered`, the same arithmetic in the kernels' fixed order).
+Each family module (:mod:`.bits`, :mod:`.onebit`, :mod:`.qbit`, :mod:`.lowrank`: the ``family`` of the ops'
+declarations, :mod:`sylvie_comm.kernels.opdecl`) registers its host functions with :func:`register`, which defines
+the ops under the ``sylvie_comm_triton`` namespace with their declared schemas and fakes and runs their declared
+argument checks first; its kernels return the bits of :mod:`sylvie_comm.kernels.reference` (the low-rank ones those
+of :mod:`sylvie_comm.kernels.ordered`, the same arithmetic in the kernels' fixed order).
 
 Rules for kernels that must agree bit for bit between the interpreter and a GPU (every kernel here follows them):
 
@@ -40,10 +41,13 @@ import importlib
 import importlib.util
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+
+from sylvie_comm.kernels import checks
+from sylvie_comm.kernels.opdecl import DECLS, OpDecl, define
 
 NAMESPACE = "sylvie_comm_triton"
 
@@ -83,7 +87,8 @@ def _interpreted_launch() -> Iterator[None]:
         yield
 
 
-FAMILIES = ("bits", "onebit", "qbit", "lowrank")
+# The family modules, in the order of the declarations (each imports the helpers of those before it).
+FAMILIES = tuple(dict.fromkeys(decl.family for decl in DECLS.values()))
 _LOADED: bool | None = None
 _LOAD_ERROR: str | None = None
 
@@ -123,10 +128,7 @@ def load_error() -> str | None:
 
 
 # The ops a plan may call unchecked (:func:`sylvie_comm.kernels.direct`), by the family module that holds them.
-UNCHECKED_OPS = {
-    "lowrank_project": "lowrank", "lowrank_gram": "lowrank", "lowrank_outer_into": "lowrank",
-    "qbit_encode": "qbit", "qbit_decode": "qbit", "qbit_decode_into": "qbit",
-}  # fmt: skip
+UNCHECKED_OPS = {name: decl.family for name, decl in DECLS.items() if decl.direct}
 
 
 @functools.cache
@@ -135,3 +137,51 @@ def unchecked(op: str) -> Callable[..., Any]:
     arguments its plan made (the Triton ops' schemas take no such flag, so this calls the module's function)."""
     module = importlib.import_module(f"{__name__}.{UNCHECKED_OPS[op]}")
     return functools.partial(getattr(module, op), checked=False)
+
+
+# ---------------------------------------------------------------- registration of the family modules' ops
+
+_LIBS: list[Any] = []  # the registrations, kept alive with the package
+
+
+def kernel_device(t: torch.Tensor, op: str, what: str) -> str:
+    """The device type an op runs on, from its main tensor ``what``: CUDA (ROCm included), or CPU under the
+    interpreter (read when a CPU tensor comes: :func:`interpreted`); anything else is refused."""
+    if t.is_cuda:
+        return "cuda"
+    if t.is_cpu:
+        if interpreted():
+            return "cpu"
+        checks.fail(op, what, " is a CPU tensor, which the Triton kernels take only under Triton's interpreter "
+                    "(TRITON_INTERPRET=1 set before the kernel modules are imported); use torch.ops.sylvie_comm "
+                    "for CPU tensors")  # fmt: skip
+    checks.fail(op, what, " is on ", t.device,
+                "; the Triton kernels take CUDA tensors (CPU ones under the interpreter)")  # fmt: skip
+
+
+def _checked(decl: OpDecl, host: Callable[..., Any]) -> Callable[..., Any]:
+    """``decl``'s op on the Triton kernels: its declared check (unless ``checked=False``: a plan's call, see
+    :func:`unchecked`), then ``host``, the family's host code (whose own keywords, tile overrides for tests, pass
+    through)."""
+    check, main, what, names = decl.check, decl.main, decl.arguments[decl.main], decl.arguments
+
+    def op(*args: Any, checked: bool = True, **options: Any) -> Any:
+        if checked:
+            named = {k: v for k, v in options.items() if k in names}
+            check(kernel_device(args[main] if len(args) > main else options[what], decl.name, what), *args, **named)
+        return host(*args, **options)
+
+    op.__name__ = op.__qualname__ = decl.name
+    op.__doc__ = f"``torch.ops.{NAMESPACE}.{decl.name}``: :func:`sylvie_comm.kernels.checks.{decl.name}`, then "
+    op.__doc__ += f"the host code {host.__module__}.{host.__name__}.\n\n{host.__doc__ or ''}"
+    return op
+
+
+def register(hosts: Mapping[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+    """Register a family's ops: ``hosts`` maps each op's name to its host code (taking the op's declared arguments,
+    unchecked). Defines them under :data:`NAMESPACE` (CPU and CUDA kernels; a CPU tensor is refused without the
+    interpreter) with their declared schemas and fakes; returns the checked ops, which the family module exports
+    under the ops' names."""
+    ops = {name: _checked(DECLS[name], host) for name, host in hosts.items()}
+    _LIBS.append(define(NAMESPACE, ops, ("CPU", "CUDA"), names=list(hosts)))
+    return ops

@@ -1,7 +1,7 @@
 """Bit packing and the masked copy in Triton: ``pack_bits``, ``unpack_bits`` and ``copy_if`` under
-``torch.ops.sylvie_comm_triton``, with the schemas of the compiled ``sylvie_comm`` ops (``csrc/ops/ops.cpp``), their
-argument checks and messages (:mod:`sylvie_comm.kernels.checks`, which the compiled ops run too) and the bits of
-:mod:`sylvie_comm.kernels.reference`.
+``torch.ops.sylvie_comm_triton``, registered against their declarations (:mod:`sylvie_comm.kernels.opdecl`: the
+schemas, argument checks and fakes of the compiled ``sylvie_comm`` ops; :func:`sylvie_comm.kernels.triton.register`),
+with the bits of :mod:`sylvie_comm.kernels.reference`.
 
 The packing itself is written once, as ``@triton.jit`` helpers that the other families' kernels import to pack or
 unpack inside their own kernels (a q-bit encoder packs the levels it has just computed, a decoder reads them back):
@@ -51,13 +51,10 @@ import triton
 import triton.language as tl
 
 from sylvie_comm.kernels import checks
-from sylvie_comm.kernels.triton import NAMESPACE, interpreted, launch_context
+from sylvie_comm.kernels.triton import launch_context, register
 
 # The ops are called as torch.ops.sylvie_comm_triton.*; what other kernels import is the @triton.jit helpers.
 __all__ = ["pack_fields", "pack_tile", "tile_columns", "unpack_fields", "unpack_tile", "value_at"]
-
-# Chosen at import, as triton.jit chose between compiling and interpreting the kernels below.
-_INTERPRETED = interpreted()
 
 # pack_bits / unpack_bits: values per program, and the most columns of a row one program takes; warps per program.
 _PACK_VALUES = 16384
@@ -224,16 +221,7 @@ def _copy_if_kernel(dst, src, flag, n, HAS_SRC: tl.constexpr, BLOCK: tl.constexp
         tl.store(dst + o, v, mask=inside)
 
 
-# ---------------------------------------------------------------- host side: checks and launches
-
-
-def _runs_here(t: torch.Tensor, op: str) -> str:
-    """The device type the op runs on, from its main tensor: a CPU tensor runs only under the interpreter (the op's
-    CUDA registration takes CUDA tensors)."""
-    if t.device.type == "cpu" and not _INTERPRETED:
-        checks.fail(op, "a CPU tensor runs these Triton kernels only under Triton's interpreter (TRITON_INTERPRET=1 "
-                    f"set before {__name__} is imported); got one on {t.device}")  # fmt: skip
-    return "cpu" if t.device.type == "cpu" else "cuda"
+# ---------------------------------------------------------------- host side (arguments checked: see register)
 
 
 _packed_cols = checks.packed_cols
@@ -268,7 +256,6 @@ def _pow2(n: int) -> int:
 def _pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
     """``(rows, cols)`` uint8 values (any strides) -> ``(rows, ceil(cols * bits / 8))`` packed bytes; as
     :func:`sylvie_comm.kernels.reference.pack_bits`."""
-    checks.pack_bits(_runs_here(values, "pack_bits"), values, bits)
     out = torch.empty((values.shape[0], _packed_cols(values.shape[1], bits)), dtype=torch.uint8, device=values.device)
     _pack_into(values, bits, out)
     return out
@@ -287,7 +274,6 @@ def _pack_into(values: torch.Tensor, bits: int, out: torch.Tensor) -> None:
 def _unpack_bits(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     """``(rows, ceil(cols * bits / 8))`` packed bytes (any strides) -> ``(rows, cols)`` uint8 values; as
     :func:`sylvie_comm.kernels.reference.unpack_bits`."""
-    checks.unpack_bits(_runs_here(packed, "unpack_bits"), packed, bits, cols)
     out = torch.empty((packed.shape[0], cols), dtype=torch.uint8, device=packed.device)
     _unpack_into(packed, bits, out)
     return out
@@ -334,7 +320,6 @@ def _copy_if(dst: torch.Tensor, src: torch.Tensor | None, flag: torch.Tensor) ->
     """``dst <- src`` (zeros when ``src`` is None) if the one-element bool ``flag`` (on ``dst``'s device) is true,
     else nothing; the flag is read by the kernel, never by the host. As
     :func:`sylvie_comm.kernels.reference.copy_if`."""
-    checks.copy_if(_runs_here(dst, "copy_if"), dst, src, flag)
     nbytes = dst.numel() * dst.element_size()
     if nbytes == 0:
         return
@@ -358,28 +343,4 @@ def _copy_if(dst: torch.Tensor, src: torch.Tensor | None, flag: torch.Tensor) ->
 
 # ---------------------------------------------------------------- registration
 
-
-def _pack_bits_fake(values: torch.Tensor, bits: int) -> torch.Tensor:
-    return values.new_empty((values.shape[0], _packed_cols(values.shape[1], bits)), dtype=torch.uint8)
-
-
-def _unpack_bits_fake(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
-    return packed.new_empty((packed.shape[0], cols), dtype=torch.uint8)
-
-
-def _copy_if_fake(dst: torch.Tensor, src: torch.Tensor | None, flag: torch.Tensor) -> None:
-    return None  # writes into dst only
-
-
-# name -> (schema, as csrc/ops/ops.cpp's; the op; its fake (shape-only) implementation)
-_OPS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
-    "pack_bits": ("pack_bits(Tensor values, int bits) -> Tensor", _pack_bits, _pack_bits_fake),
-    "unpack_bits": ("unpack_bits(Tensor packed, int bits, int cols) -> Tensor", _unpack_bits, _unpack_bits_fake),
-    "copy_if": ("copy_if(Tensor(a!) dst, Tensor? src, Tensor flag) -> ()", _copy_if, _copy_if_fake),
-}
-_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # type: ignore[no-untyped-call]
-for _name, (_schema, _impl, _fake) in _OPS.items():
-    _LIB.define(_schema)  # type: ignore[no-untyped-call]
-    for _key in ("CPU", "CUDA"):  # CPU: under the interpreter only (checked in the op)
-        _LIB.impl(_name, _impl, _key)  # type: ignore[no-untyped-call]
-    torch.library.register_fake(f"{NAMESPACE}::{_name}", _fake, lib=_LIB)
+_OPS = register({"pack_bits": _pack_bits, "unpack_bits": _unpack_bits, "copy_if": _copy_if})

@@ -1,6 +1,7 @@
 """Low-rank kernels of ACP-SGD and PowerSGD in Triton: ``lowrank_project``, ``lowrank_gram`` and
-``lowrank_outer_into`` under ``torch.ops.sylvie_comm_triton``, with the schemas of the compiled ``sylvie_comm`` ops
-and their argument checks (:mod:`sylvie_comm.kernels.checks`, which the compiled ops run too).
+``lowrank_outer_into`` under ``torch.ops.sylvie_comm_triton``, registered against their declarations
+(:mod:`sylvie_comm.kernels.opdecl`: the compiled ``sylvie_comm`` ops' schemas, argument checks and fakes;
+:func:`sylvie_comm.kernels.triton.register`).
 
 They return the bits of :mod:`sylvie_comm.kernels.ordered`, not those of :mod:`~sylvie_comm.kernels.reference`
 (whose ``torch.matmul`` has no defined summation order, so no kernel can match it): fp32 products, each rounded; a
@@ -77,11 +78,19 @@ import torch
 import triton
 import triton.language as tl
 
-from sylvie_comm.kernels import checks
 from sylvie_comm.kernels.ordered import GRAM_LANES, PROJECT_LANES, as_fp32
-from sylvie_comm.kernels.triton import NAMESPACE, interpreted, launch_context
+from sylvie_comm.kernels.triton import launch_context, register
+from sylvie_comm.kernels.triton.lowrank_tiles import (
+    column_mask,
+    lane_order,
+    lane_tree,
+    outer_tile,
+    project_columns,
+    residual_tile,
+    row_tree,
+)
 
-__all__ = ["SCHEMAS", "lowrank_gram", "lowrank_outer_into", "lowrank_project"]
+__all__ = ["lowrank_gram", "lowrank_outer_into", "lowrank_project"]
 
 # Tiles and launches (none changes a bit; tests/kernels/test_triton_lowrank.py runs several).
 PROJECT_WARPS = 8  # 8 warps of 32 threads, 4 columns each: one tile of PROJECT_LANES columns per row
@@ -103,113 +112,8 @@ OUTER_BLOCK_K = 128 * OUTER_WARPS
 # Programs per streaming multiprocessor below which the gram kernel narrows its column blocks.
 PROGRAMS_PER_SM = 4
 
-# The schemas of csrc/ops/ops.cpp, word for word.
-SCHEMAS = {
-    "lowrank_project": "lowrank_project(Tensor(a!) residual, Tensor? grad, Tensor q, Tensor(b!) p, bool subtract, "
-    "Tensor? pending_p=None, Tensor? pending_q=None, Tensor(c!)? saved=None) -> ()",
-    "lowrank_gram": "lowrank_gram(Tensor(a!) residual, Tensor? grad, Tensor p, Tensor(b!) q, "
-    "Tensor(c!)? saved=None) -> ()",
-    "lowrank_outer_into": "lowrank_outer_into(Tensor(a!) out, Tensor p, Tensor q, float alpha, bool accumulate, "
-    "Tensor? when=None) -> ()",
-}
-
 
 # ---------------------------------------------------------------------------------------------------- device code
-
-
-@triton.jit
-def _row_tree(acc, BM: tl.constexpr, W: tl.constexpr, LOG2_W: tl.constexpr):
-    """``[BM, W] -> [BM]``: each row's ``W`` lanes added by the adjacent-pair tree (lane ``2i`` plus lane
-    ``2i + 1``, then the same on the halves). Every step is a sum over exactly two values, one IEEE addition on every
-    backend; on sm_90 it compiles to adds in a thread, warp shuffles and, for the lanes of different warps, a
-    word per warp through shared memory."""
-    for i in tl.static_range(LOG2_W):
-        acc = tl.sum(tl.reshape(acc, [BM, W >> (i + 1), 2]), axis=2)
-    return tl.reshape(acc, [BM])
-
-
-@triton.jit
-def _stack(accs, RB: tl.constexpr):
-    """``RB`` (1, 2 or 4) tensors ``[BM, W]`` as one ``[BM, W, RB]``, ``accs[t]`` at index ``t`` of the new last
-    axis (joins: the new axis lies in each thread's registers, no data moves)."""
-    tl.static_assert(RB == 1 or RB == 2 or RB == 4)
-    if RB == 1:
-        return tl.expand_dims(accs[0], 2)
-    elif RB == 2:
-        return tl.join(accs[0], accs[1])
-    else:  # [.., i, j] = accs[2 i + j]
-        return tl.reshape(tl.join(tl.join(accs[0], accs[2]), tl.join(accs[1], accs[3])), accs[0].shape + [4])
-
-
-@triton.jit
-def _row_trees(acc, BM: tl.constexpr, W: tl.constexpr, LOG2_W: tl.constexpr, RB: tl.constexpr):
-    """``[BM, W, RB] -> [BM, RB]``: :func:`_row_tree` on each of the ``RB`` slices at once (one exchange between
-    warps a level for all of them)."""
-    for i in tl.static_range(LOG2_W):
-        acc = tl.sum(tl.reshape(acc, [BM, W >> (i + 1), 2, RB]), axis=2)
-    return tl.reshape(acc, [BM, RB])
-
-
-@triton.jit
-def _column_tree(acc, W: tl.constexpr, BK: tl.constexpr, LOG2_W: tl.constexpr):
-    """``[W, BK] -> [BK]``: each column's ``W`` lanes (the rows of the tile) added by the adjacent-pair tree."""
-    for i in tl.static_range(LOG2_W):
-        acc = tl.sum(tl.reshape(acc, [W >> (i + 1), 2, BK]), axis=1)
-    return tl.reshape(acc, [BK])
-
-
-@triton.jit
-def _column_mask(cols, kk, FULL: tl.constexpr):
-    """``cols < kk``, or (``FULL``: the caller knows it) all true, which the compiler folds away."""
-    if FULL:
-        return cols == cols
-    return cols < kk
-
-
-@triton.jit
-def _residual_tile(e_ptr, g_ptr, pp_ptr, pqt_ptr, rows, rmask, cols, kk, rp, HAS_GRAD: tl.constexpr,
-                   HAS_PENDING: tl.constexpr, FULL: tl.constexpr):  # fmt: skip
-    """A ``[rows, cols]`` tile of the residual as stored (``e``) and as ``p = residual q`` uses it (``x``): after
-    the pending update (``e + (+0.0 + sum_t pp[i, t] (-pq[j, t]))``, the products added in order of ``t``) and
-    ``+ grad``; zero outside the matrix, so the padding adds nothing. ``pqt``: the pending ``q`` transposed.
-    ``FULL``: every column of the tile is inside the matrix (no column mask)."""
-    kmask = _column_mask(cols, kk, FULL)
-    msk = rmask[:, None] & kmask[None, :]
-    offs = rows[:, None] * kk + cols[None, :]
-    e = tl.load(e_ptr + offs, mask=msk, other=0.0, cache_modifier=".cg")  # read once: past L1
-    x = e
-    if HAS_PENDING:
-        s = tl.zeros_like(e)
-        for t in range(rp):
-            # -pp (a multiply by -1: exact, -0.0 for +0.0) times pq: the bits of pp times (-pq)
-            a = tl.load(pp_ptr + rows * rp + t, mask=rmask, other=0.0) * -1.0
-            s += a[:, None] * tl.load(pqt_ptr + t * kk + cols[None, :], mask=kmask[None, :], other=0.0)
-        # An infinite pending factor times a zero of the padding is NaN there: the padding stays zero.
-        x = tl.where(msk, e + s, 0.0)
-    if HAS_GRAD:
-        x = x + tl.load(g_ptr + offs, mask=msk, other=0.0, cache_modifier=".cg")
-    return e, x, msk, offs
-
-
-@triton.jit
-def _project_columns(v, qt_ptr, p_ptr, rows, rmask, cb, kk, r, c0, BM: tl.constexpr, TW: tl.constexpr,
-                     LOG2_TW: tl.constexpr, M: tl.constexpr, EVEN: tl.constexpr, RB: tl.constexpr):  # fmt: skip
-    """Columns ``c0 .. c0 + RB - 1`` of ``p`` from the kept tiles ``v``: each the tiles times a row of ``q^T``, added
-    tile by tile on the lanes, then the ``RB`` trees as one."""
-    accs = ()  # type: tuple[tl.tensor, ...]
-    for _t in tl.static_range(RB):
-        accs = accs + (tl.zeros_like(v[0]),)  # lane j of the tile: every lane from +0.0, its indices in order
-    for m in tl.static_range(M):
-        cols = m * TW + cb
-        kmask = _column_mask(cols, kk, EVEN or m < M - 1)[None, :]
-        new = ()  # type: tuple[tl.tensor, ...]
-        for t in tl.static_range(RB):
-            qrow = tl.load(qt_ptr + (c0 + t) * kk + cols[None, :], mask=kmask & (c0 + t < r), other=0.0)
-            new = new + (accs[t] + v[m] * qrow,)
-        accs = new
-    total = _row_trees(_stack(accs, RB), BM, TW, LOG2_TW, RB)  # [BM, RB]
-    rb = c0 + tl.arange(0, RB)
-    tl.store(p_ptr + rows[:, None] * r + rb[None, :], total, mask=rmask[:, None] & (rb < r)[None, :])
 
 
 @triton.jit
@@ -228,7 +132,7 @@ def _project_kernel(e_ptr, g_ptr, qt_ptr, p_ptr, pp_ptr, pqt_ptr, s_ptr, n, k, r
     cb = tl.arange(0, TW)
     v = ()  # type: tuple[tl.tensor, ...]
     for m in tl.static_range(M):
-        e, x, msk, offs = _residual_tile(e_ptr, g_ptr, pp_ptr, pqt_ptr, rows, rmask, m * TW + cb, kk, rp, HAS_GRAD,
+        e, x, msk, offs = residual_tile(e_ptr, g_ptr, pp_ptr, pqt_ptr, rows, rmask, m * TW + cb, kk, rp, HAS_GRAD,
                                          HAS_PENDING, EVEN or m < M - 1)  # fmt: skip
         if HAS_SAVED:
             tl.store(s_ptr + offs, e, mask=msk)
@@ -236,15 +140,15 @@ def _project_kernel(e_ptr, g_ptr, qt_ptr, p_ptr, pp_ptr, pqt_ptr, s_ptr, n, k, r
             tl.store(e_ptr + offs, x, mask=msk)
         v = v + (x,)
     if NB == 1:  # rank <= RB: no loop (and so no barrier of the trees' exchanges inside one)
-        _project_columns(v, qt_ptr, p_ptr, rows, rmask, cb, kk, r, 0, BM, TW, LOG2_TW, M, EVEN, RB)
+        project_columns(v, qt_ptr, p_ptr, rows, rmask, cb, kk, r, 0, BM, TW, LOG2_TW, M, EVEN, RB)
     else:
         for c0 in range(0, r, RB):
-            _project_columns(v, qt_ptr, p_ptr, rows, rmask, cb, kk, r, c0, BM, TW, LOG2_TW, M, EVEN, RB)
+            project_columns(v, qt_ptr, p_ptr, rows, rmask, cb, kk, r, c0, BM, TW, LOG2_TW, M, EVEN, RB)
     if SUBTRACT:  # residual' + sum_t p[i, t] (-q[j, t]): lowrank_outer_into(residual, p, q, -1, True)
         tl.debug_barrier()  # the block's p, stored above by other threads, is visible to all
         for m in tl.static_range(M):
             cols = m * TW + cb
-            kmask = _column_mask(cols, kk, EVEN or m < M - 1)[None, :]
+            kmask = column_mask(cols, kk, EVEN or m < M - 1)[None, :]
             s = tl.zeros_like(v[m])
             for t in range(r):
                 a = tl.load(p_ptr + rows * r + t, mask=rmask, other=0.0) * -1.0
@@ -269,7 +173,7 @@ def _project_stream_kernel(e_ptr, g_ptr, qt_ptr, p_ptr, pp_ptr, pqt_ptr, s_ptr, 
         accs = accs + (tl.zeros([BM, TW], dtype=tl.float32),)
     for j0 in range(0, kk, TW):
         cols = tl.multiple_of(j0, TW) + cb
-        e, x, msk, offs = _residual_tile(e_ptr, g_ptr, pp_ptr, pqt_ptr, rows, rmask, cols, kk, rp, HAS_GRAD,
+        e, x, msk, offs = residual_tile(e_ptr, g_ptr, pp_ptr, pqt_ptr, rows, rmask, cols, kk, rp, HAS_GRAD,
                                          HAS_PENDING, False)  # fmt: skip
         if HAS_SAVED:
             tl.store(s_ptr + offs, e, mask=msk)
@@ -282,27 +186,7 @@ def _project_stream_kernel(e_ptr, g_ptr, qt_ptr, p_ptr, pp_ptr, pqt_ptr, s_ptr, 
             new = new + (accs[t] + x * qrow,)
         accs = new
     for t in tl.static_range(RB):
-        tl.store(p_ptr + rows * r + c0 + t, _row_tree(accs[t], BM, TW, LOG2_TW), mask=rmask & (c0 + t < r))
-
-
-@triton.jit
-def _lane_order(LS: tl.constexpr, CR: tl.constexpr):
-    """The lane of each of ``LS`` tile rows: row ``a CR + c`` holds lane ``a + (LS / CR) c``, so that the lanes
-    a thread holds (Triton's layout repeats a tile's rows every ``CR``: the rows of one pass of its threads and
-    warps) are consecutive, and the first levels of the tree are adds in a thread."""
-    rho = tl.arange(0, LS)
-    return rho // CR + (LS // CR) * (rho % CR)
-
-
-@triton.jit
-def _lane_tree(acc, LS: tl.constexpr, LOG2_LS: tl.constexpr, CR: tl.constexpr, LOG2_CR: tl.constexpr,
-               BK: tl.constexpr):  # fmt: skip
-    """``[LS, BK] -> [BK]``: the adjacent-pair tree over the lanes of tile rows in :func:`_lane_order`: first
-    over ``a`` (lanes ``a + (LS / CR) c`` for each ``c``: aligned subtrees), then over ``c``."""
-    acc = tl.reshape(acc, [LS // CR, CR, BK])
-    for i in tl.static_range(LOG2_LS - LOG2_CR):
-        acc = tl.sum(tl.reshape(acc, [(LS // CR) >> (i + 1), 2, CR, BK]), axis=1)
-    return _column_tree(tl.reshape(acc, [CR, BK]), CR, BK, LOG2_CR)
+        tl.store(p_ptr + rows * r + c0 + t, row_tree(accs[t], BM, TW, LOG2_TW), mask=rmask & (c0 + t < r))
 
 
 @triton.jit
@@ -312,14 +196,14 @@ def _gram_kernel(e_ptr, g_ptr, p_ptr, out_ptr, s_ptr, n, k, r, c0, steps, HAS_GR
                  BK: tl.constexpr, RB: tl.constexpr, UNROLL: tl.constexpr, IDX: tl.constexpr):  # fmt: skip
     """Columns ``[BK * pid0, ...)``, lanes ``[LS * pid1, ...)`` of the sum over the rows: the program reads rows
     ``lane + LANES * s`` for ``s = 0 .. steps - 1`` (``LS`` consecutive rows every ``LANES``, in
-    :func:`_lane_order`), each lane adding its products in order, then adds its ``LS`` lanes by the tree. With
+    :func:`lane_order`), each lane adding its products in order, then adds its ``LS`` lanes by the tree. With
     ``PARTIAL`` that is one aligned subtree of the tree over the ``LANES`` lanes, written to ``out`` (slabs, k, r)
     for :func:`_reduce_kernel`; otherwise the program holds every lane and writes ``q`` (``out``, (k, r)).
     Columns ``c0 .. c0 + RB - 1`` of ``q``."""
     kk = k // ALIGN * ALIGN
     cols = tl.program_id(0).to(IDX) * BK + tl.arange(0, BK)
     kmask = cols < kk
-    lanes = tl.program_id(1) * LS + _lane_order(LS, CR)
+    lanes = tl.program_id(1) * LS + lane_order(LS, CR)
     accs = ()  # type: tuple[tl.tensor, ...]
     for _t in tl.static_range(RB):
         accs = accs + (tl.zeros([LS, BK], dtype=tl.float32),)
@@ -348,7 +232,7 @@ def _gram_kernel(e_ptr, g_ptr, p_ptr, out_ptr, s_ptr, n, k, r, c0, steps, HAS_GR
                 new = new + (accs[t] + xs[u] * ps[u * RB + t][:, None],)
             accs = new
     for t in tl.static_range(RB):
-        total = _lane_tree(accs[t], LS, LOG2_LS, CR, LOG2_CR, BK)
+        total = lane_tree(accs[t], LS, LOG2_LS, CR, LOG2_CR, BK)
         at = cols * r + c0 + t  # in q (k, r)
         if PARTIAL:  # in this slab's part of the workspace (slabs, k, r), q's layout
             at += tl.program_id(1).to(tl.int64) * kk * r  # (the workspace may pass 2**31 elements)
@@ -362,28 +246,9 @@ def _reduce_kernel(w_ptr, q_ptr, numel, SP: tl.constexpr, LOG2_SP: tl.constexpr,
     the subtree of its lanes: this is the rest of the tree over all lanes)."""
     idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # j * r + t
     m = idx < numel
-    sl = _lane_order(SP, CR)
+    sl = lane_order(SP, CR)
     w = tl.load(w_ptr + sl[:, None].to(tl.int64) * numel + idx[None, :], mask=m[None, :], other=0.0)
-    tl.store(q_ptr + idx, _lane_tree(w, SP, LOG2_SP, CR, LOG2_CR, BLOCK), mask=m)
-
-
-@triton.jit
-def _outer_tile(o_ptr, p_ptr, qat_ptr, pid, n, k, r, col_blocks, ACCUMULATE: tl.constexpr, ALIGN: tl.constexpr,
-                BN: tl.constexpr, BK: tl.constexpr, IDX: tl.constexpr):  # fmt: skip
-    kk = k // ALIGN * ALIGN
-    rows = (pid // col_blocks).to(IDX) * BN + tl.arange(0, BN)
-    cols = (pid % col_blocks) * BK + tl.arange(0, BK)
-    rmask = rows < n
-    kmask = cols < kk
-    s = tl.zeros([BN, BK], dtype=tl.float32)
-    for t in range(r):
-        a = tl.load(p_ptr + rows * r + t, mask=rmask, other=0.0)
-        s += a[:, None] * tl.load(qat_ptr + t * kk + cols[None, :], mask=kmask[None, :], other=0.0)
-    m = rmask[:, None] & kmask[None, :]
-    offs = rows[:, None] * kk + cols[None, :]
-    if ACCUMULATE:
-        s = tl.load(o_ptr + offs, mask=m, other=0.0, cache_modifier=".cg") + s
-    tl.store(o_ptr + offs, s, mask=m)
+    tl.store(q_ptr + idx, lane_tree(w, SP, LOG2_SP, CR, LOG2_CR, BLOCK), mask=m)
 
 
 @triton.jit
@@ -394,27 +259,12 @@ def _outer_kernel(o_ptr, p_ptr, qat_ptr, when_ptr, n, k, r, col_blocks, HAS_WHEN
     pid = tl.program_id(0)
     if HAS_WHEN:
         if tl.load(when_ptr) != 0:
-            _outer_tile(o_ptr, p_ptr, qat_ptr, pid, n, k, r, col_blocks, ACCUMULATE, ALIGN, BN, BK, IDX)
+            outer_tile(o_ptr, p_ptr, qat_ptr, pid, n, k, r, col_blocks, ACCUMULATE, ALIGN, BN, BK, IDX)
     else:
-        _outer_tile(o_ptr, p_ptr, qat_ptr, pid, n, k, r, col_blocks, ACCUMULATE, ALIGN, BN, BK, IDX)
+        outer_tile(o_ptr, p_ptr, qat_ptr, pid, n, k, r, col_blocks, ACCUMULATE, ALIGN, BN, BK, IDX)
 
 
 # ---------------------------------------------------------------------------------------------------- host code
-
-
-def _check_device(t: torch.Tensor, op: str, name: str) -> str:
-    """The device type the op runs on, from its main tensor ``name``: CUDA, or CPU under the interpreter."""
-    if t.device.type == "cuda":
-        return "cuda"
-    if t.device.type == "cpu":
-        if not interpreted():
-            checks.fail(op, name, " is a CPU tensor, which the Triton kernels take only under Triton's interpreter "
-                        "(TRITON_INTERPRET=1 set before the kernel modules are imported); use torch.ops.sylvie_comm "
-                        "for CPU tensors")  # fmt: skip
-        return "cpu"
-    checks.fail(
-        op, name, " is on ", t.device, "; the Triton kernels take CUDA tensors (CPU ones under the interpreter)"
-    )
 
 
 def _check_block(value: int | None, name: str, at_most: int) -> None:
@@ -480,29 +330,15 @@ def _transposed(x: torch.Tensor) -> torch.Tensor:
     return torch.empty((x.shape[1], x.shape[0]), dtype=x.dtype, device=x.device).copy_(x.t())
 
 
-def lowrank_project(
-    residual: torch.Tensor,
-    grad: torch.Tensor | None,
-    q: torch.Tensor,
-    p: torch.Tensor,
-    subtract: bool,
-    pending_p: torch.Tensor | None = None,
-    pending_q: torch.Tensor | None = None,
-    saved: torch.Tensor | None = None,
-    *,
-    block_n: int | None = None,
-    stream: bool | None = None,
-    rank_block: int | None = None,
-    checked: bool = True,
-) -> None:
+def _lowrank_project(residual: torch.Tensor, grad: torch.Tensor | None, q: torch.Tensor, p: torch.Tensor,
+                     subtract: bool, pending_p: torch.Tensor | None = None, pending_q: torch.Tensor | None = None,
+                     saved: torch.Tensor | None = None, *, block_n: int | None = None, stream: bool | None = None,
+                     rank_block: int | None = None) -> None:  # fmt: skip
     """``torch.ops.sylvie_comm_triton.lowrank_project``: :func:`sylvie_comm.kernels.ordered.lowrank_project`'s
     bits. The keywords override the host's choices, which change no bits (for tests): ``block_n`` rows per
     program; ``stream`` the rows streamed tile by tile instead of kept in registers (what rows longer than
     :data:`PROJECT_RESIDENT` take: then ``subtract`` is :func:`lowrank_outer_into` ``(residual, p, q, -1, True)``,
     a second kernel), ``rank_block`` the columns of ``p`` summed at once (at most 4 when kept in registers)."""
-    if checked:  # (``checked=False``: a plan's call, its arguments made by it; see sylvie_comm.kernels.direct)
-        device_type = _check_device(residual, "lowrank_project", "residual")
-        checks.lowrank_project(device_type, residual, grad, q, p, subtract, pending_p, pending_q, saved)
     n, k = residual.shape
     _check_block(block_n, "block_n", 1024)
     _check_block(rank_block, "rank_block", 64)
@@ -560,25 +396,13 @@ def lowrank_project(
         lowrank_outer_into(residual, p, q, -1.0, True)
 
 
-def lowrank_gram(
-    residual: torch.Tensor,
-    grad: torch.Tensor | None,
-    p: torch.Tensor,
-    q: torch.Tensor,
-    saved: torch.Tensor | None = None,
-    *,
-    block_n: int | None = None,
-    block_k: int | None = None,
-    rank_block: int | None = None,
-    unroll: int | None = None,
-    checked: bool = True,
-) -> None:
+def _lowrank_gram(residual: torch.Tensor, grad: torch.Tensor | None, p: torch.Tensor, q: torch.Tensor,
+                  saved: torch.Tensor | None = None, *, block_n: int | None = None, block_k: int | None = None,
+                  rank_block: int | None = None, unroll: int | None = None) -> None:  # fmt: skip
     """``torch.ops.sylvie_comm_triton.lowrank_gram``: :func:`sylvie_comm.kernels.ordered.lowrank_gram`'s bits.
     The keywords override the host's choices, which change no bits (for tests): ``block_n`` lanes per program
     (fewer than the sum's lanes: the programs' subtrees added by a second kernel), ``block_k`` columns per program,
     ``rank_block`` columns of ``q`` per pass over the rows, ``unroll`` steps down the rows loaded together."""
-    if checked:
-        checks.lowrank_gram(_check_device(residual, "lowrank_gram", "residual"), residual, grad, p, q, saved)
     n, k = residual.shape
     _check_block(block_n, "block_n", GRAM_LANES)
     _check_block(block_k, "block_k", 1024)
@@ -629,23 +453,12 @@ def lowrank_gram(
             )  # fmt: skip
 
 
-def lowrank_outer_into(
-    out: torch.Tensor,
-    p: torch.Tensor,
-    q: torch.Tensor,
-    alpha: float,
-    accumulate: bool,
-    when: torch.Tensor | None = None,
-    *,
-    block_n: int | None = None,
-    block_k: int | None = None,
-    checked: bool = True,
-) -> None:
+def _lowrank_outer_into(out: torch.Tensor, p: torch.Tensor, q: torch.Tensor, alpha: float, accumulate: bool,
+                        when: torch.Tensor | None = None, *, block_n: int | None = None, block_k: int | None = None
+                        ) -> None:  # fmt: skip
     """``torch.ops.sylvie_comm_triton.lowrank_outer_into``: :func:`sylvie_comm.kernels.ordered.lowrank_outer_into`'s
     bits; ``when`` is read by the kernel, never by the host. ``block_n`` and ``block_k`` override the tile, which
     changes no bits (for tests)."""
-    if checked:
-        checks.lowrank_outer_into(_check_device(out, "lowrank_outer_into", "out"), out, p, q, alpha, accumulate, when)
     n, k = out.shape
     _check_block(block_n, "block_n", 256)
     _check_block(block_k, "block_k", 1024)
@@ -672,17 +485,9 @@ def lowrank_outer_into(
 
 # ---------------------------------------------------------------------------------------------------- registration
 
-
-def _no_output(*args: object, **kwargs: object) -> None:
-    """The fake of an op that writes into its arguments only."""
-    return None
-
-
-_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
-for _name, _schema in SCHEMAS.items():
-    _LIB.define(_schema)
-    _impl = {"lowrank_project": lowrank_project, "lowrank_gram": lowrank_gram,
-             "lowrank_outer_into": lowrank_outer_into}[_name]  # fmt: skip
-    for _key in ("CPU", "CUDA"):
-        _LIB.impl(_name, _impl, _key)
-    torch.library.register_fake(f"{NAMESPACE}::{_name}", _no_output, lib=_LIB)
+# The checked ops (``checked=False``: a plan's call, its arguments made by it; see sylvie_comm.kernels.direct). The
+# keywords of the host code (tile overrides) pass through.
+_OPS = register({"lowrank_project": _lowrank_project, "lowrank_gram": _lowrank_gram,
+                 "lowrank_outer_into": _lowrank_outer_into})  # fmt: skip
+lowrank_project, lowrank_gram, lowrank_outer_into = (_OPS[n] for n in ("lowrank_project", "lowrank_gram",
+                                                                       "lowrank_outer_into"))  # fmt: skip

@@ -1,9 +1,9 @@
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
 # (Triton reads the annotations of a jit function's parameters: its kernels keep only the constexpr ones.)
 """The one-bit codec in Triton: ``sylvie_comm_triton::onebit_encode``, ``onebit_decode``, ``onebit_decode_into``,
-``onebit_feedback_encode`` and ``onebit_mean_feedback_encode``, with the schemas of the compiled ``sylvie_comm`` ops
-(``csrc/ops/ops.cpp``), their argument checks and error messages (:mod:`sylvie_comm.kernels.checks`, which the
-compiled ops run too) and the semantics of :mod:`sylvie_comm.kernels.reference`.
+``onebit_feedback_encode`` and ``onebit_mean_feedback_encode``, registered against their
+declarations (:mod:`sylvie_comm.kernels.opdecl`: the compiled ``sylvie_comm`` ops' schemas, argument checks and
+fakes; :func:`sylvie_comm.kernels.triton.register`), with the semantics of :mod:`sylvie_comm.kernels.reference`.
 
 Layout of the work (:func:`_encode_launch`). A program owns ``rows`` whole chunks (``rows * lanes`` elements, at
 least 2,048) and reads each chunk as steps of ``lanes`` contiguous elements (16-byte loads: the columns are unmasked
@@ -46,15 +46,14 @@ values near the fp32 maximum, signed zeros, NaN and Inf.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from sylvie_comm.kernels import checks, reference
-from sylvie_comm.kernels.triton import NAMESPACE, interpreted, launch_context
+from sylvie_comm.kernels import reference
+from sylvie_comm.kernels.triton import launch_context, register
 
 __all__ = [
     "onebit_decode",
@@ -88,23 +87,8 @@ _SIGN = tl.constexpr(0x80000000)
 
 
 @triton.jit
-def _feedback_value(
-    res_ptr,
-    grad_ptr,
-    parts_ptr,
-    parts_stride,
-    pscales_ptr,
-    pscales_stride,
-    w,
-    wf,
-    e,
-    chunk,
-    mask,
-    MODE: tl.constexpr,
-    DIVIDE: tl.constexpr,
-    PWORD: tl.constexpr,
-    GKIND: tl.constexpr,
-):
+def _feedback_value(res_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, e, chunk, mask,
+                    MODE: tl.constexpr, DIVIDE: tl.constexpr, PWORD: tl.constexpr, GKIND: tl.constexpr):  # fmt: skip
     """``residual[e]`` plus what the op adds: ``grad[e]`` (widened to fp32 exactly, then one fp32 add), or the mean
     of the ``w`` one-bit rows decoded at ``e`` (row 0, + row 1, ..., + row w - 1 in fp32, then ``/ w`` rounded to
     nearest when w > 1); the rows' bits read as ``PWORD``-bit words (``parts_stride`` counts words)."""
@@ -161,41 +145,35 @@ def _scale_bits(total, count, NORM: tl.constexpr):
 
 
 @triton.jit
-def _encode_kernel(
-    x_ptr,
-    grad_ptr,
-    parts_ptr,
-    parts_stride,
-    pscales_ptr,
-    pscales_stride,
-    w,
-    wf,
-    saved_ptr,
-    packed_ptr,
-    scales_ptr,
-    partial_ptr,
-    first,
-    count,
-    length,
-    length_f,
-    chunk_size,
-    pieces,
-    piece_len,
-    KIND: tl.constexpr,
-    MODE: tl.constexpr,
-    DIVIDE: tl.constexpr,
-    SAVE: tl.constexpr,
-    NORM: tl.constexpr,
-    SINGLE: tl.constexpr,
-    KEEP: tl.constexpr,
-    MASK: tl.constexpr,
-    ROWS: tl.constexpr,
-    L: tl.constexpr,
-    LOG2_L: tl.constexpr,
-    WORD: tl.constexpr,
-    PWORD: tl.constexpr,
-    GKIND: tl.constexpr,
-):
+def _write_residual(x_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, u, v, start, row_ok,
+                    elems, chunk, steps, MODE: tl.constexpr, DIVIDE: tl.constexpr, KEEP: tl.constexpr,
+                    MASK: tl.constexpr, ROWS: tl.constexpr, L: tl.constexpr, PWORD: tl.constexpr,
+                    GKIND: tl.constexpr):  # fmt: skip
+    """The error-fed modes' residual, once the chunks' scales (``u``, fp32 bits) are known: value - decode, with the
+    sign that chose the bit; from ``v``, the registers of the one step (KEEP), else each step's value again."""
+    lanes = tl.arange(0, L)
+    if KEEP:
+        mask = row_ok[:, None] & (lanes < elems)[None, :] if MASK else tl.broadcast_to(row_ok[:, None], [ROWS, L])
+        decoded = tl.where(v >= 0.0, u[:, None], u[:, None] ^ _SIGN).to(tl.float32, bitcast=True)
+        tl.store(x_ptr + start[:, None] + lanes[None, :], v - decoded, mask=mask)
+    else:
+        for step in range(steps):
+            k = step * L + lanes
+            mask = row_ok[:, None] & (k < elems)[None, :] if MASK else tl.broadcast_to(row_ok[:, None], [ROWS, L])
+            e = start[:, None] + k[None, :]
+            v = _feedback_value(x_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, e, chunk,
+                                mask, MODE, DIVIDE, PWORD, GKIND)  # fmt: skip
+            decoded = tl.where(v >= 0.0, u[:, None], u[:, None] ^ _SIGN).to(tl.float32, bitcast=True)
+            tl.store(x_ptr + e, v - decoded, mask=mask)
+
+
+@triton.jit
+def _encode_kernel(x_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, saved_ptr,
+                   packed_ptr, scales_ptr, partial_ptr, first, count, length, length_f, chunk_size, pieces, piece_len,
+                   KIND: tl.constexpr, MODE: tl.constexpr, DIVIDE: tl.constexpr, SAVE: tl.constexpr,
+                   NORM: tl.constexpr, SINGLE: tl.constexpr, KEEP: tl.constexpr, MASK: tl.constexpr,
+                   ROWS: tl.constexpr, L: tl.constexpr, LOG2_L: tl.constexpr, WORD: tl.constexpr, PWORD: tl.constexpr,
+                   GKIND: tl.constexpr):  # fmt: skip
     """Program (i, p): piece p of chunks ``first + [i * ROWS, (i + 1) * ROWS)`` (all ``length`` long, at most
     ``count`` of them). Packs the signs into ``WORD``-bit words, adds each element's ``|v|`` (or ``v * v``) into fp32
     lane ``k % L`` and sums the lanes by the fixed tree; SINGLE (the piece is the whole chunk): writes the scale and
@@ -250,26 +228,8 @@ def _encode_kernel(
         u = _scale_bits(total, length_f, NORM)
         tl.store(scales_ptr + rows, u.to(tl.float32, bitcast=True), mask=row_ok)
         if MODE != 0:
-            # The residual, once: value - decode, with the sign that chose the bit.
-            if KEEP:
-                k = lanes
-                mask = row_ok[:, None] & (k < elems)[None, :] if MASK else tl.broadcast_to(row_ok[:, None], [ROWS, L])
-                decoded = tl.where(v >= 0.0, u[:, None], u[:, None] ^ _SIGN).to(tl.float32, bitcast=True)
-                tl.store(x_ptr + start[:, None] + k[None, :], v - decoded, mask=mask)
-            else:
-                for step in range(steps):
-                    k = step * L + lanes
-                    if MASK:
-                        mask = row_ok[:, None] & (k < elems)[None, :]
-                    else:
-                        mask = tl.broadcast_to(row_ok[:, None], [ROWS, L])
-                    e = start[:, None] + k[None, :]
-                    v = _feedback_value(
-                        x_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, e, chunk,
-                        mask, MODE, DIVIDE, PWORD, GKIND,
-                    )  # fmt: skip
-                    decoded = tl.where(v >= 0.0, u[:, None], u[:, None] ^ _SIGN).to(tl.float32, bitcast=True)
-                    tl.store(x_ptr + e, v - decoded, mask=mask)
+            _write_residual(x_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, u, v, start,
+                            row_ok, elems, chunk, steps, MODE, DIVIDE, KEEP, MASK, ROWS, L, PWORD, GKIND)  # fmt: skip
     else:
         tl.store(partial_ptr + rows * pieces + tl.program_id(1), total, mask=row_ok)
 
@@ -289,24 +249,9 @@ def _reduce_kernel(partial_ptr, scales_ptr, n, chunk_size, chunks, pieces, NORM:
 
 
 @triton.jit
-def _residual_kernel(
-    res_ptr,
-    grad_ptr,
-    parts_ptr,
-    parts_stride,
-    pscales_ptr,
-    pscales_stride,
-    w,
-    wf,
-    scales_ptr,
-    n,
-    chunk_size,
-    MODE: tl.constexpr,
-    DIVIDE: tl.constexpr,
-    PWORD: tl.constexpr,
-    GKIND: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+def _residual_kernel(res_ptr, grad_ptr, parts_ptr, parts_stride, pscales_ptr, pscales_stride, w, wf, scales_ptr, n,
+                     chunk_size, MODE: tl.constexpr, DIVIDE: tl.constexpr, PWORD: tl.constexpr, GKIND: tl.constexpr,
+                     BLOCK: tl.constexpr):  # fmt: skip
     """``residual = value - decode`` element-wise, once the scales of chunks summed in pieces are known."""
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = e < n
@@ -320,20 +265,8 @@ def _residual_kernel(
 
 
 @triton.jit
-def _decode_kernel(
-    packed_ptr,
-    scales_ptr,
-    out_ptr,
-    first,
-    count,
-    n,
-    chunk_size,
-    KIND: tl.constexpr,
-    WORD: tl.constexpr,
-    UNITS: tl.constexpr,
-    PER_UNIT: tl.constexpr,
-    TAIL: tl.constexpr,
-):
+def _decode_kernel(packed_ptr, scales_ptr, out_ptr, first, count, n, chunk_size, KIND: tl.constexpr,
+                   WORD: tl.constexpr, UNITS: tl.constexpr, PER_UNIT: tl.constexpr, TAIL: tl.constexpr):  # fmt: skip
     """``+scale`` where the bit is set, ``-scale`` elsewhere, in the output's type (bf16 written as int16). A program
     decodes ``UNITS`` packed ``WORD``-bit words (``first + [i * UNITS, (i + 1) * UNITS)``, at most ``count``): one
     load per word, and (PER_UNIT: ``chunk_size`` a multiple of ``WORD``) one scale per word. TAIL: the last,
@@ -377,19 +310,10 @@ def _word(t: torch.Tensor, *strides: int) -> int:
     return 32 if t.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in strides) else 8
 
 
-def _encode_launch(
-    x: torch.Tensor,
-    kind: int,
-    mode: int,
-    n: int,
-    chunk_size: int,
-    norm_scale: bool,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    grad: torch.Tensor | None = None,
-    parts: tuple[torch.Tensor, torch.Tensor] | None = None,
-    saved: torch.Tensor | None = None,
-) -> None:
+def _encode_launch(x: torch.Tensor, kind: int, mode: int, n: int, chunk_size: int, norm_scale: bool,
+                   packed: torch.Tensor, scales: torch.Tensor, grad: torch.Tensor | None = None,
+                   parts: tuple[torch.Tensor, torch.Tensor] | None = None, saved: torch.Tensor | None = None
+                   ) -> None:  # fmt: skip
     """Encode (and for the error-fed modes update the residual ``x`` in place): every flat tensor contiguous.
 
     Two launches at most: the chunks of ``chunk_size`` elements (unmasked columns when the chunk is a whole number
@@ -467,28 +391,12 @@ def _decode_launch(
         )
 
 
-# ---------------------------------------------------------------- the device (arguments: sylvie_comm.kernels.checks)
-
-
-def _kernel_device(t: torch.Tensor, op: str) -> str:
-    """The device type the op runs on, from its main tensor: CUDA (ROCm included), or CPU under the interpreter."""
-    if t.device.type == "cpu" and not _INTERPRETED:
-        raise RuntimeError(
-            f"{op}: the Triton kernels take CPU tensors only under Triton's interpreter (TRITON_INTERPRET=1 set "
-            "before sylvie_comm.kernels.triton.onebit is imported); use the sylvie_comm ops or the reference on CPU"
-        )
-    if t.device.type not in ("cpu", "cuda"):
-        checks.fail(op, "expected a CUDA tensor, got device ", t.device)
-    return t.device.type
-
-
 # ---------------------------------------------------------------- ops
 
 
-def onebit_encode(x: torch.Tensor, chunk_size: int, norm_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _onebit_encode(x: torch.Tensor, chunk_size: int, norm_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Sign bits (``x >= 0``) of the flattened input, packed little-endian, and one fp32 scale per chunk
     (:func:`sylvie_comm.kernels.reference.onebit_encode`)."""
-    checks.onebit_encode(_kernel_device(x, "onebit_encode"), x, chunk_size, norm_scale)
     flat = x.reshape(-1).contiguous()
     n = flat.numel()
     chunks = -(-n // chunk_size)
@@ -503,9 +411,8 @@ def onebit_encode(x: torch.Tensor, chunk_size: int, norm_scale: bool) -> tuple[t
     return packed, scales
 
 
-def onebit_decode_into(packed: torch.Tensor, scales: torch.Tensor, chunk_size: int, out: torch.Tensor) -> None:
+def _onebit_decode_into(packed: torch.Tensor, scales: torch.Tensor, chunk_size: int, out: torch.Tensor) -> None:
     """Decode into ``out`` (contiguous, fp32, fp16 or bf16): ``+scale`` where the bit is set, else ``-scale``."""
-    checks.onebit_decode_into(_kernel_device(out, "onebit_decode_into"), packed, scales, chunk_size, out)
     _decode_into(packed, scales, chunk_size, out)
 
 
@@ -521,29 +428,20 @@ def _decode_into(packed: torch.Tensor, scales: torch.Tensor, chunk_size: int, ou
         _decode_launch(packed.reshape(-1).contiguous(), scales.reshape(-1).contiguous(), chunk_size, target, kind)
 
 
-def onebit_decode(
+def _onebit_decode(
     packed: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """Decode ``numel`` values into a new flat tensor of ``dtype``."""
-    checks.onebit_decode(_kernel_device(packed, "onebit_decode"), packed, scales, numel, chunk_size, dtype)
     out = torch.empty(numel, dtype=dtype, device=packed.device)
     _decode_into(packed, scales, chunk_size, out)
     return out
 
 
-def onebit_feedback_encode(
-    residual: torch.Tensor,
-    grad: torch.Tensor | None,
-    chunk_size: int,
-    norm_scale: bool,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    saved: torch.Tensor | None = None,
-) -> None:
+def _onebit_feedback_encode(residual: torch.Tensor, grad: torch.Tensor | None, chunk_size: int, norm_scale: bool,
+                            packed: torch.Tensor, scales: torch.Tensor, saved: torch.Tensor | None = None
+                            ) -> None:  # fmt: skip
     """``residual += grad`` (when given), encode it into ``packed`` and ``scales``, ``residual -= decode``; the
     residual as it was into ``saved`` (when given) (:func:`sylvie_comm.kernels.reference.onebit_feedback_encode`)."""
-    device_type = _kernel_device(residual, "onebit_feedback_encode")
-    checks.onebit_feedback_encode(device_type, residual, grad, chunk_size, norm_scale, packed, scales, saved)
     n = residual.numel()
     if n == 0:
         return
@@ -555,23 +453,12 @@ def onebit_feedback_encode(
         )  # fmt: skip
 
 
-def onebit_mean_feedback_encode(
-    residual: torch.Tensor,
-    parts_packed: torch.Tensor,
-    parts_scales: torch.Tensor,
-    chunk_size: int,
-    norm_scale: bool,
-    packed: torch.Tensor,
-    scales: torch.Tensor,
-    saved: torch.Tensor | None = None,
-) -> None:
+def _onebit_mean_feedback_encode(residual: torch.Tensor, parts_packed: torch.Tensor, parts_scales: torch.Tensor,
+                                 chunk_size: int, norm_scale: bool, packed: torch.Tensor, scales: torch.Tensor,
+                                 saved: torch.Tensor | None = None) -> None:  # fmt: skip
     """:func:`onebit_feedback_encode` with ``grad`` the mean of the ``w`` one-bit rows ``parts_packed`` ``(w,
     ceil(n / 8))`` and ``parts_scales`` ``(w, chunks)`` (each row contiguous, any row stride), decoded in registers
     and added in row order (:func:`sylvie_comm.kernels.reference.mean_in_rank_order`)."""
-    device_type = _kernel_device(residual, "onebit_mean_feedback_encode")
-    checks.onebit_mean_feedback_encode(
-        device_type, residual, parts_packed, parts_scales, chunk_size, norm_scale, packed, scales, saved
-    )
     n = residual.numel()
     if n == 0:
         return
@@ -584,55 +471,10 @@ def onebit_mean_feedback_encode(
 
 # ---------------------------------------------------------------- registration
 
-_INTERPRETED = interpreted()
-
-_SCHEMAS = {
-    "onebit_encode": "onebit_encode(Tensor x, int chunk_size, bool norm_scale) -> (Tensor, Tensor)",
-    "onebit_decode": "onebit_decode(Tensor packed, Tensor scales, int numel, int chunk_size, ScalarType dtype) "
-    "-> Tensor",
-    "onebit_decode_into": "onebit_decode_into(Tensor packed, Tensor scales, int chunk_size, Tensor(a!) out) -> ()",
-    "onebit_feedback_encode": "onebit_feedback_encode(Tensor(a!) residual, Tensor? grad, int chunk_size, "
-    "bool norm_scale, Tensor(b!) packed, Tensor(c!) scales, Tensor(d!)? saved=None) -> ()",
-    "onebit_mean_feedback_encode": "onebit_mean_feedback_encode(Tensor(a!) residual, Tensor parts_packed, "
-    "Tensor parts_scales, int chunk_size, bool norm_scale, Tensor(b!) packed, Tensor(c!) scales, "
-    "Tensor(d!)? saved=None) -> ()",
-}
-_IMPLS: dict[str, Callable[..., Any]] = {
-    "onebit_encode": onebit_encode,
-    "onebit_decode": onebit_decode,
-    "onebit_decode_into": onebit_decode_into,
-    "onebit_feedback_encode": onebit_feedback_encode,
-    "onebit_mean_feedback_encode": onebit_mean_feedback_encode,
-}
-
-
-def _fake_encode(x: torch.Tensor, chunk_size: int, norm_scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    checks.check_chunk_size(chunk_size, "onebit_encode")  # the shapes need it
-    n = x.numel()
-    return x.new_empty(((n + 7) // 8,), dtype=torch.uint8), x.new_empty((-(-n // chunk_size),), dtype=torch.float32)
-
-
-def _fake_decode(
-    packed: torch.Tensor, scales: torch.Tensor, numel: int, chunk_size: int, dtype: torch.dtype
-) -> torch.Tensor:
-    return packed.new_empty((numel,), dtype=dtype)
-
-
-def _fake_nothing(*args: object, **kwargs: object) -> None:  # the op writes into its arguments only
-    return None
-
-
-_FAKES: dict[str, Callable[..., Any]] = {
-    "onebit_encode": _fake_encode,
-    "onebit_decode": _fake_decode,
-    "onebit_decode_into": _fake_nothing,
-    "onebit_feedback_encode": _fake_nothing,
-    "onebit_mean_feedback_encode": _fake_nothing,
-}
-
-_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # type: ignore[no-untyped-call]
-for _op, _schema in _SCHEMAS.items():
-    _LIB.define(_schema)  # type: ignore[no-untyped-call]
-    for _key in ("CPU", "CUDA"):
-        _LIB.impl(_op, _IMPLS[_op], _key)  # type: ignore[no-untyped-call]
-    torch.library.register_fake(f"{NAMESPACE}::{_op}", _FAKES[_op], lib=_LIB)
+_OPS = register({"onebit_encode": _onebit_encode, "onebit_decode": _onebit_decode,
+                 "onebit_decode_into": _onebit_decode_into, "onebit_feedback_encode": _onebit_feedback_encode,
+                 "onebit_mean_feedback_encode": _onebit_mean_feedback_encode})  # fmt: skip
+onebit_encode, onebit_decode, onebit_decode_into = (_OPS[n] for n in ("onebit_encode", "onebit_decode",
+                                                                     "onebit_decode_into"))  # fmt: skip
+onebit_feedback_encode = _OPS["onebit_feedback_encode"]
+onebit_mean_feedback_encode = _OPS["onebit_mean_feedback_encode"]

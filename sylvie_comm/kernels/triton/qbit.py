@@ -1,8 +1,8 @@
 """The q-bit codec in Triton: per-row stochastic quantization to 1, 2, 4 or 8 bits, and its decode.
 
-Registers ``sylvie_comm_triton::qbit_encode``, ``qbit_decode`` and ``qbit_decode_into`` with the schemas of the
-compiled ``sylvie_comm`` ops (``csrc/ops/ops.cpp``), their argument checks (:mod:`sylvie_comm.kernels.checks`, which
-the compiled ops run too: the same messages, as ``RuntimeError``) and fake implementations. Every output has the
+Registers ``sylvie_comm_triton::qbit_encode``, ``qbit_decode`` and ``qbit_decode_into`` against their declarations
+(:mod:`sylvie_comm.kernels.opdecl`: the compiled ``sylvie_comm`` ops' schemas, argument checks and fakes;
+:func:`sylvie_comm.kernels.triton.register`). Every output has the
 bits of :func:`sylvie_comm.kernels.reference.qbit_encode` / :func:`~sylvie_comm.kernels.reference.qbit_decode` run
 on the same device: packed bytes, scale and minimum (fp32 or bf16 metadata), and the decoded values. Nothing here
 sums floating-point values (min and max are exact), so the bits are the reference's on the interpreter and on a
@@ -67,21 +67,27 @@ has run on a GPU yet.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from sylvie_comm.kernels import checks, reference
-from sylvie_comm.kernels.triton import NAMESPACE, interpreted, launch_context
-from sylvie_comm.kernels.triton.bits import as_unit, from_unit, pack_fields, unpack_fields
+from sylvie_comm.kernels.triton import launch_context, register
+from sylvie_comm.kernels.triton.qbit_tiles import (
+    is_finite,
+    load_codes,
+    load_pairs,
+    noise_pairs,
+    pair_codes,
+    pair_keys,
+    pair_masks,
+    row_counter,
+    row_meta,
+    store_codes,
+)
 
 __all__ = ["qbit_decode", "qbit_decode_into", "qbit_encode"]
-
-# Whether the kernels were wrapped for Triton's interpreter (``triton.jit`` reads TRITON_INTERPRET once, at import).
-_INTERPRETED = interpreted()
 
 # Rows of up to this many columns are encoded in one pass, whole rows per program, held in registers.
 _ROW_COLS = 16384
@@ -102,256 +108,6 @@ _U32 = 0xFFFFFFFF
 _U64 = 0xFFFFFFFFFFFFFFFF
 
 
-# ---------------------------------------------------------------- element helpers
-
-
-@triton.jit
-def _mix32(x):
-    """The "lowbias32" hash of uint32 values (wrapping multiplies), as reference._mix32."""
-    x = x ^ (x >> 16)
-    x = x * 0x21F0AAAD
-    x = x ^ (x >> 15)
-    x = x * 0x735A2D97
-    return x ^ (x >> 15)
-
-
-@triton.jit
-def _row_counter(off_lo, off_hi, start, k0, k1, WRAP: tl.constexpr):
-    """What :func:`_noise_pairs` needs of the rows whose first element has the uint64 counter ``base = offset +
-    start`` (``offset`` given as its two 32-bit words and the seed keys as int32s, so a launch types them alike
-    whatever their values; ``start`` an int64 >= 0): ``(lo, key0, key1, odd)``, the low word of the pair index
-    ``base >> 1``, the hashed keys of its high word and of the next one (0 after 0x7FFFFFFF: the counter wraps at
-    2**64; only with WRAP), and whether ``base`` is odd. Per row, never per element."""
-    offset = (off_hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32) | off_lo.to(tl.uint32, bitcast=True).to(tl.uint64)
-    base = offset + start.to(tl.uint64, bitcast=True)
-    pb = base >> 1
-    hi = (pb >> 32).to(tl.uint32)
-    key0 = _mix32(hi ^ k1.to(tl.uint32, bitcast=True)) ^ k0.to(tl.uint32, bitcast=True)
-    if WRAP:
-        key1 = _mix32(((hi + 1) & 0x7FFFFFFF) ^ k1.to(tl.uint32, bitcast=True)) ^ k0.to(tl.uint32, bitcast=True)
-    else:
-        key1 = key0
-    return pb.to(tl.uint32), key0, key1, (base & 1) != 0
-
-
-@triton.jit
-def _noise_pairs(lo, key0, key1, odd, p, ODD: tl.constexpr, WRAP: tl.constexpr):
-    """reference.uniform of the elements ``2p`` and ``2p + 1`` (``p`` uint32 below 2**31) of rows described by
-    :func:`_row_counter`: ``(u_even, u_odd)``.
-
-    Counter ``c`` takes the 16-bit half ``c & 1`` of ``mix32(lo ^ mix32(hi ^ k1) ^ k0)``, ``lo`` and ``hi`` the
-    words of ``c >> 1``. With ``b`` the parity of the row's first counter, the element ``2p`` has the pair index
-    ``(base >> 1) + p`` and half ``b``, the element ``2p + 1`` the index ``(base >> 1) + p + b`` and half ``1 - b``:
-    ODD 0 (every ``b`` is 0) hashes once per pair of elements, ODD 1 (every ``b`` is 1) and 2 (``b`` per row: rows
-    of odd length) twice. The low word is a uint32 add; the high word is the row's or the next one, told by the
-    add's carry (WRAP: some counter of the launch has the next one; otherwise no carry is possible and none is
-    looked for).
-
-    A half ``h`` becomes ``h * 2**-16`` (the reference's ``h.to(float32) * 2**-16``) from bits, not by a conversion
-    instruction: ``h | 0x4B000000`` is the fp32 ``2**23 + h``, and subtracting ``2**23``, then scaling, are exact."""
-    a = lo + p
-    ha = _mix32(a ^ tl.where(a < lo, key1, key0)) if WRAP else _mix32(a ^ key0)
-    if ODD == 0:
-        he = ha & 0xFFFF
-        ho = ha >> 16
-    else:
-        b = a + 1
-        hb = _mix32(b ^ tl.where(b < lo, key1, key0)) if WRAP else _mix32(b ^ key0)
-        if ODD == 1:
-            he = ha >> 16
-            ho = hb & 0xFFFF
-        else:
-            he = tl.where(odd, ha >> 16, ha & 0xFFFF)
-            ho = tl.where(odd, hb & 0xFFFF, ha >> 16)
-    ue = ((he | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * 1.52587890625e-05
-    uo = ((ho | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0) * 1.52587890625e-05
-    return ue, uo
-
-
-@triton.jit
-def _pair_masks(p, cols, PAIRED: tl.constexpr):
-    """Which of pair ``p``'s two elements (even, odd) lie in a row of ``cols``: both or neither for a paired row
-    (even length), else each on its own."""
-    if PAIRED:
-        me = p < cols // 2
-        mo = me
-    else:
-        me = 2 * p < cols
-        mo = 2 * p + 1 < cols
-    return me, mo
-
-
-@triton.jit
-def _load_pairs(x_ptr, row, p, me, mo, cols, KIND: tl.constexpr, PAIRED: tl.constexpr, MASKED: tl.constexpr):
-    """Elements ``2p`` and ``2p + 1`` of rows ``row`` as fp32, exactly: ``(even, odd)``, 0 where masked out.
-
-    PAIRED: ``x_ptr`` points at the rows as pair words (int64 for fp32, int32 for fp16 and bf16; ``cols`` even),
-    one vector load of 16 bytes per thread; otherwise at the elements themselves (bf16 as int16), two strided
-    loads. fp16 widens by its conversion, bf16 from its bits (the interpreter misreads bf16 subnormals)."""
-    if PAIRED:
-        ptrs = x_ptr + row * (cols // 2) + p
-        w = tl.load(ptrs, mask=me, other=0) if MASKED else tl.load(ptrs)
-        if KIND == 0:
-            xe = w.to(tl.uint32).to(tl.float32, bitcast=True)
-            xo = (w >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
-        else:
-            we = w.to(tl.uint32, bitcast=True) & 0xFFFF
-            wo = w.to(tl.uint32, bitcast=True) >> 16
-    else:
-        ptrs = x_ptr + row * cols + 2 * p
-        if MASKED:
-            e = tl.load(ptrs, mask=me, other=0)
-            o = tl.load(ptrs + 1, mask=mo, other=0)
-        else:
-            e = tl.load(ptrs)
-            o = tl.load(ptrs + 1)
-        if KIND == 0:
-            xe = e
-            xo = o
-        else:
-            we = e.to(tl.uint16, bitcast=True).to(tl.uint32)
-            wo = o.to(tl.uint16, bitcast=True).to(tl.uint32)
-    if KIND == 1:
-        xe = we.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        xo = wo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    elif KIND == 2:
-        xe = (we << 16).to(tl.float32, bitcast=True)
-        xo = (wo << 16).to(tl.float32, bitcast=True)
-    return xe, xo
-
-
-@triton.jit
-def _pair_keys(xe, xo, me, mo, MASKED: tl.constexpr):
-    """The element-wise min and max order keys of the pairs ``(xe, xo)`` (fp32): uint32 keys that order the values
-    as integers (``-0.0 < +0.0``), so a min or max of them is exact in any order. Finite values have keys in
-    ``[0x00800000, 0xFF7FFFFF]``, -Inf and negative NaNs below, +Inf and positive NaNs above: a row's extreme keys
-    also tell whether it is finite. Elements masked out take the neutral key of each."""
-    se = (xe.to(tl.int32, bitcast=True) >> 31).to(tl.uint32, bitcast=True)
-    so = (xo.to(tl.int32, bitcast=True) >> 31).to(tl.uint32, bitcast=True)
-    ke = xe.to(tl.uint32, bitcast=True) ^ (se | 0x80000000)
-    ko = xo.to(tl.uint32, bitcast=True) ^ (so | 0x80000000)
-    if MASKED:
-        mn = tl.minimum(tl.where(me, ke, 0xFFFFFFFF), tl.where(mo, ko, 0xFFFFFFFF))
-        mx = tl.maximum(tl.where(me, ke, 0), tl.where(mo, ko, 0))
-    else:
-        mn = tl.minimum(ke, ko)
-        mx = tl.maximum(ke, ko)
-    return mn, mx
-
-
-@triton.jit
-def _key_value(k):
-    """The fp32 value of an order key."""
-    w = tl.where((k >> 31) != 0, k ^ 0x80000000, k ^ 0xFFFFFFFF)
-    return w.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _is_finite(v):
-    return (v.to(tl.uint32, bitcast=True) & 0x7F800000) != 0x7F800000
-
-
-@triton.jit
-def _round_bf16(x, UP: tl.constexpr):
-    """reference.round_bf16: to a bf16-representable fp32 value toward +inf (UP) or -inf."""
-    w = x.to(tl.uint32, bitcast=True)
-    t = w & 0xFFFF0000
-    away = (t != w) & ((x > 0.0) if UP else (x < 0.0))
-    return tl.where(away, t + 0x10000, t).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _row_meta(mn_key, mx_key, LEVELS: tl.constexpr, BF16_META: tl.constexpr):
-    """reference.qbit_meta from a row's min/max order keys (of every element, NaN and Inf included):
-    ``(scale, minimum, mn, inverse scale, finite)``, the sent scale and minimum NaN (0x7FC00000) where the row is
-    not finite, ``mn`` the minimum to quantize with, the inverse 0 where the row is not finite and where the scale
-    is 0. Per row, never per element: the span is the reference's, in float64 (``mx - mn`` of two fp32 values need
-    not be exact in fp32, and the reference rounds the float64 quotient once)."""
-    mn = _key_value(mn_key)
-    mx = _key_value(mx_key)
-    if BF16_META:
-        mn = _round_bf16(mn, False)
-    span = mx.to(tl.float64) - mn.to(tl.float64)
-    scale = (span / LEVELS).to(tl.float32)
-    if BF16_META:
-        scale = _round_bf16(scale, True)
-    exp = 0x7F800000
-    finite = (mn_key >= 0x00800000) & (mx_key <= 0xFF7FFFFF) & ((mn.to(tl.uint32, bitcast=True) & exp) != exp)
-    finite = finite & ((span.to(tl.float32).to(tl.uint32, bitcast=True) & exp) != exp)
-    finite = finite & ((scale.to(tl.uint32, bitcast=True) & exp) != exp)
-    usable = finite & (scale > 0.0)
-    inv = tl.div_rn(1.0, tl.where(usable, scale, 1.0))
-    inv = tl.where(usable & ((inv.to(tl.uint32, bitcast=True) & exp) != exp), inv, 0.0)
-    nan = 0x7FC00000
-    sent_scale = tl.where(finite, scale.to(tl.uint32, bitcast=True), nan).to(tl.float32, bitcast=True)
-    sent_mn = tl.where(finite, mn.to(tl.uint32, bitcast=True), nan).to(tl.float32, bitcast=True)
-    return sent_scale, sent_mn, mn, inv, finite
-
-
-@triton.jit
-def _pair_codes(xe, xo, mn, inv, ue, uo, me, mo, LEVELS: tl.constexpr, MASKED: tl.constexpr):
-    """``floor((v - mn) * inv + u)`` clamped to LEVELS, as uint32, for both elements of the pairs (0 where masked
-    out), in a finite row: there ``t >= 0`` (``v >= mn``, ``inv >= 0``), so the truncating conversion is the floor,
-    and ``t`` is never NaN. (In a row that is not finite ``t`` may be NaN, whose conversion differs between the
-    interpreter and a GPU: the caller zeroes the codes of such rows.)"""
-    qe = tl.minimum((xe - mn) * inv + ue, LEVELS * 1.0).to(tl.int32).to(tl.uint32)
-    qo = tl.minimum((xo - mn) * inv + uo, LEVELS * 1.0).to(tl.int32).to(tl.uint32)
-    if MASKED:
-        qe = tl.where(me, qe, 0)
-        qo = tl.where(mo, qo, 0)
-    return qe, qo
-
-
-@triton.jit
-def _store_codes(
-    packed_ptr, row, row_ok, p0, qe, qo, keep, ucols, BITS: tl.constexpr, UNIT: tl.constexpr, CP: tl.constexpr,
-    MASKED: tl.constexpr,
-):  # fmt: skip
-    """Pack the codes of a ``[R, CP]`` tile of pairs (``qe``, ``qo``: uint32, 0 past a row's end; the pairs
-    ``p0, p0 + 1, ...`` of the rows ``row``, ``[R, 1]``) into the rows' units of ``UNIT`` bytes (``packed_ptr``
-    viewed as int32, int16 or uint8, ``ucols`` units per row), all zero in rows where ``keep`` is false.
-
-    A pair's two codes are one field of ``2 * BITS`` bits: ``UP = 4 * UNIT // BITS`` fields per unit
-    (:func:`~sylvie_comm.kernels.triton.bits.pack_fields`); 8-bit codes into bytes (UP 0) go one per byte."""
-    UP: tl.constexpr = 4 * UNIT // BITS
-    if UP == 0:
-        p = p0 + tl.arange(0, CP)[None, :]
-        ptrs = packed_ptr + row * ucols + 2 * p
-        tl.store(ptrs, tl.where(keep, qe, 0).to(tl.uint8), mask=row_ok & (2 * p < ucols))
-        tl.store(ptrs + 1, tl.where(keep, qo, 0).to(tl.uint8), mask=row_ok & (2 * p + 1 < ucols))
-    else:
-        units = tl.where(keep, pack_fields(qe | (qo << BITS), 2 * BITS, UP), 0)
-        j = p0 // UP + tl.arange(0, CP // UP)[None, :]
-        ptrs = packed_ptr + row * ucols + j
-        value = as_unit(units, UNIT)
-        if MASKED:
-            tl.store(ptrs, value, mask=row_ok & (j < ucols))
-        else:
-            tl.store(ptrs, value)
-
-
-@triton.jit
-def _load_codes(
-    packed_ptr, row, row_ok, p0, ucols, BITS: tl.constexpr, UNIT: tl.constexpr, CP: tl.constexpr,
-    MASKED: tl.constexpr,
-):  # fmt: skip
-    """The inverse of :func:`_store_codes`: the uint32 codes ``(qe, qo)`` of the pairs ``p0, p0 + 1, ...``
-    (``[R, CP]``) of the rows ``row``, from their units (bits past a row's end ignored)."""
-    UP: tl.constexpr = 4 * UNIT // BITS
-    if UP == 0:
-        p = p0 + tl.arange(0, CP)[None, :]
-        ptrs = packed_ptr + row * ucols + 2 * p
-        qe = tl.load(ptrs, mask=row_ok & (2 * p < ucols), other=0).to(tl.uint32)
-        qo = tl.load(ptrs + 1, mask=row_ok & (2 * p + 1 < ucols), other=0).to(tl.uint32)
-        return qe, qo
-    else:
-        j = p0 // UP + tl.arange(0, CP // UP)[None, :]
-        ptrs = packed_ptr + row * ucols + j
-        units = tl.load(ptrs, mask=row_ok & (j < ucols), other=0) if MASKED else tl.load(ptrs)
-        fields = unpack_fields(from_unit(units, UNIT), 2 * BITS, UP)
-        return fields & ((1 << BITS) - 1), fields >> BITS
-
-
 # ---------------------------------------------------------------- encode kernels
 
 
@@ -368,18 +124,18 @@ def _encode_rows_kernel(
     row = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R)[:, None]
     p = tl.arange(0, CP)[None, :]
     row_ok = row < rows
-    me, mo = _pair_masks(p, cols, PAIRED)
+    me, mo = pair_masks(p, cols, PAIRED)
     me, mo = row_ok & me, row_ok & mo
-    xe, xo = _load_pairs(x_ptr, row, p, me, mo, cols, KIND, PAIRED, MASKED)
-    mn_key, mx_key = _pair_keys(xe, xo, me, mo, MASKED)
-    scale, minimum, mn, inv, finite = _row_meta(tl.min(mn_key, axis=1)[:, None], tl.max(mx_key, axis=1)[:, None],
+    xe, xo = load_pairs(x_ptr, row, p, me, mo, cols, KIND, PAIRED, MASKED)
+    mn_key, mx_key = pair_keys(xe, xo, me, mo, MASKED)
+    scale, minimum, mn, inv, finite = row_meta(tl.min(mn_key, axis=1)[:, None], tl.max(mx_key, axis=1)[:, None],
                                                 LEVELS, BF16_META)  # fmt: skip
     tl.store(scale_ptr + row, scale, mask=row_ok)
     tl.store(minimum_ptr + row, minimum, mask=row_ok)
-    lo, key0, key1, odd = _row_counter(off_lo, off_hi, row * cols, k0, k1, WRAP)
-    ue, uo = _noise_pairs(lo, key0, key1, odd, p.to(tl.uint32), ODD, WRAP)
-    qe, qo = _pair_codes(xe, xo, mn, inv, ue, uo, me, mo, LEVELS, MASKED)
-    _store_codes(packed_ptr, row, row_ok, 0, qe, qo, finite, ucols, BITS, UNIT, CP, MASKED)
+    lo, key0, key1, odd = row_counter(off_lo, off_hi, row * cols, k0, k1, WRAP)
+    ue, uo = noise_pairs(lo, key0, key1, odd, p.to(tl.uint32), ODD, WRAP)
+    qe, qo = pair_codes(xe, xo, mn, inv, ue, uo, me, mo, LEVELS, MASKED)
+    store_codes(packed_ptr, row, row_ok, 0, qe, qo, finite, ucols, BITS, UNIT, CP, MASKED)
 
 
 @triton.jit
@@ -397,9 +153,9 @@ def _encode_minmax_kernel(
     acc_mx = tl.zeros([BP], tl.uint32)
     for i in range(0, SEGP, BP):
         p = s * SEGP + i + tl.arange(0, BP)
-        me, mo = _pair_masks(p, cols, PAIRED)
-        xe, xo = _load_pairs(x_ptr, row, p, me, mo, cols, KIND, PAIRED, MASKED)
-        mn_key, mx_key = _pair_keys(xe, xo, me, mo, MASKED)
+        me, mo = pair_masks(p, cols, PAIRED)
+        xe, xo = load_pairs(x_ptr, row, p, me, mo, cols, KIND, PAIRED, MASKED)
+        mn_key, mx_key = pair_keys(xe, xo, me, mo, MASKED)
         acc_mn = tl.minimum(acc_mn, mn_key)
         acc_mx = tl.maximum(acc_mx, mx_key)
     tl.store(mn_ws_ptr + pid, tl.min(acc_mn, axis=0).to(tl.int32, bitcast=True))
@@ -424,7 +180,7 @@ def _encode_meta_kernel(
         idx = (r * segs)[:, None] + s[None, :]
         acc_mn = tl.minimum(acc_mn, tl.load(mn_ws_ptr + idx, mask=m, other=-1).to(tl.uint32, bitcast=True))
         acc_mx = tl.maximum(acc_mx, tl.load(mx_ws_ptr + idx, mask=m, other=0).to(tl.uint32, bitcast=True))
-    scale, minimum, _, inv, _ = _row_meta(tl.min(acc_mn, axis=1), tl.max(acc_mx, axis=1), LEVELS, BF16_META)
+    scale, minimum, _, inv, _ = row_meta(tl.min(acc_mn, axis=1), tl.max(acc_mx, axis=1), LEVELS, BF16_META)
     tl.store(scale_ptr + r, scale, mask=row_ok)
     tl.store(minimum_ptr + r, minimum, mask=row_ok)
     tl.store(inv_ptr + r, inv, mask=row_ok)
@@ -442,19 +198,19 @@ def _encode_quantize_kernel(
     pid = tl.program_id(0)
     r = pid // segs
     s = pid - r * segs
-    keep = _is_finite(tl.load(scale_ptr + r))
+    keep = is_finite(tl.load(scale_ptr + r))
     mn = tl.load(minimum_ptr + r)
     inv = tl.load(inv_ptr + r)
     row = tl.full([1, 1], 0, tl.int64) + r
-    lo, key0, key1, odd = _row_counter(off_lo, off_hi, row * cols, k0, k1, WRAP)
+    lo, key0, key1, odd = row_counter(off_lo, off_hi, row * cols, k0, k1, WRAP)
     for i in range(0, SEGP, BP):
         p0 = s * SEGP + i
         p = p0 + tl.arange(0, BP)[None, :]
-        me, mo = _pair_masks(p, cols, PAIRED)
-        xe, xo = _load_pairs(x_ptr, row, p, me, mo, cols, KIND, PAIRED, MASKED)
-        ue, uo = _noise_pairs(lo, key0, key1, odd, p.to(tl.uint32), ODD, WRAP)
-        qe, qo = _pair_codes(xe, xo, mn, inv, ue, uo, me, mo, LEVELS, MASKED)
-        _store_codes(packed_ptr, row, row >= 0, p0, qe, qo, keep, ucols, BITS, UNIT, BP, MASKED)
+        me, mo = pair_masks(p, cols, PAIRED)
+        xe, xo = load_pairs(x_ptr, row, p, me, mo, cols, KIND, PAIRED, MASKED)
+        ue, uo = noise_pairs(lo, key0, key1, odd, p.to(tl.uint32), ODD, WRAP)
+        qe, qo = pair_codes(xe, xo, mn, inv, ue, uo, me, mo, LEVELS, MASKED)
+        store_codes(packed_ptr, row, row >= 0, p0, qe, qo, keep, ucols, BITS, UNIT, BP, MASKED)
 
 
 # ---------------------------------------------------------------- decode kernel
@@ -501,7 +257,7 @@ def _decode_kernel(
     row_ok = row < rows
     p0 = ct * CP
     p = p0 + tl.arange(0, CP)[None, :]
-    qe, qo = _load_codes(packed_ptr, row, row_ok, p0, ucols, BITS, UNIT, CP, MASKED)
+    qe, qo = load_codes(packed_ptr, row, row_ok, p0, ucols, BITS, UNIT, CP, MASKED)
     if MASKED:
         scale = tl.load(scale_ptr + r, mask=r < rows, other=0.0)[:, None]
         mn = tl.load(minimum_ptr + r, mask=r < rows, other=0.0)[:, None]
@@ -561,20 +317,6 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _check_device(t: torch.Tensor, op: str, what: str) -> str:
-    """The device type the op runs on, from its main tensor ``what``: CUDA, or CPU under the interpreter."""
-    if t.device.type == "cuda":
-        return "cuda"
-    if t.device.type == "cpu":
-        if _INTERPRETED:
-            return "cpu"
-        raise RuntimeError(
-            f"{op}: {what} is a CPU tensor, which the Triton kernels take only under Triton's interpreter "
-            "(TRITON_INTERPRET=1 set before sylvie_comm.kernels.triton is imported)"
-        )
-    raise RuntimeError(f"{op}: expected a CUDA tensor (or a CPU one under Triton's interpreter), got device {t.device}")
-
-
 _FLOATS = checks.FLOATS
 # The view a kernel takes of each float dtype: element by element (bf16 as its bits), and two at a time.
 _ELEMENT_VIEW = {torch.float32: torch.float32, torch.float16: torch.float16, torch.bfloat16: torch.int16}
@@ -612,20 +354,13 @@ def _counters(offset: int, rows: int, cols: int) -> dict[str, int | bool]:
     return {"ODD": offset & 1 if cols % 2 == 0 or rows == 1 else 2, "WRAP": offset >> 33 != last >> 33}
 
 
-def _check_encode(x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype) -> None:
-    op = "qbit_encode"
-    checks.qbit_encode(_check_device(x, op, "x"), x, bits, seed, offset, meta_dtype)
-    if x.shape[1] >= 1 << 31:  # the kernels' own limit (int32 column indices)
-        raise RuntimeError(f"{op}: rows of at most 2**31 - 1 columns, got {x.shape[1]}")
-
-
-def qbit_encode(
-    x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype, *, checked: bool = True
+def _qbit_encode(
+    x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``sylvie_comm_triton::qbit_encode``: reference.qbit_encode's bits (``seed`` and ``offset`` int64, each the
-    two's complement of a uint64). ``checked=False``: a plan's call (see :func:`sylvie_comm.kernels.direct`)."""
-    if checked:
-        _check_encode(x, bits, seed, offset, meta_dtype)
+    two's complement of a uint64)."""
+    if x.shape[1] >= 1 << 31:  # the kernels' own limit (int32 column indices)
+        raise RuntimeError(f"qbit_encode: rows of at most 2**31 - 1 columns, got {x.shape[1]}")
     x = x.contiguous()
     rows, cols = x.shape
     pcols = reference.packed_cols(cols, bits)
@@ -646,16 +381,8 @@ def qbit_encode(
     return packed, scale.to(meta_dtype), minimum.to(meta_dtype)
 
 
-def _encode(
-    x: torch.Tensor,
-    bits: int,
-    counter: tuple[int, ...],
-    counters: dict[str, int | bool],
-    bf16_meta: bool,
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    minimum: torch.Tensor,
-) -> None:
+def _encode(x: torch.Tensor, bits: int, counter: tuple[int, ...], counters: dict[str, int | bool], bf16_meta: bool,
+            packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:  # fmt: skip
     rows, cols = x.shape
     kind = _FLOATS.index(x.dtype)
     xk, paired = _as_pairs(x)
@@ -700,25 +427,10 @@ def _warps(elements: int) -> int:
     return max(4, min(16, elements // (32 * 32)))
 
 
-def qbit_decode_into(
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    minimum: torch.Tensor,
-    bits: int,
-    out: torch.Tensor,
-    *,
-    checked: bool = True,
-) -> None:
-    """``sylvie_comm_triton::qbit_decode_into``: reference.qbit_decode's values written into ``out``."""
-    if checked:
-        checks.qbit_decode_into(_check_device(out, "qbit_decode_into", "out"), packed, scale, minimum, bits, out)
-    _decode_into(packed, scale, minimum, bits, out)
-
-
-def _decode_into(
+def _qbit_decode_into(
     packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, out: torch.Tensor
 ) -> None:
-    """The launch of :func:`qbit_decode_into` (checked arguments)."""
+    """``sylvie_comm_triton::qbit_decode_into``: reference.qbit_decode's values written into ``out``."""
     rows, cols = out.shape
     if not rows or not cols:
         return
@@ -739,59 +451,17 @@ def _decode_into(
         )  # fmt: skip
 
 
-def qbit_decode(
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    minimum: torch.Tensor,
-    bits: int,
-    cols: int,
-    dtype: torch.dtype,
-    *,
-    checked: bool = True,
+def _qbit_decode(
+    packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, cols: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """``sylvie_comm_triton::qbit_decode``: a new ``(rows, cols)`` tensor of ``dtype``."""
-    if checked:
-        checks.qbit_decode(_check_device(packed, "qbit_decode", "packed"), packed, scale, minimum, bits, cols,
-                           dtype)  # fmt: skip
     out = torch.empty((packed.shape[0], cols), dtype=dtype, device=packed.device)
-    _decode_into(packed, scale, minimum, bits, out)
+    _qbit_decode_into(packed, scale, minimum, bits, out)
     return out
 
 
 # ---------------------------------------------------------------- registration
 
-# The schemas of csrc/ops/ops.cpp. The CPU kernels are the interpreter's (a CPU tensor is refused without it).
-_SCHEMAS = {
-    "qbit_encode": "(Tensor x, int bits, int seed, int offset, ScalarType meta_dtype) -> (Tensor, Tensor, Tensor)",
-    "qbit_decode": "(Tensor packed, Tensor scale, Tensor minimum, int bits, int cols, ScalarType dtype) -> Tensor",
-    "qbit_decode_into": "(Tensor packed, Tensor scale, Tensor minimum, int bits, Tensor(a!) out) -> ()",
-}
-
-
-def _qbit_encode_fake(
-    x: torch.Tensor, bits: int, seed: int, offset: int, meta_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows, cols = x.shape
-    packed = x.new_empty((rows, reference.packed_cols(cols, bits)), dtype=torch.uint8)
-    return packed, x.new_empty((rows,), dtype=meta_dtype), x.new_empty((rows,), dtype=meta_dtype)
-
-
-def _qbit_decode_fake(
-    packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, cols: int, dtype: torch.dtype
-) -> torch.Tensor:
-    return packed.new_empty((packed.shape[0], cols), dtype=dtype)
-
-
-def _qbit_decode_into_fake(*args: Any) -> None:  # writes into its argument only
-    return None
-
-
-_OPS: dict[str, tuple[Callable[..., object], Callable[..., object]]] = {  # name -> (kernel, fake)
-    "qbit_encode": (qbit_encode, _qbit_encode_fake),
-    "qbit_decode": (qbit_decode, _qbit_decode_fake),
-    "qbit_decode_into": (qbit_decode_into, _qbit_decode_into_fake),
-}
-for _name, (_kernel, _fake) in _OPS.items():
-    torch.library.define(f"{NAMESPACE}::{_name}", _SCHEMAS[_name])
-    torch.library.impl(f"{NAMESPACE}::{_name}", ("CPU", "CUDA"), _kernel)
-    torch.library.register_fake(f"{NAMESPACE}::{_name}")(_fake)
+# The checked ops (``checked=False``: a plan's call, see :func:`sylvie_comm.kernels.direct`).
+_OPS = register({"qbit_encode": _qbit_encode, "qbit_decode": _qbit_decode, "qbit_decode_into": _qbit_decode_into})
+qbit_encode, qbit_decode, qbit_decode_into = _OPS["qbit_encode"], _OPS["qbit_decode"], _OPS["qbit_decode_into"]
