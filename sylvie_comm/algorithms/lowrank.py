@@ -193,8 +193,10 @@ class LowRankAlgorithm(Algorithm):
         """A step consumed the owed update ``owed`` (no longer owed on the host) from a residual it saved
         before: if the step is skipped, the saved residual comes back and the update is applied to it,
         on the device."""
-        res = self._residuals[name]
-        self.guard.on_skip(lambda bad: kernels.lowrank_outer_into(res, owed[0], owed[1], -1.0, True, when=bad))
+        res = self._residuals[name]  # every argument the plan's (the flag the guard's): no per-call check
+        self.guard.on_skip(
+            lambda bad: kernels.lowrank_outer_into(res, owed[0], owed[1], -1.0, True, when=bad, checked=False)
+        )
 
     def _residual(self, name: str) -> torch.Tensor:
         """A copy of ``name``'s residual with any owed update applied (the same bits as applying it in place)."""

@@ -48,6 +48,7 @@ so a resumed run decides as the straight run does.
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 import zlib
@@ -61,7 +62,7 @@ from sylvie_comm.algorithms.base import Algorithm, Future, Group, Member, ShardL
 from sylvie_comm.algorithms.budget import RAW, REPAY_CHECKS, Budget, level_bytes
 from sylvie_comm.algorithms.delegating import delegating
 from sylvie_comm.algorithms.monitor_adapt import Adaptation
-from sylvie_comm.algorithms.monitor_exact import Channel, ExactCheck, Schedule
+from sylvie_comm.algorithms.monitor_exact import Channel, ExactCheck
 from sylvie_comm.algorithms.monitor_figures import TensorFigures, norms_before, stack
 from sylvie_comm.algorithms.monitor_judge import Bounds, Over, judge, warn
 from sylvie_comm.algorithms.monitor_state import check_state, metrics
@@ -82,6 +83,42 @@ class _Check:
     done: Future[Any]
     patience: int
     where: str  # the group, as its warning names it
+
+
+class Schedule:
+    """The compressed steps that run a check: at ``first``, then at gaps that double up to ``period`` (10, 30, 70,
+    120, 170, ... at the defaults), counted from ``settles`` (the step the algorithm's choice settles: after
+    ``auto``'s probe), so a codec that is hurting a model is caught in its first steps, when the harm is largest,
+    and the steady state costs what ``period`` says. ``period`` 0: none."""
+
+    def __init__(self, first: int, period: int, window: int, settles: int) -> None:
+        self.period, self.first, self.window = period, first, window
+        self.ramp: list[int] = [settles + first] if period else []
+        gap = first
+        while period and gap < period:
+            gap = min(2 * gap, period)
+            self.ramp.append(self.ramp[-1] + gap)
+
+    def next_check(self, step: int) -> int:
+        """The first compressed step at or after ``step`` that runs a check (O(1) past the first few)."""
+        last = self.ramp[-1]
+        if step > last:
+            return last + -(-(step - last) // self.period) * self.period
+        return self.ramp[bisect.bisect_left(self.ramp, step)]
+
+    def due(self, step: int) -> bool:
+        """Whether compressed step ``step`` (0 first) runs a check."""
+        return step > 0 and self.next_check(step) == step
+
+    def measures(self, step: int) -> bool:
+        """Whether compressed step ``step`` takes the per-step figures: the last ``window`` steps before each
+        check after it (each costs two passes over the gradient and one over the residual)."""
+        return self.next_check(step + 1) - step <= self.window
+
+    def since(self, step: int) -> int:
+        """Compressed steps from the check before check step ``step`` (past the ramp: ``period``)."""
+        i = bisect.bisect_left(self.ramp, step)
+        return self.period if i >= len(self.ramp) else step - (self.ramp[i - 1] if i > 0 else 0)
 
 
 class Monitor:
@@ -127,7 +164,7 @@ class Monitor:
         self.schedule = Schedule(self.first, self.period, self.window, settles)
         self.min_rate = min_compression_rate
         self.channel = Channel(algorithm, transport)  # the monitor's collectives, on the algorithm's transport
-        self.exact = ExactCheck(algorithm, self.channel, self.schedule, self.sample, self.share)
+        self.exact = ExactCheck(algorithm, self.channel, self.schedule.since, self.sample, self.share)
         self._tensors: dict[str, TensorFigures] = {}
         # A byte budget (target_ratio or target_bytes): every tensor's setting chosen at the checks from its
         # measured error per byte, in place of the bound's escalation (budget.py).
@@ -181,8 +218,9 @@ class Monitor:
         return self.schedule.measures(step)
 
     def rewrite(self, group: Group) -> Group:
-        """``group`` with adaptation's decisions applied (:meth:`Adaptation.rewrite`)."""
-        return self.adaptation.rewrite(group)
+        """``group`` with adaptation's decisions applied (:meth:`Adaptation.rewrite`; most steps have none)."""
+        a = self.adaptation
+        return a.rewrite(group) if a.raw or a.overrides or a.owed else group
 
     def _begin(self, step: int, meter: Meter) -> None:
         """What a step's groups find done before they run: the last check read and judged, its verdicts applied,
@@ -273,7 +311,8 @@ class Monitor:
                          [Member(g.name, view(g), True) for g in segs if g.compress and g.numel], meter, step,
                          [Member(g.name, view(g), True) for g in segs if g.name in self.raw and g.numel],
                          f"unit '{layout.key}'")  # fmt: skip
-        layout = self.adaptation.rewrite_shards(layout, view)
+        a = self.adaptation
+        layout = a.rewrite_shards(layout, view) if a.raw or a.overrides or a.owed else layout
         comp = [g for g in layout.segments if g.compress and g.numel]
         alg = self.algorithm
         measures = self.measures(step) and alg.error_feedback

@@ -1,8 +1,7 @@
-"""When the monitor checks, and its exact check: the schedule of the checks, the sampled fp32 window each one
-all-reduces beside the compressed average, and the channel every monitor collective goes on.
+"""The monitor's exact check: the sampled fp32 window each check all-reduces beside the compressed average, and the
+channel every monitor collective goes on (when it checks is the monitor's own
+:class:`~sylvie_comm.algorithms.monitor.Schedule`).
 
-* **schedule** (:class:`Schedule`): a check at ``first`` compressed steps, then at gaps that double up to
-  ``period``; the per-step figures on the ``window`` steps before each.
 * **sampling and window** (:class:`ExactCheck`): ``sample`` tensors of each group in turn, at most
   :data:`EXACT_ELEMENTS` of each and ``share`` of the bytes the group sent compressed since the check before, a
   window that moves from check to check (under a reduce-scatter, the same window of every shard).
@@ -12,9 +11,8 @@ all-reduces beside the compressed average, and the channel every monitor collect
 
 from __future__ import annotations
 
-import bisect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,42 +24,6 @@ from sylvie_comm.collectives import Meter, Transport
 from sylvie_comm.collectives.accounting import wire_bytes
 
 EXACT_ELEMENTS = 1 << 13  # an exact check compares at most this many elements of a tensor (8,192: 32 KB)
-
-
-class Schedule:
-    """The compressed steps that run a check: at ``first``, then at gaps that double up to ``period`` (10, 30, 70,
-    120, 170, ... at the defaults), counted from ``settles`` (the step the algorithm's choice settles: after
-    ``auto``'s probe), so a codec that is hurting a model is caught in its first steps, when the harm is largest,
-    and the steady state costs what ``period`` says. ``period`` 0: none."""
-
-    def __init__(self, first: int, period: int, window: int, settles: int) -> None:
-        self.period, self.first, self.window = period, first, window
-        self.ramp: list[int] = [settles + first] if period else []
-        gap = first
-        while period and gap < period:
-            gap = min(2 * gap, period)
-            self.ramp.append(self.ramp[-1] + gap)
-
-    def next_check(self, step: int) -> int:
-        """The first compressed step at or after ``step`` that runs a check (O(1) past the first few)."""
-        last = self.ramp[-1]
-        if step > last:
-            return last + -(-(step - last) // self.period) * self.period
-        return self.ramp[bisect.bisect_left(self.ramp, step)]
-
-    def due(self, step: int) -> bool:
-        """Whether compressed step ``step`` (0 first) runs a check."""
-        return step > 0 and self.next_check(step) == step
-
-    def measures(self, step: int) -> bool:
-        """Whether compressed step ``step`` takes the per-step figures: the last ``window`` steps before each
-        check after it (each costs two passes over the gradient and one over the residual)."""
-        return self.next_check(step + 1) - step <= self.window
-
-    def since(self, step: int) -> int:
-        """Compressed steps from the check before check step ``step`` (past the ramp: ``period``)."""
-        i = bisect.bisect_left(self.ramp, step)
-        return self.period if i >= len(self.ramp) else step - (self.ramp[i - 1] if i > 0 else 0)
 
 
 class Channel:
@@ -125,14 +87,15 @@ class ExactCheck:
     Args:
         algorithm: the algorithm watched (its bytes per element give the check's allowance).
         channel: where the exact sums go.
-        schedule: the checks' steps (the steps since the check before give the allowance).
+        since: the compressed steps from the check before a check step (they give the allowance).
         sample: tensors of a group checked per check, in turn.
         share: the fp32 window is at most this fraction of the bytes the checked group (or FSDP unit) sent
             compressed since the check before (2% by default, whatever the model).
     """
 
-    def __init__(self, algorithm: Algorithm, channel: Channel, schedule: Schedule, sample: int, share: float) -> None:
-        self.algorithm, self.channel, self.schedule = algorithm, channel, schedule
+    def __init__(self, algorithm: Algorithm, channel: Channel, since: Callable[[int], int], sample: int,
+                 share: float) -> None:  # fmt: skip
+        self.algorithm, self.channel, self.since = algorithm, channel, since
         self.sample, self.share = sample, share
         self.cursor: dict[int, int] = {}  # per group key, the next tensor to sample
 
@@ -143,7 +106,7 @@ class ExactCheck:
         same."""
         sent = sum(math.prod(shape) * copies * self.algorithm.bytes_per_element(tuple(shape), options)
                    for shape, options in tensors)  # fmt: skip
-        return int(self.share * max(self.schedule.since(step), 1) * sent / 4)
+        return int(self.share * max(self.since(step), 1) * sent / 4)
 
     def launch(self, key: int, comp: list[Member], meter: Meter, step: int, checks: int) -> Sampled | None:
         """The exact fp32 sum of ``sample`` tensors of group ``key`` (in turn), of at most :data:`EXACT_ELEMENTS`
@@ -208,4 +171,4 @@ class ExactCheck:
                 tensors[g.name].exact = compare(got[lo:hi], mine[lo - at : hi - at])
 
 
-__all__ = ["EXACT_ELEMENTS", "Channel", "ExactCheck", "Sampled", "Schedule", "Window"]
+__all__ = ["EXACT_ELEMENTS", "Channel", "ExactCheck", "Sampled", "Window"]

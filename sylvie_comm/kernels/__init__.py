@@ -75,14 +75,20 @@ def _cpu_triton() -> bool:
 
 
 def _ops_for(device: torch.device) -> Any:
-    """The op namespace that runs tensors on ``device`` (``torch.ops.sylvie_comm_triton``, or the checked C++
-    kernels: :func:`sylvie_comm.kernels.compiled.namespace`), or None for the references."""
+    """The op namespace that runs tensors on ``device``, or None for the references: on CUDA (or CPU tensors routed
+    through the interpreter) ``torch.ops.sylvie_comm_triton``; on the CPU :data:`~sylvie_comm.kernels.compiled.OPS`,
+    the checked C++ kernels called directly, or, while ``torch.compile`` traces or a dispatch mode is active,
+    ``torch.ops.sylvie_comm`` itself (its CPU kernel is the same checked function; a trace records it as one op with
+    its fake); None without the extension."""
     if device.type == "cuda":
         return torch.ops.sylvie_comm_triton if _triton.load() else None
     if device.type == "cpu":
         if _cpu_triton():
             return torch.ops.sylvie_comm_triton
-        return compiled.namespace()
+        ops = compiled.OPS
+        if ops is None or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+            return torch.ops.sylvie_comm if ops is not None else None
+        return ops
     return None
 
 

@@ -13,8 +13,8 @@ whose g++ 13.3 built it against a torch built by gcc-toolset-13, every such thro
 The entry points call the checked kernels of :data:`OPS` directly (the check, then the C++ op's ``default``
 overload), which spares them the public op's detour from the dispatcher back into Python (about 2 us a call),
 except while ``torch.compile`` traces or a dispatch mode (``FakeTensorMode``, ``make_fx``) is active, where they call
-the public op, which those see as one op with its fake (:func:`namespace`). The checks cost 0.3 us (``onebit_encode``)
-to 2 us (``onebit_feedback_encode`` with ``grad`` and ``saved``) a call.
+the public op, which those see as one op with its fake (``sylvie_comm.kernels._ops_for`` picks it). The checks
+cost 0.3 us (``onebit_encode``) to 2 us (``onebit_feedback_encode`` with ``grad`` and ``saved``) a call.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from sylvie_comm import _ops
 from sylvie_comm.kernels.opdecl import DECLS, define
 
-__all__ = ["KERNELS", "OPS", "namespace"]
+__all__ = ["KERNELS", "OPS"]
 
 # Op name -> the C++ kernel (torch.ops.sylvie_comm_cpu.<op>.default), looked up at each call so that a test can
 # stand a recording proxy in for one. Empty without the extension.
@@ -59,12 +59,3 @@ if _ops.HAS_EXTENSION:
     KERNELS.update({name: getattr(_native, name).default for name in DECLS})
     OPS = SimpleNamespace(**{name: _checked(name) for name in DECLS})
     _LIBS += (define("sylvie_comm", vars(OPS)),)
-
-
-def namespace() -> Any:
-    """The ops a CPU tensor runs through (None without the extension): :data:`OPS`, the checked kernels called
-    directly, or, while ``torch.compile`` traces or a dispatch mode is active, ``torch.ops.sylvie_comm`` itself
-    (its CPU kernel is the same checked function; a trace records it as one op with its fake)."""
-    if OPS is None or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return torch.ops.sylvie_comm if OPS is not None else None
-    return OPS
