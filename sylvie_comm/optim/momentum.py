@@ -157,17 +157,17 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
         hyperparameters: checks the subclass's hyperparameters (a ValueError naming the value) and returns the
             optimizer's ``defaults``; called inside the ranks' agreement, so a rank's error fails every rank.
         transport: the ranks to average among (:class:`~sylvie_comm.collectives.Transport`).
-        codec: the algorithm that averages the momentum (:data:`MOMENTUM_CODECS`).
+        codec: the algorithm that averages the momentum (:data:`MOMENTUM_CODECS`; default ``onebit``).
         warmup: steps of fp32 gradient averaging before the momenta compress; steps skipped for a NaN or Inf
             gradient do not count. Give it, or ``total_steps``.
         total_steps: the run's length; the warm-up is then ``ceil(warmup_fraction * total_steps)``.
-        warmup_fraction: see ``total_steps``.
+        warmup_fraction: see ``total_steps`` (default: the subclass's :attr:`default_warmup_fraction`).
         seed: agreed by every rank (qsgd's noise).
         rules: per-parameter-name rules (:class:`~sylvie_comm.config.Rule`), as for the hooks.
         monitor: the compression monitor's settings, as for the hooks (None: the defaults); an unset ``max_lag``
             is the bound calibrated for a momentum (:data:`~sylvie_comm.config.LAG_BOUNDS`).
         close_transport: :meth:`close` closes ``transport`` too (the adapters that create it set it).
-        options: the codec's options (``chunk_size``, ``scale``, ``ratio``, ``bits``).
+        **options: the codec's options (``chunk_size``, ``scale``, ``ratio``, ``bits``).
     """
 
     # torch.amp.GradScaler calls step() on every rank, passing grad_scale and found_inf (see _take_step()).
@@ -188,9 +188,9 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
 
     def __init__(
         self, params: Iterable[Any], hyperparameters: Callable[[], dict[str, Any]], *, transport: Transport,
-        codec: str, warmup: int | None, total_steps: int | None, warmup_fraction: float, seed: int,
-        rules: Iterable[Any], close_transport: bool, options: Mapping[str, Any],
-        monitor: Mapping[str, Any] | None = None,
+        codec: str = "onebit", warmup: int | None = None, total_steps: int | None = None,
+        warmup_fraction: float | None = None, seed: int = 0, rules: Iterable[Any] = (),
+        monitor: Mapping[str, Any] | None = None, close_transport: bool = False, **options: Any,
     ) -> None:  # fmt: skip
         what = self.what
         if not isinstance(transport, Transport):
@@ -205,7 +205,8 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
             defaults = hyperparameters()
             # The hyperparameters every checkpoint's groups must hold (torch.optim adds to ``defaults`` on a load).
             self._hyperparameters = tuple(defaults)
-            steps = resolve_warmup(warmup, total_steps, warmup_fraction, what=what, minimum=self.warmup_minimum,
+            fraction = self.default_warmup_fraction if warmup_fraction is None else warmup_fraction
+            steps = resolve_warmup(warmup, total_steps, fraction, what=what, minimum=self.warmup_minimum,
                                    default_fraction=self.default_warmup_fraction, meaning=self.warmup_meaning,
                                    why=self.warmup_why)  # fmt: skip
             check_codec(what, codec)
