@@ -488,7 +488,9 @@ def register(
     return state
 
 
-def _transport(mesh_info: Any, replicas: dist.ProcessGroup | None, timeout: float | timedelta | None) -> Any:
+def _transport(
+    mesh_info: Any, replicas: dist.ProcessGroup | None, timeout: float | timedelta | None
+) -> ProcessGroupTransport:
     """The algorithm's transport: over FSDP's shard group, or (HSDP) over ``replicas``, checked first."""
     if replicas is None:
         return ProcessGroupTransport(mesh_info.shard_process_group, timeout=timeout)
