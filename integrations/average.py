@@ -55,7 +55,7 @@ class GradientAverage(SessionHolder):
                 p.grad = torch.zeros_like(p)  # every rank sends every parameter, in the same order
             members.append(Member(name, p.grad, compress, options))
         self.session.run(Group(0, members)).wait()
-        self.session.step += 1
+        self.session.advance()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state in every integration's checkpoint format."""

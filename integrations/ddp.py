@@ -117,12 +117,8 @@ class HookState(SessionHolder):
 
     @property
     def step(self) -> int:
-        """Backward passes done (the policy's step)."""
+        """Backward passes done (the policy's step; the session counts them)."""
         return self.session.step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.session.step = value
 
     def describe(self) -> dict[str, Any]:
         """What every rank must agree on."""
@@ -176,7 +172,7 @@ class HookState(SessionHolder):
 
     def _group(self, bucket: GradBucket, step: int) -> Group:
         buf = bucket.buffer()
-        if step < self.config.warmup_steps:
+        if self.policy.warming(step):
             # Plain averaging of the whole buffer: parameters are named once DDP's buckets are final.
             return Group(bucket.index(), [], flat=buf)
         where = (buf.data_ptr(), buf.numel())
@@ -194,9 +190,9 @@ class HookState(SessionHolder):
         return plan.group
 
     def communicate(self, bucket: GradBucket) -> Future[torch.Tensor]:
-        step = self.step
+        step = self.session.step  # this backward pass's, whichever bucket counts it done
         if bucket.is_last():
-            self.step += 1
+            self.session.advance()
         buf = bucket.buffer()
         return then(self.session.run(self._group(bucket, step), step), lambda _: buf)
 

@@ -87,10 +87,15 @@ class _Unit:
         self.key = fqn or "<root>"
         self.names = [names[id(p.sharded_param)] for p in self.group.fsdp_params]
         self.world = dist.get_world_size(self.shard_group)  # what the flat buffer is laid out for
-        self.step = 0
+        self.session: Session | None = None  # the session that counts the unit's steps (its state's)
         self.layout: ShardLayout | None = None
         self.plan: _Plan | None = None  # built at the unit's first reduce-scatter, rebuilt only if its call changes
         self.shard = -1  # the elements per rank the replica hook last checked the layout against
+
+    @property
+    def step(self) -> int:
+        """The unit's steps done (its reduce-scatters or replica all-reduces), as the session counts them."""
+        return self.session.step_of(self.key) if self.session is not None else 0
 
     @property
     def shard_group(self) -> Any:
@@ -175,6 +180,10 @@ class FSDPState(SessionHolder):
         self.session = session
         self.units = units
         self.replicas = replicas
+        # Each unit steps once per training step, at its own time in the backward pass: the session counts them.
+        session.count_per_unit(u.key for u in units)
+        for u in units:
+            u.session = session
 
     # ------------------------------------------------------------------ FSDP's calls
 
@@ -208,22 +217,15 @@ class FSDPState(SessionHolder):
         self, unit: _Unit, output: torch.Tensor, flat: torch.Tensor, group: dist.ProcessGroup, op: Any
     ) -> None:
         """Run one unit's reduce-scatter: its plan checked in O(1) (built where it does not fit), the session's
-        reduce-scatter waited for (FSDP reads ``output`` once this returns), the op's scale, the step counted."""
+        reduce-scatter waited for (FSDP reads ``output`` once this returns), the op's scale, the unit's step
+        counted (the session's step is the most steps any unit has done: :meth:`Session.advance`)."""
         plan = unit.plan
         if plan is None or plan.layout is not unit.layout or not plan.fits(output, flat, group, op):
             plan = self._plan(unit, output, flat, group, op)
-        self.session.reduce_scatter(flat, output, plan.layout, unit.step).wait()
+        self.session.reduce_scatter(flat, output, plan.layout, unit=unit.key).wait()
         if plan.scale != 1:
             output.mul_(plan.scale)
-        self._stepped(unit)
-
-    def _stepped(self, unit: _Unit) -> None:
-        """Count a unit's step. The session's step is the most steps any unit has taken: units step one at a
-        time by one, so it moves when a unit passes it (once per training step, by the first unit to reduce),
-        in O(1), where a maximum over every unit would cost each unit as many as there are units."""
-        unit.step += 1
-        if unit.step > self.session.step:
-            self.session.step = unit.step
+        self.session.advance(unit.key)
 
     def _replica_hook(self, unit: _Unit) -> Callable[[torch.Tensor], None]:
         def hook(reduce_output: torch.Tensor) -> None:
@@ -236,20 +238,35 @@ class FSDPState(SessionHolder):
                 Member(s.name, flat[s.offset : s.offset + s.numel].view(-1, s.row), s.compress, s.options)
                 for s in layout.segments
             ]
-            self.session.run(Group(unit.index, members, flat=flat), unit.step).wait()
-            self._stepped(unit)
+            self.session.run(Group(unit.index, members, flat=flat), unit=unit.key).wait()
+            self.session.advance(unit.key)
 
         return hook
+
+    def install(self) -> None:
+        """Hand FSDP each unit's comm (the reduce-scatter, or with replicas the all-reduce hook) and take the
+        units; on failure, closed (the units handed back)."""
+        try:
+            for u in self.units:
+                if self.replicas:
+                    u.module.set_all_reduce_hook(self._replica_hook(u))  # type: ignore[operator]
+                else:
+                    u.module.set_custom_reduce_scatter(_ReduceScatter(self, u))  # type: ignore[operator]
+                _REGISTERED[u.module] = self
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ public
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's codec state (its residuals), per unit steps, in every integration's checkpoint format."""
-        return self.session.state_dict(step={u.key: u.step for u in self.units})
+        return self.session.state_dict()
 
     def load_state_dict(self, state: Any) -> None:
         """Resume from this rank's :meth:`state_dict` (a collective: every rank loads its own); every field is
-        checked first, and the ranks agree (see ``sylvie_comm.ddp.HookState.load_state_dict``)."""
+        checked first, and the ranks agree (see ``sylvie_comm.ddp.HookState.load_state_dict``); the session
+        restores each unit's steps."""
         keys = {u.key for u in self.units}
 
         def units(state: Any, step: int) -> None:
@@ -260,13 +277,10 @@ class FSDPState(SessionHolder):
 
         if self.replicas:
             shapes = [(s.name, (s.numel // s.row, s.row)) for u in self.units for s in self._unit_layout(u).segments]
-            steps = self.session.load_state_dict(state, shapes, check=units)
+            self.session.load_state_dict(state, shapes, check=units)
         else:
             shards = {s.name: s for u in self.units for s in self._unit_layout(u).segments if s.compress}
-            steps = self.session.load_state_dict(state, None, shards=shards, check=units)
-        for u in self.units:
-            u.step = steps[u.key]
-        self.session.step = max((u.step for u in self.units), default=0)
+            self.session.load_state_dict(state, None, shards=shards, check=units)
 
     def _unit_layout(self, unit: _Unit) -> ShardLayout:
         if unit.layout is None:
@@ -443,20 +457,10 @@ def register(
     units = [(fqn, m) for fqn, m in units if param_groups(m)]
     if not units:
         raise ValueError(f"{WHAT}.register: the FSDP units of {type(model).__name__} hold no parameters")
-    first = param_groups(units[0][1])[0]
-    shard_group = first.mesh_info.shard_process_group
-    if replicas is not None:
-        _check_replicas(replicas, first.mesh_info)  # before any collective on it
-        # The replicas' group itself (a DeviceMesh dimension FSDP does not use with a 1-D shard mesh): a dedicated
-        # copy would be a subgroup that every rank of the world must create in one order.
-        transport = ProcessGroupTransport(replicas, dedicated=False)
-    else:
-        transport = ProcessGroupTransport(shard_group, timeout=timeout)
+    mesh_info = param_groups(units[0][1])[0].mesh_info
+    shard_group = mesh_info.shard_process_group
+    transport = _transport(mesh_info, replicas, timeout)
     built: list[_Unit] = []
-
-    def build() -> Config:
-        cfg = merge_config(WHAT, codec, config, options, default="qsgd")
-        return cfg
 
     def prepare(session: Session) -> None:
         built.extend(_Unit(i, fqn, m, names) for i, (fqn, m) in enumerate(units))
@@ -477,19 +481,23 @@ def register(
             out["shard_index"] = dist.get_group_rank(shard_group, dist.get_rank())
         return {"fsdp": out}
 
-    session = Session.agreed(WHAT, transport, build, describe=describe, prepare=prepare)
+    session = Session.agreed(WHAT, transport, lambda: merge_config(WHAT, codec, config, options, default="qsgd"),
+                             describe=describe, prepare=prepare)  # fmt: skip
     state = FSDPState(model, session, built, replicas is not None)
-    try:
-        for u in built:
-            if replicas is not None:
-                u.module.set_all_reduce_hook(state._replica_hook(u))  # type: ignore[operator]
-            else:
-                u.module.set_custom_reduce_scatter(_ReduceScatter(state, u))  # type: ignore[operator]
-            _REGISTERED[u.module] = state
-    except BaseException:
-        state.close()
-        raise
+    state.install()
     return state
+
+
+def _transport(
+    mesh_info: Any, replicas: dist.ProcessGroup | None, timeout: float | timedelta | None
+) -> ProcessGroupTransport:
+    """The algorithm's transport: over FSDP's shard group, or (HSDP) over ``replicas``, checked first."""
+    if replicas is None:
+        return ProcessGroupTransport(mesh_info.shard_process_group, timeout=timeout)
+    _check_replicas(replicas, mesh_info)  # before any collective on it
+    # The replicas' group itself (a DeviceMesh dimension FSDP does not use with a 1-D shard mesh): a dedicated
+    # copy would be a subgroup that every rank of the world must create in one order.
+    return ProcessGroupTransport(replicas, dedicated=False)
 
 
 __all__ = ["FSDPState", "check_config", "register", "units_of"]

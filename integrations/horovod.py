@@ -236,7 +236,7 @@ class DistributedOptimizer(SessionHolder):
             self._waiting = [len(m) for m in self._groups]
             self._launched = 0
         self.transport.restart_names()  # nothing in flight: the next step's names repeat this one's
-        self.session.step += 1
+        self.session.advance()
         self._synchronized = True
 
     def step(self, closure: Callable[[], float] | None = None, *, skip_synchronize: bool = False) -> Any:

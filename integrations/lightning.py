@@ -46,7 +46,9 @@ from sylvie_comm.collectives.local import LocalGroup  # noqa: E402
 from sylvie_comm.config import Config  # noqa: E402
 from sylvie_comm.integrations import ddp, fsdp  # noqa: E402
 from sylvie_comm.integrations.accelerate import gather_states, own_state  # noqa: E402
-from sylvie_comm.optim.diloco import DiLoCo, ReplicaState, check_schedule, diloco_config  # noqa: E402
+from sylvie_comm.optim.diloco import DiLoCo, ReplicaState  # noqa: E402
+from sylvie_comm.optim.diloco_checks import diloco_config  # noqa: E402
+from sylvie_comm.optim.fragments import check_schedule  # noqa: E402
 
 WHAT = "sylvie_comm.lightning"
 KEY = "sylvie_comm"  # the checkpoint's entry: every rank's compression state

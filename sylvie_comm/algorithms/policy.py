@@ -79,6 +79,15 @@ class Policy:
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
 
+    def compressed(self, step: int) -> int:
+        """The algorithm's step at the policy's ``step``: 0 at the first step past the fixed warm-up, negative
+        within it (what the step guard counts before the compressed steps' 0, 1, ...)."""
+        return step - self.config.warmup_steps
+
+    def warming(self, step: int) -> bool:
+        """Whether the policy's ``step`` is within the fixed warm-up (a plain fp32 average of everything)."""
+        return step < self.config.warmup_steps
+
     def member_options(self, name: str, shape: torch.Size | tuple[int, ...]) -> tuple[bool, Mapping[str, Any]]:
         """Whether the tensor ``name`` compresses, and the algorithm options it uses."""
         rule = self.config.rule_for(name)
@@ -135,26 +144,26 @@ class Policy:
         meter = meter if meter is not None else Meter(self.algorithm.world_size)
         numel = group.flat.numel() if group.flat is not None else sum(m.tensor.numel() for m in group.members)
         meter.uncompressed(4 * numel)
-        if step < self.config.warmup_steps:
+        if self.warming(step):
             guard = self.algorithm.guard
-            guard.begin(step - self.config.warmup_steps)  # before the compressed steps' 0, 1, ...
+            guard.begin(self.compressed(step))  # before the compressed steps' 0, 1, ...
             return guard.track(plain_all_reduce(self.algorithm, group, meter))
         if self.monitor is not None:
-            return self.monitor.around(group, step - self.config.warmup_steps, meter,
+            return self.monitor.around(group, self.compressed(step), meter,
                                        lambda g: self._compressed(g, step, meter))  # fmt: skip
         return self._compressed(group, step, meter)
 
     def _compressed(self, group: Group, step: int, meter: Meter) -> Future[None]:
         """A group of a step past the fixed warm-up: the adaptive warm-up's raw tensors, the algorithm."""
-        warmup = self.warmup
+        warmup, c = self.warmup, self.compressed(step)
         if warmup is None or step >= warmup.latest:
-            return self.algorithm(group, step - self.config.warmup_steps, meter)
+            return self.algorithm(group, c, meter)
         warming = [m.name for m in group.members if m.compress and not warmup.compressing(m.name, step)]
         if warming:
             warmup.decide(warming, step, meter)  # full windows: the settled tensors start now
             warming = [n for n in warming if not warmup.compressing(n, step)]
         if not warming:
-            return self.algorithm(group, step - self.config.warmup_steps, meter)
+            return self.algorithm(group, c, meter)
         held = set(warming)
         members = [Member(m.name, m.tensor, False, m.options) if m.name in held else m for m in group.members]
         raw = [m for m in members if m.name in held]
@@ -163,7 +172,7 @@ class Policy:
             for m in raw:
                 warmup.observe(m.name, m.tensor)  # the averaged gradient, identical on every rank
 
-        fut = self.algorithm(Group(group.key, members, group.flat), step - self.config.warmup_steps, meter)
+        fut = self.algorithm(Group(group.key, members, group.flat), c, meter)
         return then(fut, observe)
 
     def reduce_scatter(
@@ -180,8 +189,8 @@ class Policy:
                 "data parallel"
             )
         alg = self.algorithm
-        if step >= self.config.warmup_steps or not alg.record.shards:  # (the algorithm refuses if it has no form)
-            c = step - self.config.warmup_steps
+        if not self.warming(step) or not alg.record.shards:  # (the algorithm refuses if it has no form)
+            c = self.compressed(step)
             if self.monitor is not None and alg.record.shards:
                 checked = alg.check_reduce_scatter(flat, out, layout)
                 meter = meter if meter is not None else Meter(alg.world_size)

@@ -100,7 +100,11 @@ class Session:
         self.world_size = transport.world_size if world_size is None else world_size
         self.rank = transport.rank if rank is None else rank
         self.objects: ObjectGather = objects if objects is not None else transport
-        self.step = 0
+        # The one step counter (see "the step" below): steps done, per unit where the integration counts per unit,
+        # and the steps left out of the policy's count.
+        self._step = 0
+        self._units: dict[str, int] | None = None
+        self._discounted = 0
         self._stats = Stats()
         self._meter: Meter | None = None  # the last step's
 
@@ -138,34 +142,99 @@ class Session:
                 close()
             raise
 
+    # ------------------------------------------------------------------ the step
+
+    @property
+    def step(self) -> int:
+        """Steps done, every rank's, warm-up and skipped ones included: the statistics' and the checkpoint's step
+        (counting per unit, the most steps any unit has done). :meth:`advance` moves it."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        # Replaying steps a caller numbers itself (a test's loop); the integrations only ever call advance().
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{self.what}: step must be an integer >= 0, got {value!r}")
+        self._step = value
+
+    def count_per_unit(self, units: Iterable[str]) -> None:
+        """Count steps per unit (FSDP2's units: each steps once per training step, at its own time in the
+        backward pass): :meth:`advance` takes the unit, the session's step is the most steps any unit has done,
+        and the checkpoint's step maps each unit to its steps."""
+        self._units = dict.fromkeys(units, 0)
+
+    def advance(self, unit: str | None = None) -> None:
+        """Count one step done: the one place the step moves. ``unit``: that unit's step (:meth:`count_per_unit`);
+        units step one at a time by one, so the session's step moves when a unit passes it (once per training
+        step, by the first unit to finish it), in O(1)."""
+        if unit is None:
+            self._step += 1
+            return
+        units = self._units
+        if units is None:
+            raise ValueError(f"{self.what}: advance({unit!r}) counts a unit's step, but this session counts its "
+                             "steps whole (count_per_unit() first)")  # fmt: skip
+        done = units[unit] = units.get(unit, 0) + 1
+        if done > self._step:
+            self._step = done
+
+    def step_of(self, unit: str | None = None) -> int:
+        """Steps done by ``unit`` (0 before its first), or the session's (None)."""
+        if unit is None or self._units is None:
+            return self._step
+        return self._units.get(unit, 0)
+
+    def discount(self) -> None:
+        """Leave one step done out of the policy's count: a step every rank skipped that the warm-up must not
+        count (the compressed optimizers' warm-up steps skipped for a NaN or an Inf, learned one step late)."""
+        self._discounted += 1
+
+    @property
+    def discounted(self) -> int:
+        """Steps done that the policy does not count (:meth:`discount`)."""
+        return self._discounted
+
+    @property
+    def policy_step(self) -> int:
+        """The policy's step: the steps done less those :meth:`discount` left out (the algorithm's is
+        ``policy.compressed(policy_step)``)."""
+        return self._step - self._discounted
+
     # ------------------------------------------------------------------ running
 
     def meter(self, step: int | None = None) -> Meter:
         """The byte and time meter of ``step`` (default: the current one), made once per step."""
-        step = self.step if step is None else step
+        step = self._step if step is None else step
         meter = self._meter
         if meter is None or meter.step != step:
             meter = self._meter = self._stats.meter(step, self.world_size)
         return meter
 
-    def run(self, group: Group, step: int | None = None) -> Future[None]:
-        """Average ``group`` in place through the policy at ``step`` (default: the current one)."""
-        step = self.step if step is None else step
-        return self.policy(group, step, self.meter(step))
+    def run(self, group: Group, step: int | None = None, *, unit: str | None = None) -> Future[None]:
+        """Average ``group`` in place through the policy at the current step (``unit``'s, counting per unit), or
+        at ``step`` where the caller numbers its steps itself; counted in that step's statistics."""
+        if step is not None:
+            return self.policy(group, step, self.meter(step))
+        done = self.step_of(unit)
+        return self.policy(group, done - self._discounted, self.meter(done))
 
     def reduce_scatter(
-        self, flat: torch.Tensor, out: torch.Tensor, layout: ShardLayout | None = None, step: int | None = None
-    ) -> Future[None]:
-        """``out`` = this rank's shard of the average of ``flat`` at ``step``, through the policy."""
-        step = self.step if step is None else step
-        return self.policy.reduce_scatter(flat, out, step, self.meter(step), layout)
+        self, flat: torch.Tensor, out: torch.Tensor, layout: ShardLayout | None = None, step: int | None = None,
+        *, unit: str | None = None,
+    ) -> Future[None]:  # fmt: skip
+        """``out`` = this rank's shard of the average of ``flat`` through the policy, at the current step
+        (``unit``'s, counting per unit) or at ``step``."""
+        if step is not None:
+            return self.policy.reduce_scatter(flat, out, step, self.meter(step), layout)
+        done = self.step_of(unit)
+        return self.policy.reduce_scatter(flat, out, done - self._discounted, self.meter(done), layout)
 
     # ------------------------------------------------------------------ public
 
     def stats(self, steps: int | None = None) -> dict[str, Any]:
         """Cumulative wire bytes, the plain fp32 equivalent, their ratio and encode/decode seconds over
         ``steps`` steps (default: the steps done); ``last_step`` holds the same for the last completed step."""
-        out = {**self._stats.summary(self.step if steps is None else steps), **self.algorithm.report()}
+        out = {**self._stats.summary(self._step if steps is None else steps), **self.algorithm.report()}
         if self.policy.monitor is not None:
             out["monitor"] = self.policy.monitor.report()
         return out
@@ -176,14 +245,16 @@ class Session:
 
     def state_dict(self, step: Any = None) -> dict[str, Any]:
         """This rank's compression state in the one checkpoint format (:data:`CHECKPOINT_FIELDS`): the
-        algorithm, the configuration, the world size and rank that wrote it, the step (``step`` where the
-        integration counts per name) and the per-name state."""
+        algorithm, the configuration, the world size and rank that wrote it, the step (per unit where the session
+        counts per unit; ``step`` where the integration counts per name itself) and the per-name state."""
+        if step is None:
+            step = dict(self._units) if self._units is not None else self._step
         return {
             "codec": self.name,
             "config": self.config.to_dict(),
             "world_size": self.world_size,
             "rank": self.rank,
-            "step": self.step if step is None else step,
+            "step": step,
             "params": self.algorithm.state_dict(),
             "warmup": self.policy.state_dict(),
             "monitor": self.policy.monitor_state(),
@@ -192,7 +263,7 @@ class Session:
     def load_state_dict(
         self, state: Any, shapes: Iterable[tuple[str, tuple[int, ...]]] | None, *,
         shards: Mapping[str, Segment] | None = None, check: Callable[[Mapping[str, Any], int], None] | None = None,
-        agreed: bool = True, stepped: bool | None = None, what: str | None = None,
+        agreed: bool = True, stepped: bool | None = None, what: str | None = None, discounted: int = 0,
     ) -> Any:  # fmt: skip
         """Resume from this rank's :meth:`state_dict` (a collective: every rank loads its own checkpoint).
 
@@ -205,7 +276,9 @@ class Session:
         of that form.
         Returns the checkpoint's step (an int, or the per-name steps it holds). With ``agreed=False`` nothing is
         exchanged: the caller agrees across ranks around this call (a trainer checking its own checkpoint).
-        ``what`` names the caller in the messages (default: the session's name).
+        ``what`` names the caller in the messages (default: the session's name). The step counter is restored:
+        the checkpoint's step (its units' steps, counting per unit), ``discounted`` of them left out of the
+        policy's count (:meth:`discount`; the caller's own field, checked by ``check``).
         """
         what = self.what if what is None else what
         state = upgrade_checkpoint(state)
@@ -221,7 +294,7 @@ class Session:
                     raise ValueError(f"{what}: the checkpoint holds the compression monitor's state, but this "
                                      "run's monitor is off (period 0)")  # fmt: skip
                 Monitor.check_state(mon)
-            has_all = step > self.config.warmup_steps if stepped is None else stepped
+            has_all = self.policy.compressed(step) > 0 if stepped is None else stepped
             if shards is not None:
                 self.algorithm.check_state_dict(state["params"], None, has_all, shards=shards)
             else:
@@ -238,9 +311,17 @@ class Session:
         self.algorithm.load_state_dict(state["params"])
         self.policy.load_state_dict(state.get("warmup", {}))
         self.policy.load_monitor_state(state.get("monitor") or {})
-        if isinstance(step, int):
-            self.step = step
+        self._restore(step, discounted)
         return step
+
+    def _restore(self, step: Any, discounted: int) -> None:
+        """The step counter from a checked checkpoint's step: an int, or the per-unit (per-name) steps."""
+        self._discounted = discounted
+        if not isinstance(step, Mapping):
+            self._step = step
+        elif self._units is not None:  # else steps per name the integration counts itself (the Horovod compressor)
+            self._units = dict(step)
+            self._step = max(self._units.values(), default=0)
 
     def close(self, transport: bool = True) -> None:
         """Stop the algorithm's thread and (unless ``transport`` is False) close the transport (idempotent)."""

@@ -19,6 +19,7 @@ Horovod is imported here, lazily: ``import sylvie_comm`` never imports it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import threading
@@ -242,21 +243,16 @@ class HorovodTransport:
             self._thread.join(10.0)
 
 
+@dataclasses.dataclass(slots=True)
 class _Pending:
     """One collective in flight: its handle, the future to complete and how to finish its output."""
 
-    __slots__ = ("done", "finish", "handle", "name", "transport", "what")
-
-    def __init__(
-        self, transport: HorovodTransport, handle: Any, done: Future[Any], finish: Callable[[Any], None],
-        what: str, name: str,
-    ) -> None:  # fmt: skip
-        self.transport = transport
-        self.handle = handle
-        self.done = done
-        self.finish = finish
-        self.what = what
-        self.name = name
+    transport: HorovodTransport
+    handle: Any
+    done: Future[Any]
+    finish: Callable[[Any], None]
+    what: str
+    name: str
 
 
 def _ignore(_: Any) -> None:

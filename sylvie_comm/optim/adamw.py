@@ -42,7 +42,6 @@ from typing import Any
 import torch
 
 from sylvie_comm import kernels
-from sylvie_comm.collectives import Transport
 from sylvie_comm.optim.momentum import MOMENTUM_CODECS, MomentumOptimizer, is_number, saved_states
 from sylvie_comm.optim.momentum import resolve_warmup as _resolve_warmup
 
@@ -104,20 +103,14 @@ class CompressedAdamW(MomentumOptimizer):
         denom_floor: after the freeze, each tensor's denominator ``sqrt(v / bc2) + eps`` is at least this
             fraction of its mean (default 0.1; 0 turns the floor off): coordinates whose gradient was (nearly)
             zero throughout the warm-up would otherwise step by up to ``lr / eps`` per unit of momentum for good.
-        transport: the ranks to average among (:class:`~sylvie_comm.collectives.Transport`).
-        codec: the algorithm that averages the momentum: ``onebit`` (default), ``sign``, ``topk``,
-            ``qsgd``, ``fp16``, ``bf16`` or ``none`` (plain fp32).
-        warmup: steps of uncompressed AdamW (>= 1) before the variance freezes; steps skipped for a NaN or Inf
-            gradient do not count. Give it, or ``total_steps``.
-        total_steps: the run's length; the warm-up is then ``ceil(warmup_fraction * total_steps)``.
-        warmup_fraction: see ``total_steps`` (default 0.1).
-        seed: agreed by every rank (qsgd's noise).
-        rules: per-parameter-name rules (:class:`~sylvie_comm.config.Rule`: send a momentum raw, or
-            other options), as for the hooks.
-        monitor: the compression monitor's settings (:data:`~sylvie_comm.config.MONITOR_DEFAULTS`' keys; default:
-            the defaults, with the bound on ``lag`` calibrated for a momentum, ``LAG_BOUNDS["momentum"]``).
-        close_transport: :meth:`close` closes ``transport`` too (the adapters that create it set it).
-        **options: the codec's options (``chunk_size``, ``scale``, ``ratio``, ``bits``).
+        **settings: the keywords of every compressed optimizer
+            (:class:`~sylvie_comm.optim.momentum.MomentumOptimizer`): ``transport`` (required: the ranks to
+            average among), ``codec`` (``onebit`` by default, ``sign``, ``topk``, ``qsgd``, ``fp16``, ``bf16`` or
+            ``none``), ``warmup`` (steps of uncompressed AdamW, >= 1, before the variance freezes; steps skipped
+            for a NaN or Inf gradient do not count) or ``total_steps`` (the warm-up is then
+            ``ceil(warmup_fraction * total_steps)``, ``warmup_fraction`` 0.1 by default), ``seed``, ``rules``,
+            ``monitor`` (the bound on ``lag`` calibrated for a momentum by default), ``close_transport``, and the
+            codec's options (``chunk_size``, ``scale``, ``ratio``, ``bits``).
 
     Example::
 
@@ -146,16 +139,7 @@ class CompressedAdamW(MomentumOptimizer):
         weight_decay: float = 1e-2,
         *,
         denom_floor: float = DEFAULT_DENOM_FLOOR,
-        transport: Transport,
-        codec: str = "onebit",
-        warmup: int | None = None,
-        total_steps: int | None = None,
-        warmup_fraction: float = DEFAULT_WARMUP_FRACTION,
-        seed: int = 0,
-        rules: Iterable[Any] = (),
-        monitor: Mapping[str, Any] | None = None,
-        close_transport: bool = False,
-        **options: Any,
+        **settings: Any,
     ) -> None:
         def hyperparameters() -> dict[str, Any]:
             b1, b2 = _check_hyperparameters(lr, betas, eps, weight_decay)
@@ -164,11 +148,7 @@ class CompressedAdamW(MomentumOptimizer):
             return {"lr": float(lr), "betas": (b1, b2), "eps": float(eps), "weight_decay": float(weight_decay),
                     "denom_floor": float(denom_floor)}  # fmt: skip
 
-        super().__init__(
-            params, hyperparameters, transport=transport, codec=codec, warmup=warmup, total_steps=total_steps,
-            warmup_fraction=warmup_fraction, seed=seed, rules=rules, monitor=monitor, close_transport=close_transport,
-            options=options,
-        )  # fmt: skip
+        super().__init__(params, hyperparameters, **settings)
 
     # ------------------------------------------------------------------ Adam's part
 

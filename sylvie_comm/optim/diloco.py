@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import logging
 import math
-import types
 import weakref
 import zlib
 from collections.abc import Mapping
@@ -53,22 +52,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from sylvie_comm.algorithms import Group, Member
 from sylvie_comm.algorithms.guard import nonfinite
-from sylvie_comm.algorithms.session import Session, merge_config
+from sylvie_comm.algorithms.session import Session
 from sylvie_comm.collectives import ProcessGroupTransport, Transport, agree, wait, wire_bytes
-from sylvie_comm.config import Config, differences
+from sylvie_comm.config import Config
+from sylvie_comm.optim.diloco_amp import hook_amp, unhook_amp
+from sylvie_comm.optim.diloco_checks import OUTER_DEFAULTS, check_groups, check_replica, check_state, diloco_config
+from sylvie_comm.optim.fragments import Fragment, as_grad, check_schedule, due, local_part, split
 
 Future = torch.futures.Future
 
 LOG = logging.getLogger("sylvie_comm")
-
-PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-# An outer codec's options where the config and the keywords leave them out (DiLoCo's defaults, not the codec's):
-# qsgd 2-bit with a scale and minimum per 2,048 values or more, >= 250x fewer bytes than plain DDP at H=16 on the
-# benchmarks' LM (the per-row scales of qsgd's own default reach 229x; docs/guide/diloco.md, Measured).
-OUTER_DEFAULTS: dict[str, dict[str, Any]] = {"qsgd": {"bits": 2, "block": 2048}}
 
 # Cycles of skipped outer steps in a row (each fragment skipped this many times running, the replicas reset to the
 # global parameters after each) after which the run fails instead of training on with nothing applied.
@@ -77,156 +71,6 @@ SKIPPED_CYCLES = 3
 # The open DiLoCo of each model and inner optimizer (weakly: a DiLoCo dropped unclosed lives as long as the hook it
 # left on its optimizer): a second one would hook the same step() and take a second outer step every period.
 _OPEN: weakref.WeakKeyDictionary[Any, weakref.ref[DiLoCo]] = weakref.WeakKeyDictionary()
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """A parameter's values held by this rank: a DTensor's (FSDP2's) local shard, written in place through it;
-    any other tensor itself."""
-    to_local = getattr(p, "to_local", None)
-    return to_local() if callable(to_local) else p
-
-
-def _as_grad(p: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``values`` (this rank's part, fp32) as a gradient of ``p``: in its dtype, a DTensor laid out as ``p`` is."""
-    values = values.to(p.dtype)
-    if callable(getattr(p, "to_local", None)):
-        from torch.distributed.tensor import DTensor
-
-        assert isinstance(p, DTensor)
-        return DTensor.from_local(values, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                  stride=p.stride())  # fmt: skip
-    return values
-
-
-def _unscale(opt: torch.optim.Optimizer, grad_scale: torch.Tensor) -> None:
-    """Divide the gradients ``opt`` steps by ``grad_scale`` as ``GradScaler.unscale_`` does: the same reciprocal,
-    the same kernel, by device and dtype (so the bits are the scaler's own)."""
-    inv = grad_scale.double().reciprocal().float()
-    grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for group in opt.param_groups:
-        for p in group["params"]:
-            g = p.grad
-            if g is None:
-                continue
-            if g.dtype == torch.float16:
-                raise ValueError("DiLoCo: GradScaler does not unscale float16 gradients (it refuses them itself); "
-                                 "keep the parameters in float32 and run the forward pass under autocast")  # fmt: skip
-            g = g._values() if g.is_sparse else g
-            grads.setdefault((g.device, g.dtype), []).append(g)
-    for (device, _), tensors in grads.items():
-        found = torch.zeros((), device=device)  # the scaler has already looked for an Inf
-        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv.to(device))
-
-
-def diloco_config(what: str, codec: str | None, config: Config | None, options: Mapping[str, Any]) -> Config:
-    """The outer step's configuration: ``config``, or ``codec`` (default ``none``) with ``options``, over DiLoCo's
-    defaults for that codec (:data:`OUTER_DEFAULTS`: qsgd 2-bit, ``block=2048``); without a config no fp32 warm-up
-    (``warmup_steps=0``) and no compression monitor (its per-step figures and thresholds are a gradient's), unless
-    the options set them. ``auto`` (the codec, or the warm-up) is refused: both decide step by step, and outer
-    steps are few and far between."""
-    if config is None:
-        options = {"warmup_steps": 0, "monitor": {"period": 0}, **options}
-    cfg = merge_config(what, codec, config, options, default="none")
-    outer_defaults = OUTER_DEFAULTS.get(cfg.codec)
-    if outer_defaults:  # beneath what the config or the keywords name
-        d = cfg.to_dict()
-        d["options"] = {**outer_defaults, **d["options"]}
-        cfg = Config.from_dict(d)
-    if cfg.codec == "auto":
-        raise ValueError(f"{what}: codec 'auto' measures the link step by step to choose a codec; name one for the "
-                         "outer step (none, fp16, qsgd, topk, acpsgd, ...)")  # fmt: skip
-    if cfg.warmup == "auto":
-        raise ValueError(f"{what}: warmup 'auto' watches each gradient settle step by step; use warmup_steps (the "
-                         "outer steps averaged in fp32 first)")  # fmt: skip
-    return cfg
-
-
-def check_schedule(what: str, sync_every: Any, fragments: Any, delay: Any, alpha: Any) -> int:
-    """The outer steps' schedule checked (a ValueError naming the value); returns the period, the inner steps
-    between two outer steps (of successive fragments): ``sync_every // fragments``."""
-    if not _is_int(sync_every) or sync_every < 1:
-        raise ValueError(f"{what}: sync_every must be an integer >= 1, got {sync_every!r}")
-    if not _is_int(fragments) or fragments < 1:
-        raise ValueError(f"{what}: fragments must be an integer >= 1, got {fragments!r}")
-    if sync_every % fragments:
-        raise ValueError(
-            f"{what}: sync_every ({sync_every}) must be a multiple of fragments ({fragments}): one fragment "
-            "syncs every sync_every // fragments inner steps"
-        )
-    period: int = sync_every // fragments
-    if not _is_int(delay) or not 0 <= delay < period:
-        raise ValueError(f"{what}: delay must be an integer in [0, sync_every // fragments = {period}), got {delay!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"{what}: alpha must be a number in [0, 1], got {alpha!r}")
-    return period
-
-
-class _Fragment:
-    """One fragment's parameters, global copy (of this rank's part), pseudo-gradient buffer and session."""
-
-    def __init__(self, index: int, named: list[tuple[str, nn.Parameter]]) -> None:
-        self.index = index
-        self.named = named
-        self.params: list[torch.Tensor] = [p for _, p in named]
-        local = self.local()
-        self.shapes = [t.shape for t in local]
-        self.numel = sum(t.numel() for t in local)
-        self.outer = [t.detach().clone() for t in local]
-        self.flat = torch.zeros(self.numel, dtype=torch.float32, device=local[0].device)
-        self.views: list[torch.Tensor] = []
-        at = 0
-        for t in local:
-            self.views.append(self.flat[at : at + t.numel()].view(t.shape))
-            at += t.numel()
-        self.session: Session | None = None
-        self.group: Group | None = None
-        self.pending: Future[Any] | None = None  # the average in flight (started, not applied)
-
-    def local(self) -> list[torch.Tensor]:
-        """This rank's part of each parameter (read afresh: FSDP2 may replace a shard's tensor object)."""
-        return [_local(p).detach() for p in self.params]
-
-
-def _split(named: list[tuple[str, nn.Parameter]], parts: int) -> list[list[tuple[str, nn.Parameter]]]:
-    """``named`` in order, cut into ``parts`` non-empty runs of about equal numel (``parts <= len(named)``)."""
-    total = sum(p.numel() for _, p in named)
-    out: list[list[tuple[str, nn.Parameter]]] = [[]]
-    seen = 0
-    for i, (name, p) in enumerate(named):
-        k, left = len(out) - 1, len(named) - i
-        # the next part opens once this one has its share, or when each later part needs one of those left
-        if out[k] and k < parts - 1 and (seen >= (k + 1) * total / parts or left <= parts - 1 - k):
-            out.append([])
-        out[-1].append((name, p))
-        seen += p.numel()
-    return out
-
-
-def _check_groups(what: str, transport: Transport, ddp_group: Any, params: list[torch.Tensor]) -> None:
-    """Refuse a DiLoCo group that shares ranks with the replica's own (DDP's group, FSDP2's mesh): the replica
-    group already averages every step, and DiLoCo belongs across groups."""
-    group = getattr(transport, "group", None)
-    if group is None or not isinstance(transport, ProcessGroupTransport):
-        return
-    import torch.distributed as dist
-
-    inner: set[int] = set()
-    if ddp_group is not None:
-        inner = set(dist.get_process_group_ranks(ddp_group))
-    mesh = getattr(params[0], "device_mesh", None)
-    if mesh is not None:
-        inner |= {int(r) for r in mesh.mesh.flatten().tolist()}
-    shared = inner & set(dist.get_process_group_ranks(group))
-    if len(shared) > 1:
-        raise ValueError(
-            f"{what}: its process group and the replica group (DDP's or FSDP2's) share ranks {sorted(shared)}; the "
-            "replica group averages every step already: pass DiLoCo the group across replica groups (this rank and "
-            "the ranks of the same position in the other groups)"
-        )
 
 
 class DiLoCo:
@@ -285,46 +129,9 @@ class DiLoCo:
         **options: Any,
     ) -> None:
         what = self.what
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"{what}: model must be a torch.nn.Module, got {type(model).__name__}")
-        inner_group = None
-        if isinstance(model, nn.parallel.DistributedDataParallel):  # DDP within a replica group, DiLoCo across
-            inner_group = model.process_group
-            model = model.module
-        if not isinstance(inner_optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"{what}: inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}"
-            )
-        self.period = check_schedule(what, sync_every, fragments, delay, alpha)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError(f"{what}: model has no trainable parameters")
-        if len(named) < fragments:
-            raise ValueError(f"{what}: fragments ({fragments}) exceeds the model's {len(named)} trainable parameters")
-        device = named[0][1].device
-        for n, p in named:
-            if p.dtype not in PARAM_DTYPES or p.is_complex():
-                raise TypeError(f"{what}: parameter '{n}' is {p.dtype}; expected float32, float16 or bfloat16")
-            if p.device != device:
-                raise ValueError(f"{what}: parameters on {device} and {p.device} ('{n}'); one device per replica")
-        inner_ids = {id(p) for g in inner_optimizer.param_groups for p in g["params"]}
-        missing = [n for n, p in named if id(p) not in inner_ids]
-        if missing:
-            raise ValueError(f"{what}: the inner optimizer does not step parameter '{missing[0]}' of the model")
-        if outer_optimizer is None:
-            outer_optimizer = torch.optim.SGD([p for _, p in named], lr=0.7, momentum=0.9, nesterov=True)
-        elif not isinstance(outer_optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"{what}: outer_optimizer must be a torch.optim.Optimizer over the model's parameters, got "
-                f"{type(outer_optimizer).__name__}"
-            )
-        outer_ids = {id(p) for g in outer_optimizer.param_groups for p in g["params"]}
-        if outer_ids != {id(p) for _, p in named}:
-            raise ValueError(
-                f"{what}: outer_optimizer must step exactly the model's trainable parameters "
-                f"({len(named)}), got {len(outer_ids)} parameters of which "
-                f"{len(outer_ids & {id(p) for _, p in named})} are the model's"
-            )
+        model, inner_group, named, outer_optimizer, self.period = check_replica(
+            what, model, inner_optimizer, outer_optimizer, sync_every, fragments, delay, alpha
+        )
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.outer_optimizer = outer_optimizer
@@ -339,7 +146,7 @@ class DiLoCo:
             transport = ProcessGroupTransport(process_group, dedicated=process_group is None, timeout=timeout)
         self.transport = transport
         try:
-            _check_groups(what, transport, inner_group, [p for _, p in named])
+            check_groups(what, transport, inner_group, [p for _, p in named])
         except BaseException:
             if self._owns_transport:
                 transport.close()  # type: ignore[attr-defined]
@@ -350,21 +157,22 @@ class DiLoCo:
         self.inner_step = 0  # inner steps taken (the outer steps' clock), GradScaler's skipped ones included
         self._skipped = 0
         self._skipped_in_a_row = 0  # outer steps skipped since the last one applied
-        self._amp_step: Any = None  # the step() wrapper GradScaler calls (see _hook_amp)
+        self._amp_step: Any = None  # the step() wrapper GradScaler calls (see hook_amp)
         self._carried: dict[str, float] = {}  # the counters of the run a checkpoint was written in
         self._handle: Any = None
         self._closed = False
         cfg = diloco_config(what, codec, config, options)
-        self.fragments = [_Fragment(i, part) for i, part in enumerate(_split(named, fragments))]
+        self.fragments = [Fragment(i, part) for i, part in enumerate(split(named, fragments))]
         try:
             for frag in self.fragments:
-                frag.session = self._session(frag, cfg)
+                frag.attach(self._session(frag, cfg))
             self._start_from_rank0()
         except BaseException:
             self._close_sessions()
             raise
         self._handle = inner_optimizer.register_step_post_hook(lambda *_: self._after_inner_step())
-        self._hook_amp()
+        # GradScaler steps the inner optimizer every time, a skipped step too: every replica counts it.
+        self._amp_step = hook_amp(inner_optimizer, self._after_inner_step)
         _OPEN[model] = _OPEN[inner_optimizer] = weakref.ref(self)
 
     def _check_unclaimed(self) -> None:
@@ -380,61 +188,20 @@ class DiLoCo:
                     "momentum updates, twice the bytes); close() that one first, or keep using it"
                 )
 
-    def _hook_amp(self) -> None:
-        """Let ``torch.amp.GradScaler`` call the inner optimizer's ``step()`` on every step, a skipped one
-        included, so that every replica counts the same inner steps.
-
-        The scaler steps an optimizer that does not handle the scaling itself only where its gradients are
-        finite: a skip on one replica would leave it an inner step behind the others for the rest of the run.
-        Marked ``_step_supports_amp_scaling`` (as torch's fused optimizers are), the optimizer is stepped every
-        time with ``grad_scale`` and ``found_inf`` set; the wrapper here reads ``found_inf`` (the host read the
-        scaler makes itself otherwise), unscales the gradients and steps where it is zero, and counts the inner
-        step where it is not. Without a scaler it calls the optimizer's own ``step()``.
-        """
-        opt = self.inner_optimizer
-        if getattr(opt, "_step_supports_amp_scaling", False):
-            return  # the scaler calls its step() every time already (torch's fused ones, the compressed ones)
-        step = opt.step
-
-        def amp_step(this: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            found_inf = this.__dict__.pop("found_inf", None)
-            if found_inf is None:  # no scaler, or a disabled one
-                return step(*args, **kwargs)
-            grad_scale = this.__dict__.pop("grad_scale", None)
-            try:
-                if found_inf.item():
-                    self._after_inner_step()  # the scaler skips the update: still an inner step
-                    return None
-                if grad_scale is not None:  # None where the loop ran scaler.unscale_(opt) itself
-                    _unscale(this, grad_scale)
-                return step(*args, **kwargs)  # torch's own optimizers refuse grad_scale and found_inf
-            finally:
-                this.__dict__.update(found_inf=found_inf, grad_scale=grad_scale)  # the scaler deletes them
-
-        if getattr(step, "_wrapped_by_lr_sched", False):  # an LR scheduler's, built before: it checks for its mark
-            amp_step.__dict__["_wrapped_by_lr_sched"] = True
-        # A bound method, as torch's LR schedulers expect of step() (one built after wraps its __func__).
-        self._amp_step = opt.__dict__["step"] = types.MethodType(amp_step, opt)
-        opt.__dict__["_step_supports_amp_scaling"] = True
-
     def _release(self) -> None:
         """Unhook the inner optimizer and free the model for another DiLoCo (idempotent)."""
         self._closed = True
         if self._handle is not None:
             self._handle.remove()
-        opt = self.inner_optimizer
-        # An LR scheduler built after DiLoCo wrapped the wrapper: it stays then (it steps as the optimizer would).
-        if self._amp_step is not None and opt.__dict__.get("step") is self._amp_step:
-            del opt.__dict__["step"]
-            opt.__dict__.pop("_step_supports_amp_scaling", None)
-        for key in (self.model, opt):
+        unhook_amp(self.inner_optimizer, self._amp_step)
+        for key in (self.model, self.inner_optimizer):
             ref = _OPEN.get(key)
             if ref is not None and ref() is self:
                 del _OPEN[key]
 
     # ------------------------------------------------------------------ set-up
 
-    def _describe(self, frag: _Fragment) -> dict[str, Any]:
+    def _describe(self, frag: Fragment) -> dict[str, Any]:
         shapes = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in self._named)
         outer = type(self.outer_optimizer)
         hyper = {k: v for k, v in self.outer_optimizer.defaults.items() if isinstance(v, (int, float, bool, str))}
@@ -447,7 +214,7 @@ class DiLoCo:
             }
         }  # fmt: skip
 
-    def _session(self, frag: _Fragment, cfg: Config) -> Session:
+    def _session(self, frag: Fragment, cfg: Config) -> Session:
         what = f"{self.what}[{cfg.codec}]" + (f" fragment {frag.index}" if self.fragments_count > 1 else "")
 
         def prepare(s: Session) -> None:
@@ -455,16 +222,10 @@ class DiLoCo:
                 self._check_unclaimed()
             s.policy.check_parameters(frag.named, what)
 
-        session = Session.agreed(
+        return Session.agreed(
             what, self.transport, lambda: cfg, describe=lambda _: self._describe(frag), close_transport=False,
             prepare=prepare,
         )  # fmt: skip
-        members = []
-        for (name, _), view in zip(frag.named, frag.views, strict=True):
-            compress, opts = session.policy.member_options(name, view.shape)
-            members.append(Member(name, view, compress, opts))
-        frag.group = Group(frag.index, members, flat=frag.flat)
-        return session
 
     def _start_from_rank0(self) -> None:
         """Every replica starts from rank 0's parameters (an all-reduce of rank 0's values and zeros elsewhere)."""
@@ -486,24 +247,22 @@ class DiLoCo:
         if self._closed:
             return
         self.inner_step += 1
-        at = self.inner_step % self.period
-        k = (self.inner_step - 1) // self.period  # this period's number: fragment k % F syncs in it
-        frag = self.fragments[k % self.fragments_count]
-        if at == (self.period - self.delay) % self.period:
+        k, start, apply = due(self.inner_step, self.period, self.delay, self.fragments_count)
+        frag = self.fragments[k]
+        if start:
             self._start(frag)
-        if at == 0:
+        if apply:
             self._apply(frag)
 
-    def _start(self, frag: _Fragment) -> None:
+    def _start(self, frag: Fragment) -> None:
         """Take ``frag``'s pseudo-gradient (global - current) and start its average."""
         assert frag.session is not None and frag.group is not None and frag.pending is None
         with torch.no_grad():
             torch._foreach_copy_(frag.views, [o.float() for o in frag.outer])
             torch._foreach_sub_(frag.views, [t.float() for t in frag.local()])
-        session = frag.session
-        frag.pending = session.policy(frag.group, session.step, session.meter())
+        frag.pending = frag.session.run(frag.group)
 
-    def _apply(self, frag: _Fragment) -> None:
+    def _apply(self, frag: Fragment) -> None:
         """Wait for ``frag``'s average and take the outer step on it (or skip it where it is not finite); nothing
         where :meth:`sync` applied it already."""
         assert frag.session is not None
@@ -512,7 +271,7 @@ class DiLoCo:
         fut, frag.pending = frag.pending, None
         wait(fut)
         session = frag.session
-        session.step += 1
+        session.advance()
         bad = nonfinite(frag.flat)
         session.algorithm.guard.settle()  # the algorithm's state goes back where its flag is set
         if bad is not None and bool(bad):
@@ -527,7 +286,7 @@ class DiLoCo:
             for _, p in self._named:
                 p.grad = None
             for q, v in zip(frag.params, frag.views, strict=True):
-                q.grad = _as_grad(q, v)
+                q.grad = as_grad(q, v)
         try:
             self.outer_optimizer.step()
         finally:
@@ -540,7 +299,7 @@ class DiLoCo:
             if local is not None:
                 torch._foreach_lerp_(now, local, self.alpha)
 
-    def _skip(self, frag: _Fragment) -> None:
+    def _skip(self, frag: Fragment) -> None:
         """The outer step of ``frag`` is not applied (its average is not finite; every rank decides alike): every
         replica goes back to the global parameters of every fragment, and a replica whose inner optimizer state is
         not finite clears it; one warning; the run fails after ``SKIPPED_CYCLES`` cycles of skips in a row."""
@@ -581,7 +340,7 @@ class DiLoCo:
         for p, entry in state.items():
             values = entry.values() if isinstance(entry, Mapping) else ()
             # this rank's part (FSDP2's shard), on the parameters' device (not Adam's step counter on the CPU)
-            tensors = [_local(v) for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+            tensors = [local_part(v) for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
             flag = nonfinite(*[t for t in tensors if t.device == device])
             if flag is not None:
                 keys.append(p)
@@ -668,42 +427,8 @@ class DiLoCo:
         the field that does not fit, or the rank that refused). Checkpoints of different inner steps are refused:
         the ranks would sync out of phase from then on."""
         what = self.what
-
-        def checked() -> int:
-            if not isinstance(state, Mapping) or not {"inner_step", "fragments", "outer_optimizer"} <= set(state):
-                raise ValueError(f"{what}: not a DiLoCo state_dict (expected inner_step, fragments, outer_optimizer)")
-            step = state["inner_step"]
-            if not _is_int(step) or step < 0:
-                raise ValueError(f"{what}: the checkpoint's inner_step must be an integer >= 0, got {step!r}")
-            saved_config = state.get("config")
-            if not isinstance(saved_config, Mapping):
-                raise ValueError(f"{what}: the checkpoint holds no DiLoCo configuration ('config'), expected a "
-                                 f"mapping, got {type(saved_config).__name__}")  # fmt: skip
-            diff = differences(saved_config, self._describe(self.fragments[0]))
-            if diff:
-                fields = "; ".join(f"{field} is {a!r} in the checkpoint, {b!r} in this run" for field, a, b in diff)
-                raise ValueError(f"{what}: the checkpoint was written with another configuration: {fields}")
-            frags = state["fragments"]
-            if not isinstance(frags, list) or len(frags) != len(self.fragments):
-                got = len(frags) if isinstance(frags, list) else type(frags).__name__
-                raise ValueError(f"{what}: the checkpoint has {got} fragments, this run {len(self.fragments)}")
-            for frag, saved in zip(self.fragments, frags, strict=True):
-                if not isinstance(saved, Mapping) or not {"outer", "session", "pending"} <= set(saved):
-                    raise ValueError(f"{what}: the checkpoint's fragment {frag.index} is not a mapping of outer, "
-                                     "session and pending")  # fmt: skip
-                outer = saved["outer"]
-                for (n, _), o in zip(frag.named, frag.outer, strict=True):
-                    t = outer.get(n) if isinstance(outer, Mapping) else None
-                    if not isinstance(t, torch.Tensor) or t.shape != o.shape or t.dtype != o.dtype:
-                        raise ValueError(f"{what}: the checkpoint's global copy of '{n}' is missing or of another "
-                                         f"shape or dtype (expected {tuple(o.shape)} {o.dtype})")  # fmt: skip
-                pending = saved["pending"]
-                if pending is not None and (not isinstance(pending, torch.Tensor) or pending.numel() != frag.numel):
-                    raise ValueError(f"{what}: the checkpoint's average in flight of fragment {frag.index} must be "
-                                     f"None or a tensor of {frag.numel} values")  # fmt: skip
-            return int(step)
-
-        agree(self.transport, checked, lambda step: {"inner_step": step}, f"{what} load_state_dict", "checkpoint")
+        agree(self.transport, lambda: check_state(what, state, self.fragments, self._describe),
+              lambda step: {"inner_step": step}, f"{what} load_state_dict", "checkpoint")  # fmt: skip
         frags = state["fragments"]
         for frag, saved in zip(self.fragments, frags, strict=True):
             assert frag.session is not None

@@ -13,15 +13,16 @@ update rule (the hooks listed in :class:`MomentumOptimizer`). The base holds the
 * **gradients present on some ranks only**: every rank must hold gradients for the same parameters (data-parallel
   training does: DDP fills ``.grad`` of the same parameters on every rank); where they do not, every rank raises a
   ValueError naming the parameter (a rank whose own set did not change, at its next step) instead of sending
-  payloads of different sizes (see :meth:`MomentumOptimizer._agree_on_gradients`);
+  payloads of different sizes (:mod:`sylvie_comm.optim.agreement`);
 * **non-finite steps**: a step whose gradient is NaN or Inf on any rank is skipped on every rank with every state
   tensor (parameters, moments, step counts, residuals) left as it was, decided on the device from what every rank
   received (no host read in the step), as the algorithms' step guard does (:mod:`sylvie_comm.algorithms.guard`);
   ``torch.amp.GradScaler`` calls :meth:`~MomentumOptimizer.step` on every rank for it (``_step_supports_amp_scaling``)
   instead of skipping it on the rank that overflowed, which would leave the others waiting in the collective;
 * **the warm-up counts steps taken**: a skipped step does not count (GradScaler's first steps, with a large initial
-  scale, are often all skipped). The host learns each step's verdict at the start of the next step, from a copy
-  made without waiting for the device (see :meth:`MomentumOptimizer._settle_verdict`);
+  scale, are often all skipped): the session counts every step and leaves those out of its policy's count. The host
+  learns each step's verdict at the start of the next step, from a copy made without waiting for the device (see
+  :meth:`~sylvie_comm.optim.agreement.StepAgreement.settle`);
 * **checkpoints**: torch.optim's state plus ``sylvie_comm`` (the session's one checkpoint format, the phase and
   ``warmup_skipped``), checked before anything is loaded (another optimizer's by its state's keys and its
   hyperparameters), the ranks agreeing; ``stats()``, ``memory_bytes()``,
@@ -44,6 +45,7 @@ from sylvie_comm.algorithms.guard import nonfinite, poison
 from sylvie_comm.algorithms.session import Session
 from sylvie_comm.collectives import Transport
 from sylvie_comm.config import Config
+from sylvie_comm.optim.agreement import Mask, StepAgreement
 
 # The algorithms that average the momentum (``averages_momentum``: error feedback, casts, plain fp32), sorted.
 # The low-rank ones and auto are gradient algorithms only.
@@ -129,10 +131,6 @@ def _and_list(items: list[str]) -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
-def ranks_text(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-
-
 class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
     """An optimizer that averages the gradient in fp32 for a warm-up, then each rank's momentum through an
     error-feedback algorithm; see the module docstring for what it does for its subclasses.
@@ -159,17 +157,17 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
         hyperparameters: checks the subclass's hyperparameters (a ValueError naming the value) and returns the
             optimizer's ``defaults``; called inside the ranks' agreement, so a rank's error fails every rank.
         transport: the ranks to average among (:class:`~sylvie_comm.collectives.Transport`).
-        codec: the algorithm that averages the momentum (:data:`MOMENTUM_CODECS`).
+        codec: the algorithm that averages the momentum (:data:`MOMENTUM_CODECS`; default ``onebit``).
         warmup: steps of fp32 gradient averaging before the momenta compress; steps skipped for a NaN or Inf
             gradient do not count. Give it, or ``total_steps``.
         total_steps: the run's length; the warm-up is then ``ceil(warmup_fraction * total_steps)``.
-        warmup_fraction: see ``total_steps``.
+        warmup_fraction: see ``total_steps`` (default: the subclass's :attr:`default_warmup_fraction`).
         seed: agreed by every rank (qsgd's noise).
         rules: per-parameter-name rules (:class:`~sylvie_comm.config.Rule`), as for the hooks.
         monitor: the compression monitor's settings, as for the hooks (None: the defaults); an unset ``max_lag``
             is the bound calibrated for a momentum (:data:`~sylvie_comm.config.LAG_BOUNDS`).
         close_transport: :meth:`close` closes ``transport`` too (the adapters that create it set it).
-        options: the codec's options (``chunk_size``, ``scale``, ``ratio``, ``bits``).
+        **options: the codec's options (``chunk_size``, ``scale``, ``ratio``, ``bits``).
     """
 
     # torch.amp.GradScaler calls step() on every rank, passing grad_scale and found_inf (see _take_step()).
@@ -190,9 +188,9 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
 
     def __init__(
         self, params: Iterable[Any], hyperparameters: Callable[[], dict[str, Any]], *, transport: Transport,
-        codec: str, warmup: int | None, total_steps: int | None, warmup_fraction: float, seed: int,
-        rules: Iterable[Any], close_transport: bool, options: Mapping[str, Any],
-        monitor: Mapping[str, Any] | None = None,
+        codec: str = "onebit", warmup: int | None = None, total_steps: int | None = None,
+        warmup_fraction: float | None = None, seed: int = 0, rules: Iterable[Any] = (),
+        monitor: Mapping[str, Any] | None = None, close_transport: bool = False, **options: Any,
     ) -> None:  # fmt: skip
         what = self.what
         if not isinstance(transport, Transport):
@@ -207,7 +205,8 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
             defaults = hyperparameters()
             # The hyperparameters every checkpoint's groups must hold (torch.optim adds to ``defaults`` on a load).
             self._hyperparameters = tuple(defaults)
-            steps = resolve_warmup(warmup, total_steps, warmup_fraction, what=what, minimum=self.warmup_minimum,
+            fraction = self.default_warmup_fraction if warmup_fraction is None else warmup_fraction
+            steps = resolve_warmup(warmup, total_steps, fraction, what=what, minimum=self.warmup_minimum,
                                    default_fraction=self.default_warmup_fraction, meaning=self.warmup_meaning,
                                    why=self.warmup_why)  # fmt: skip
             check_codec(what, codec)
@@ -242,15 +241,10 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
             n: self.policy.member_options(n, p.shape) for n, p in self._named
         }
         self._index = {id(p): i for i, (_, p) in enumerate(self._named)}
-        # The host's view of the steps (see _settle_verdict and _agree_on_gradients).
-        self._skipped_warm = 0  # warm-up steps skipped on every rank (non-finite): they do not count
+        # The host's view of the steps: each one's verdict and the parameters with a gradient the ranks agreed on;
+        # the session counts the steps, the warm-up steps skipped on every rank left out of its policy's count.
+        self._agreement = StepAgreement(self.session, [n for n, _ in self._named], f"{what}[{self.name}]")
         self._compressing = False  # the warm-up is over (_begin_compressed ran)
-        self._verdict: tuple[Any, bool] | None = None  # the last step's verdict, not read yet, and its phase
-        self._verdict_host: torch.Tensor | None = None  # pinned memory the verdict of a CUDA step is copied to
-        self._recheck = False  # the last step was skipped: the ranks compare the gradients they had in it
-        self._agreed: tuple[bool, ...] | None = None  # which parameters have a gradient, as the ranks agreed
-        self._sent: tuple[bool, ...] | None = None  # which had one on this rank in the last step
-        self._probes = 0  # probe steps (_probe), counted by the guard as skipped: not in skipped_nonfinite
 
     # ------------------------------------------------------------------ the subclass's update
 
@@ -313,19 +307,6 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
                     f"{', '.join(self._hyperparameters)}"
                 )
 
-    # ------------------------------------------------------------------ steps
-
-    @property
-    def _step(self) -> int:
-        """Steps every rank called (skipped ones included): the statistics' and the checkpoint's step."""
-        return int(self.session.step)
-
-    @property
-    def _policy_step(self) -> int:
-        """The policy's and the algorithm's step: skipped warm-up steps left out, so the momenta start
-        compressing (policy step ``warmup``) after ``warmup`` steps taken. Exact once the verdict is settled."""
-        return int(self.session.step) - self._skipped_warm
-
     # ------------------------------------------------------------------ set-up
 
     def _name_parameters(self) -> list[tuple[str, torch.Tensor]]:
@@ -365,8 +346,8 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
     def phase(self) -> str:
         """``warmup`` (fp32 gradient averages) until ``warmup`` steps have been taken (skipped ones do not count),
         ``compressed`` after (reads the last step's verdict on the host: not for the hot path)."""
-        self._settle_verdict()
-        return "warmup" if self._policy_step < self.warmup else "compressed"
+        self._agreement.settle()
+        return "warmup" if self.policy.warming(self.session.policy_step) else "compressed"
 
     # ------------------------------------------------------------------ the step
 
@@ -399,15 +380,15 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
                 )
         if device is None:
             return
-        self._settle_verdict()
+        self._agreement.settle()
         # The guard decides the last step now: after a skipped warm-up step the policy's step repeats.
         self.algorithm.guard.settle()
-        if not self._compressing and self._policy_step >= self.warmup:
+        if not self._compressing and not self.policy.warming(self.session.policy_step):
             self._begin_compressed()
             self._compressing = True
         warm = not self._compressing
         mask = tuple(p.grad is not None for _, p in self._named)
-        self._agree_on_gradients(mask, warm, device)
+        self._agreement.agree(mask, lambda agreed: self._probe(agreed, warm, device))
         if not entries:
             return
         # torch.amp.GradScaler (``_step_supports_amp_scaling``): gradients still scaled unless unscale_() ran,
@@ -436,8 +417,8 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
                 self._momentum_step(p, view, self.state[p], group, ok)
             else:
                 self._gradient_step(p, view, self.state[p], group, ok)
-        self._remember_verdict(ok, warm, mask)
-        self.session.step += 1
+        self._agreement.remember(ok, warm, mask)
+        self.session.advance()
         restart = getattr(self.transport, "restart_names", None)
         if restart is not None:  # Horovod: nothing in flight, so the next step's collective names repeat
             restart()
@@ -459,106 +440,24 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
         return flat, slots
 
     def _send(self, flat: torch.Tensor, slots: list[Slot]) -> None:
-        """Average the payload through the policy at the policy's step, counted in this step's statistics."""
+        """Average the payload through the session at its policy's step (skipped warm-up steps left out, so the
+        momenta start compressing after ``warmup`` steps taken), counted in this step's statistics."""
         members = []
         for kind, _, p, view in slots:
             name = self._names[id(p)]
             compress, opts = self._options[name] if kind == "momentum" else (False, {})
             members.append(Member(name, view, compress, opts))
-        self.session.policy(Group(0, members, flat=flat), self._policy_step, self.session.meter()).wait()
+        self.session.run(Group(0, members, flat=flat)).wait()
 
-    # ------------------------------------------------------------------ the host's view of the steps
-
-    def _remember_verdict(self, ok: torch.Tensor, warm: bool, mask: tuple[bool, ...]) -> None:
-        """Keep the step's verdict (``ok``: taken on every rank) for the host to read at the next step. On CUDA it
-        is copied to pinned memory behind the step's work, so reading it then waits for nothing still running."""
-        if ok.device.type == "cuda":
-            if self._verdict_host is None:
-                self._verdict_host = torch.empty((), dtype=torch.bool, pin_memory=True)
-            with torch.cuda.device(ok.device):
-                self._verdict_host.copy_(ok, non_blocking=True)
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record()
-            self._verdict = (event, warm)
-        else:
-            self._verdict = (ok, warm)
-        self._sent = mask
-
-    def _settle_verdict(self) -> None:
-        """Read the last step's verdict on the host: a skipped warm-up step does not count towards the warm-up, and
-        after any skipped step the ranks compare the gradients they had in it (see :meth:`_agree_on_gradients`).
-
-        This is the one host read per step, one step late: on the CPU the value is at hand; on CUDA it waits for
-        the copy queued behind the last step's collective (done, in a training loop, while the host queued the
-        forward and backward passes since), not for the work queued after it. A ``meta`` tensor has no value:
-        there nothing is found non-finite."""
-        if self._verdict is None:
-            return
-        held, warm = self._verdict
-        self._verdict = None
-        if isinstance(held, torch.cuda.Event):
-            held.synchronize()
-            taken = bool(cast(torch.Tensor, self._verdict_host).item())
-        else:
-            taken = held.device.type == "meta" or bool(held.item())
-        if not taken:
-            self._recheck = True
-            if warm:
-                self._skipped_warm += 1
-
-    def _agree_on_gradients(self, mask: tuple[bool, ...], warm: bool, device: torch.device) -> None:
-        """Fail on every rank, naming the parameter, where the ranks differ in which parameters have a gradient.
-
-        The payload's size follows that set, and ranks whose sizes differ would abort in the collective (gloo) or
-        read each other's bytes. A check every step would cost a host read of the device per step, so the ranks
-        compare their sets (:meth:`_compare_gradients`, a host all-gather) only when some rank can know it is
-        needed:
-
-        * at the first step (after construction or a load), and every step while the agreed set is empty;
-        * on a rank whose set differs from the agreed one: it first sends a *probe*, the payload of the agreed set
-          filled with NaN, so that its collectives pair with those of the ranks whose set did not change; the
-          step is then skipped on every rank, and they compare at their next step (below); if every rank's set
-          changed alike, all of them compared now and the step is sent again with the new set;
-        * after a skipped step (its verdict, read on the host one step late: :meth:`_settle_verdict`): on a rank
-          whose set did not change, this is where it learns that another's did.
-
-        So a step with the agreed set costs nothing, and a new set (every rank's) one more collective round."""
-        if self._recheck:
-            self._recheck = False
-            self._compare_gradients(cast(tuple[bool, ...], self._sent))
-        if self._agreed is None or not any(self._agreed):
-            self._compare_gradients(mask)
-        elif mask != self._agreed:
-            self._probe(warm, device)
-            self._compare_gradients(mask)
-            self._probes += 1
-        self._agreed = mask
-
-    def _probe(self, warm: bool, device: torch.device) -> None:
-        """The payload of the agreed set of parameters, filled with zeros and one NaN: it pairs with the steps of
-        ranks whose set did not change, and every rank skips it (state as before, the guard's put back now)."""
-        agreed = cast(tuple[bool, ...], self._agreed)
+    def _probe(self, agreed: Mask, warm: bool, device: torch.device) -> None:
+        """The payload of the ``agreed`` set of parameters, filled with zeros and one NaN: it pairs with the steps
+        of ranks whose set did not change, and every rank skips it (state as before, the guard's put back now)."""
         items = [(g, p) for g in self.param_groups for p in g["params"] if agreed[self._index[id(p)]]]
         flat, slots = self._payload(items, warm, device)
         flat.zero_()
         poison([flat], torch.ones((), dtype=torch.bool, device=device))
         self._send(flat, slots)
         self.algorithm.guard.settle()
-
-    def _compare_gradients(self, mask: tuple[bool, ...]) -> None:
-        """Every rank's set of parameters with a gradient; a ValueError on every rank where they differ."""
-        masks = self.session.objects.all_gather_object(mask)
-        for i, (name, _) in enumerate(self._named):
-            having = [r for r, m in enumerate(masks) if m[i]]
-            if 0 < len(having) < len(masks):
-                lacking = [r for r in range(len(masks)) if r not in having]
-                self._agreed, self._sent, self._recheck, self._verdict = None, None, False, None
-                raise ValueError(
-                    f"{self.what}[{self.name}] step: parameter '{name}' has a gradient on {ranks_text(having)} but "
-                    f"none (grad None) on {ranks_text(lacking)}; every rank must hold gradients for the same "
-                    "parameters (give an unused parameter a zero gradient on the ranks that did not use it, e.g. "
-                    "zero_grad(set_to_none=False), or build the optimizer without it)"
-                )
 
     # ------------------------------------------------------------------ reports and state
 
@@ -568,9 +467,9 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
         ``phase``, ``warmup_steps``, ``step``, ``skipped_nonfinite`` and ``warmup_skipped`` (the skipped steps
         that fell in the warm-up, which does not count them)."""
         stats = self.session.stats()
-        stats["skipped_nonfinite"] -= self._probes
+        stats["skipped_nonfinite"] -= self._agreement.probes
         return {**stats, "codec": self.name, "phase": self.phase, "warmup_steps": self.warmup,
-                "warmup_skipped": self._skipped_warm, "step": self._step}  # fmt: skip
+                "warmup_skipped": self.session.discounted, "step": self.session.step}  # fmt: skip
 
     def memory_bytes(self) -> int:
         """Bytes kept between steps: the optimizer's state and the compression state (residuals, the guard's
@@ -586,7 +485,7 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
         The compression state is per rank: save it on every rank and load each rank's own."""
         out = super().state_dict()
         phase = self.phase  # reads the last step's verdict: warmup_skipped is exact
-        out["sylvie_comm"] = {**self.session.state_dict(), "phase": phase, "warmup_skipped": self._skipped_warm}
+        out["sylvie_comm"] = {**self.session.state_dict(), "phase": phase, "warmup_skipped": self.session.discounted}
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -608,7 +507,7 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
             if not is_integer(skipped) or not 0 <= skipped <= step:
                 raise ValueError(f"{what}: checkpoint field warmup_skipped must be an integer in [0, {step}] (the "
                                  f"checkpoint's step), got {skipped!r}")  # fmt: skip
-            expected = "warmup" if step - skipped < self.warmup else "compressed"
+            expected = "warmup" if self.policy.warming(step - skipped) else "compressed"
             if phase != expected:
                 raise ValueError(f"{what}: checkpoint phase {phase!r} does not fit its step {step} with "
                                  f"{skipped} warm-up steps skipped (expected {expected!r} with warmup "
@@ -617,8 +516,8 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
             self._check_checkpoint(state_dict, what)
 
         # The session appends ' load_state_dict' to the name it is given in the ranks' agreement.
-        step = self.session.load_state_dict(ours, ((n, p.shape) for n, p in self._named), check=check,
-                                            stepped=False, what=who)  # fmt: skip
+        self.session.load_state_dict(ours, ((n, p.shape) for n, p in self._named), check=check, stepped=False,
+                                     what=who, discounted=skipped)  # fmt: skip
         # torch.optim casts every state tensor but 'step' to the parameter's dtype: the counts stay fp32.
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -631,12 +530,9 @@ class MomentumOptimizer(torch.optim.Optimizer, abc.ABC):
         for p in params:
             for key, value in counts.get(id(p), {}).items():
                 self.state[p][key] = torch.as_tensor(value).to(dtype=torch.float32, device=p.device).clone()
-        self.session.step = step
-        self._skipped_warm = skipped
         # The warm-up ends at the start of the step of policy step ``warmup``: done once that step was taken.
-        self._compressing = step - skipped > self.warmup
-        # Nothing pending: the ranks compare their gradients again at the next step.
-        self._verdict, self._recheck, self._agreed, self._sent = None, False, None, None
+        self._compressing = self.policy.compressed(self.session.policy_step) > 0
+        self._agreement.reset()  # nothing pending: the ranks compare their gradients again at the next step
 
     def close(self) -> None:
         """Stop the algorithm's communication thread (and close the transport if this optimizer owns it)."""

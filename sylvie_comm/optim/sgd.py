@@ -43,7 +43,6 @@ from typing import Any
 import torch
 
 from sylvie_comm import kernels
-from sylvie_comm.collectives import Transport
 from sylvie_comm.optim.momentum import MomentumOptimizer, is_number, saved_states
 
 # Warm-up as a fraction of ``total_steps`` when no ``warmup`` is given. SGD freezes no statistic (unlike
@@ -105,20 +104,14 @@ class CompressedSGD(MomentumOptimizer):
         dampening: as torch.optim.SGD, in [0, 1) (default 0).
         weight_decay: as torch.optim.SGD, added to the gradient (default 0).
         nesterov: as torch.optim.SGD (default False; needs ``dampening=0``).
-        transport: the ranks to average among (:class:`~sylvie_comm.collectives.Transport`).
-        codec: the algorithm that averages the momentum: ``onebit`` (default), ``sign``, ``topk``,
-            ``qsgd``, ``fp16``, ``bf16`` or ``none`` (plain fp32).
-        warmup: steps of SGD on the fp32-averaged gradient (>= 0; 0 compresses from the first step) before the
-            momenta compress; steps skipped for a NaN or Inf gradient do not count. Give it, or ``total_steps``.
-        total_steps: the run's length; the warm-up is then ``ceil(warmup_fraction * total_steps)``.
-        warmup_fraction: see ``total_steps`` (default 0.05).
-        seed: agreed by every rank (qsgd's noise).
-        rules: per-parameter-name rules (:class:`~sylvie_comm.config.Rule`: send a momentum raw, or
-            other options), as for the hooks.
-        monitor: the compression monitor's settings (:data:`~sylvie_comm.config.MONITOR_DEFAULTS`' keys; default:
-            the defaults, with the bound on ``lag`` calibrated for a momentum, ``LAG_BOUNDS["momentum"]``).
-        close_transport: :meth:`close` closes ``transport`` too (the adapters that create it set it).
-        **options: the codec's options (``chunk_size``, ``scale``, ``ratio``, ``bits``).
+        **settings: the keywords of every compressed optimizer
+            (:class:`~sylvie_comm.optim.momentum.MomentumOptimizer`): ``transport`` (required: the ranks to
+            average among), ``codec`` (``onebit`` by default, ``sign``, ``topk``, ``qsgd``, ``fp16``, ``bf16`` or
+            ``none``), ``warmup`` (steps of SGD on the fp32-averaged gradient, >= 0, 0 compressing from the first
+            step, before the momenta compress; steps skipped for a NaN or Inf gradient do not count) or
+            ``total_steps`` (the warm-up is then ``ceil(warmup_fraction * total_steps)``, ``warmup_fraction`` 0.05
+            by default), ``seed``, ``rules``, ``monitor`` (the bound on ``lag`` calibrated for a momentum by
+            default), ``close_transport``, and the codec's options (``chunk_size``, ``scale``, ``ratio``, ``bits``).
 
     Example::
 
@@ -145,28 +138,14 @@ class CompressedSGD(MomentumOptimizer):
         dampening: float = 0.0,
         weight_decay: float = 0.0,
         nesterov: bool = False,
-        *,
-        transport: Transport,
-        codec: str = "onebit",
-        warmup: int | None = None,
-        total_steps: int | None = None,
-        warmup_fraction: float = SGD_WARMUP_FRACTION,
-        seed: int = 0,
-        rules: Iterable[Any] = (),
-        monitor: Mapping[str, Any] | None = None,
-        close_transport: bool = False,
-        **options: Any,
+        **settings: Any,
     ) -> None:
         def hyperparameters() -> dict[str, Any]:
             _check_hyperparameters(lr, momentum, dampening, weight_decay, nesterov)
             return {"lr": float(lr), "momentum": float(momentum), "dampening": float(dampening),
                     "weight_decay": float(weight_decay), "nesterov": nesterov}  # fmt: skip
 
-        super().__init__(
-            params, hyperparameters, transport=transport, codec=codec, warmup=warmup, total_steps=total_steps,
-            warmup_fraction=warmup_fraction, seed=seed, rules=rules, monitor=monitor, close_transport=close_transport,
-            options=options,
-        )  # fmt: skip
+        super().__init__(params, hyperparameters, **settings)
 
     # ------------------------------------------------------------------ SGD's part
 

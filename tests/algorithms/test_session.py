@@ -146,10 +146,87 @@ def test_the_session_runs_groups_and_counts_bytes() -> None:
         session = Session("t", Config(codec="none"), tr.fork())
         t = torch.full((10,), float(tr.rank))
         session.run(Group(0, [Member("x", t)])).wait()
-        session.step += 1
+        session.advance()
         stats = session.stats()
         session.close()
         return {"mean": t.tolist(), "bytes": stats["bytes_sent"], "memory": session.memory_bytes()}
 
     for res in run_local(2, body):
         assert res["mean"] == [0.5] * 10 and res["bytes"] > 0 and res["memory"] == 0
+
+
+class _Recorder:
+    """A policy stand-in that records the step it is run at and the step of the meter it counts in."""
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        self.calls: list[tuple[int, int]] = []
+
+    def __call__(self, group: Group, step: int, meter: Any) -> Any:
+        self.calls.append((step, meter.step))
+        return self.policy(group, step, meter)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.policy, name)
+
+
+def test_the_session_owns_the_one_step_counter_and_advance_moves_it() -> None:
+    def body(tr: Any) -> dict[str, Any]:
+        session = Session("t", Config(codec="qsgd", warmup_steps=2), tr.fork())
+        recorder = _Recorder(session.policy)
+        session.policy = recorder  # type: ignore[assignment]
+        t = torch.ones(64, 64)
+        out: dict[str, Any] = {"start": (session.step, session.policy_step)}
+        for _ in range(3):
+            session.run(Group(0, [Member("x", t)])).wait()
+            session.advance()
+        session.discount()  # the last step left out of the policy's count
+        out["after"] = (session.step, session.policy_step, session.discounted)
+        session.run(Group(0, [Member("x", t)])).wait()
+        session.run(Group(0, [Member("x", t)]), 7).wait()  # a step the caller numbers itself
+        out["calls"] = recorder.calls
+        policy = recorder.policy
+        out["compressed"] = [(s, policy.compressed(s), policy.warming(s)) for s in (0, 1, 2, 3)]
+        out["saved"] = session.state_dict()["step"]
+        with pytest.raises(ValueError, match=r"t: advance\('u'\) counts a unit's step, but this session counts"):
+            session.advance("u")
+        session.close()
+        return out
+
+    for res in run_local(2, body):
+        assert res["start"] == (0, 0)
+        assert res["after"] == (3, 2, 1)
+        # the policy's step (the steps done less those discounted), counted in the meter of the steps done
+        assert res["calls"] == [(0, 0), (1, 1), (2, 2), (2, 3), (7, 7)]
+        assert res["compressed"] == [(0, -2, True), (1, -1, True), (2, 0, False), (3, 1, False)]
+        assert res["saved"] == 3
+
+
+def test_units_step_once_each_and_the_session_step_is_the_most_any_has_done() -> None:
+    """FSDP2's units: each counts its own steps in the session; the checkpoint holds them and a load restores
+    them, the session's step with them; the policy runs each unit at its own step."""
+
+    def body(tr: Any) -> dict[str, Any]:
+        session = Session("t", Config(codec="none", warmup_steps=0), tr.fork())
+        session.count_per_unit(["a", "b", "c"])
+        recorder = _Recorder(session.policy)
+        session.policy = recorder  # type: ignore[assignment]
+        seen = []
+        for unit in ["c", "b", "a", "c", "b"]:
+            session.run(Group(0, [Member("x", torch.ones(4))]), unit=unit).wait()
+            session.advance(unit)
+            seen.append((session.step, session.step_of(unit)))
+        saved = session.state_dict()
+        again = Session("t", Config(codec="none", warmup_steps=0), tr.fork())
+        again.count_per_unit(["a", "b", "c"])
+        again.load_state_dict(saved, [("x", (4,))])
+        restored = (again.step, [again.step_of(u) for u in "abc"])
+        session.close()
+        again.close()
+        return {"seen": seen, "calls": recorder.calls, "saved": saved["step"], "restored": restored}
+
+    for res in run_local(2, body):
+        assert res["seen"] == [(1, 1), (1, 1), (1, 1), (2, 2), (2, 2)]
+        assert [step for step, _ in res["calls"]] == [0, 0, 0, 1, 1]
+        assert res["saved"] == {"a": 1, "b": 2, "c": 2}
+        assert res["restored"] == (2, [1, 2, 2])

@@ -18,7 +18,7 @@ from torch import nn
 from sylvie_comm.collectives import wire_bytes
 from sylvie_comm.collectives.local import run_local
 from sylvie_comm.diloco import DiLoCo
-from sylvie_comm.optim.diloco import _split
+from sylvie_comm.optim.fragments import split as _split
 from tests.optim.common import snapshot
 
 LR, MOMENTUM = 0.05, 0.9
