@@ -398,7 +398,7 @@ class AutoAlgorithm(Algorithm):
         further try costs the model the steps until the monitor's next decision (on the byte LM, one-bit then
         ACP-SGD spent 120 of 300 steps before qsgd)."""
         current = self._choice.get(key)
-        if current is None or current == "none":
+        if current is None or self.candidates[current].record.sends_raw:  # plain averaging: nothing safer
             return None
         rejected = self._rejected.setdefault(key, [])
         rejected.append(current)
