@@ -143,7 +143,8 @@ if "$PY" -c "import xdist" 2>/dev/null; then
 fi
 # The Triton kernels compiled for the GPU (no interpreter here), against the references run on CPU copies.
 start triton && step triton env -u TRITON_INTERPRET "${PYTEST[@]}" tests/kernels/test_triton_bits.py \
-  tests/kernels/test_triton_onebit.py tests/kernels/test_triton_qbit.py tests/kernels/test_triton_lowrank.py
+  tests/kernels/test_triton_onebit.py tests/kernels/test_triton_onebit_ops.py tests/kernels/test_triton_qbit.py \
+  tests/kernels/test_triton_lowrank.py tests/kernels/test_opdecl.py
 start paths && step paths "${PYTEST[@]}" tests/gpu tests/algorithms/test_devices.py tests/algorithms/test_nonfinite.py
 if start hooks; then
   step hooks "$PY" -m sylvie_comm.bench.hooks --device cuda --only ddp --only fsdp --steps 20 --out "$OUT/hooks-cuda.json"
