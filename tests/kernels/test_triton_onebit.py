@@ -27,24 +27,9 @@ import pytest
 import torch
 
 from sylvie_comm.kernels import reference as ref
-from sylvie_comm.kernels.triton import NAMESPACE, interpreted, unavailable_reason
+from tests.kernels.triton_onebit_env import DEVICE, MARKS, OPS, U8
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_WHY_NOT = unavailable_reason() or (
-    None if DEVICE == "cuda" or interpreted() else "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)"
-)
-pytestmark = [
-    pytest.mark.skipif(_WHY_NOT is not None, reason=str(_WHY_NOT)),
-    # the interpreter's numpy on inf - inf, or on a scale that overflows fp16: the results are the IEEE ones
-    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-]
-
-if _WHY_NOT is None:
-    from sylvie_comm.kernels.triton import onebit  # noqa: F401  (registers the ops)
-
-OPS = getattr(torch.ops, NAMESPACE)
-U8 = torch.uint8
+pytestmark = MARKS
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _WORD = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.uint8: U8}
 NAN_WORD = 0x7FC00000  # the reference's NaN scale

@@ -9,27 +9,14 @@ from typing import Any
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sylvie_comm import _ops
-from sylvie_comm.kernels.triton import NAMESPACE, interpreted, unavailable_reason
+from sylvie_comm.kernels.triton import NAMESPACE
+from tests.kernels.fake_shapes import assert_fake_gives_real_shapes
+from tests.kernels.triton_onebit_env import DEVICE, MARKS, OPS, U8
+from tests.kernels.triton_onebit_env import WHY_NOT as _WHY_NOT
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_WHY_NOT = unavailable_reason() or (
-    None if DEVICE == "cuda" or interpreted() else "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)"
-)
-pytestmark = [
-    pytest.mark.skipif(_WHY_NOT is not None, reason=str(_WHY_NOT)),
-    # the interpreter's numpy on inf - inf, or on a scale that overflows fp16: the results are the IEEE ones
-    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-]
-
-if _WHY_NOT is None:
-    from sylvie_comm.kernels.triton import onebit  # noqa: F401  (registers the ops)
-
-OPS = getattr(torch.ops, NAMESPACE)
-U8 = torch.uint8
+pytestmark = MARKS
 
 
 # ---------------------------------------------------------------- registration
@@ -158,13 +145,7 @@ def test_opcheck(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fake_tensor_mode_gives_the_real_shapes(name: str) -> None:
-    args = CASES[name]()
-    real = getattr(OPS, name)(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-    with FakeTensorMode() as mode:
-        fake = getattr(OPS, name)(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
-    flat_real = [real] if isinstance(real, torch.Tensor) else list(real or ())
-    flat_fake = [fake] if isinstance(fake, torch.Tensor) else list(fake or ())
-    assert [(t.shape, t.dtype, t.device) for t in flat_fake] == [(t.shape, t.dtype, t.device) for t in flat_real]
+    assert_fake_gives_real_shapes(getattr(OPS, name), CASES[name]())
 
 
 def test_encode_compiles_in_one_graph() -> None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sylvie_comm import kernels
 from sylvie_comm.kernels import reference as ref
+from tests.kernels.fake_shapes import assert_fake_gives_real_shapes
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
 
@@ -437,10 +437,4 @@ def test_opcheck(name):
 
 @pytest.mark.parametrize("name", ["qbit_encode", "qbit_decode", "qbit_decode_into"])
 def test_fake_tensor_mode_gives_the_real_shapes(name):
-    args = _cases()[name]
-    real = getattr(OPS, name)(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-    with FakeTensorMode() as mode:
-        fake = getattr(OPS, name)(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
-    flat_real = [real] if isinstance(real, torch.Tensor) else list(real or ())
-    flat_fake = [fake] if isinstance(fake, torch.Tensor) else list(fake or ())
-    assert [(t.shape, t.dtype, t.device) for t in flat_fake] == [(t.shape, t.dtype, t.device) for t in flat_real]
+    assert_fake_gives_real_shapes(getattr(OPS, name), _cases()[name])
